@@ -1,0 +1,121 @@
+"""Apply a rule table (target_map / draft_map) to a safetensors checkpoint, producing an nnx State
+placed on a mesh. Reads one parameter's tensors at a time, so host memory stays bounded by the
+largest parameter (one layer's expert stack), not by the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle3_jax.checkpoint.safetensors import CheckpointReader
+from eagle3_jax.errors import CheckpointError
+from eagle3_jax.sharding import sharding_for
+
+log = logging.getLogger(__name__)
+
+
+def _flat(state: nnx.State) -> dict:
+    return {tuple(path): var for path, var in nnx.to_flat_state(state)}
+
+
+def load_state(
+    reader: CheckpointReader,
+    rules: Iterable,
+    abstract_state: nnx.State,
+    *,
+    prefix: str = "",
+    ignore: Callable[[str], bool] = lambda key: False,
+    read: Callable[[CheckpointReader, str], np.ndarray] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    where: str = "",
+) -> nnx.State:
+    """Fills ``abstract_state`` (from ``nnx.eval_shape``) with tensors named by ``rules``.
+
+    Every missing, unexpected or mis-shaped tensor is collected and reported in one
+    CheckpointError, so a user fixes a bad checkpoint in one pass rather than one key at a time.
+    """
+    read = read or (lambda r, key: r.read(key))
+    rules = list(rules)
+    flat = _flat(abstract_state)
+    on_disk = set(reader.keys())
+    used: set[str] = set()
+    missing, bad_shape = [], []
+    for rule in rules:
+        keys = [prefix + k for k in rule.hf_keys]
+        used.update(keys)
+        absent = [k for k in keys if k not in on_disk and not _has_quantized(on_disk, k)]
+        if absent:
+            missing.extend(absent)
+    # A quantized weight is stored as several tensors (weight + scales); those count as used.
+    for k in list(on_disk):
+        base = _quantized_base(k)
+        if base is not None and base in used:
+            used.add(k)
+    unexpected = sorted(k for k in on_disk - used if not ignore(k))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing tensor(s), e.g. {missing[:5]}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected tensor(s), e.g. {unexpected[:5]}")
+        raise CheckpointError(
+            f"{where or 'checkpoint'}: " + "; ".join(parts) +
+            ". The tensors do not match config.json: check that the config belongs to these weights "
+            "(layer count, q_lora_rank, expert count, first_k_dense_replace)"
+        )
+    skipped = sorted(k for k in on_disk - used)
+    if skipped:
+        log.info("%s: skipped %d tensors not used for serving (e.g. %s)", where, len(skipped), skipped[:3])
+
+    values = {}
+    for rule in rules:
+        var = flat.get(rule.path)
+        if var is None:
+            raise CheckpointError(f"{where}: rule for {rule.path} has no matching model parameter (internal)")
+        arrays = [read(reader, prefix + k) for k in rule.hf_keys]
+        try:
+            value = rule.to_ours(arrays)
+        except ValueError as e:
+            bad_shape.append(f"{rule.hf_keys[0]}: {[a.shape for a in arrays[:2]]} cannot form {var.value.shape} ({e})")
+            continue
+        if value.shape != var.value.shape:
+            bad_shape.append(
+                f"{prefix + rule.hf_keys[0]}: found {tuple(arrays[0].shape)}, "
+                f"config implies {tuple(var.value.shape)} in our layout")
+            continue
+        dtype = var.value.dtype
+        if mesh is not None:
+            sharding = sharding_for(mesh, getattr(var, "axes", None), value.shape)
+            values[rule.path] = jax.device_put(value.astype(dtype), sharding)
+        else:
+            values[rule.path] = jnp.asarray(value, dtype=dtype)
+    if bad_shape:
+        raise CheckpointError(
+            f"{where}: {len(bad_shape)} tensor(s) have shapes that disagree with config.json: "
+            + "; ".join(bad_shape[:5]) + ". Use the config.json that came with these weights.")
+    if len(values) != len(flat):
+        left = sorted(set(flat) - set(values), key=str)
+        raise CheckpointError(f"{where}: no tensor rule for parameters {left[:5]} (internal)")
+    for path, var in flat.items():
+        var.value = values[path]
+    return nnx.from_flat_state(list(flat.items()))
+
+
+QUANT_SUFFIXES = ("_scale_inv", "_packed", "_scale", "_shape", "_zero_point")
+
+
+def _quantized_base(key: str) -> str | None:
+    for suffix in QUANT_SUFFIXES:
+        if key.endswith("weight" + suffix):
+            return key[: -len(suffix)]
+    return None
+
+
+def _has_quantized(on_disk: set, key: str) -> bool:
+    return key + "_packed" in on_disk

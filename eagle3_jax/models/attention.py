@@ -1,0 +1,72 @@
+"""Attention over fixed-size caches: MLA for the target, GQA for the draft."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.models.cache import causal_slot_mask, write_slots
+from eagle3_jax.models.layers import RMSNorm, apply_rope, param, rms_norm
+
+
+def masked_softmax(scores_BTNS: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+    s = jnp.where(mask_BTS[:, :, None, :], scores_BTNS.astype(jnp.float32), -jnp.inf)
+    return jax.nn.softmax(s, axis=-1)
+
+
+class MLAttention(nnx.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3) in the weight-absorbed form.
+
+    The cache holds the normalized latent c (C wide) and the rotated shared rope key (P wide).
+    Scores are q_nope·(W_k c) + q_rope·k_rope = (W_kᵀ q_nope)·c + q_rope·k_rope, so keys and
+    values are never expanded per head: the work per cached token is O(N·C), independent of H.
+    """
+
+    def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs | None):
+        D, N = cfg.hidden_size, cfg.num_attention_heads
+        C, P = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.cfg = cfg
+        if cfg.q_lora_rank is None:
+            self.q_proj = param(rngs, (D, N, cfg.qk_head_dim), ("embed", "heads", "head_dim"), dtype)
+        else:
+            Q = cfg.q_lora_rank
+            self.q_a_proj = param(rngs, (D, Q), ("embed", "q_lora"), dtype)
+            self.q_a_layernorm = RMSNorm(Q, cfg.latent_rms_norm_eps, dtype, axes=("q_lora",))
+            self.q_b_proj = param(rngs, (Q, N, cfg.qk_head_dim), ("q_lora", "heads", "head_dim"), dtype)
+        self.kv_a_proj_with_mqa = param(rngs, (D, C + P), ("embed", "kv_lora"), dtype)
+        self.kv_a_layernorm = RMSNorm(C, cfg.latent_rms_norm_eps, dtype, axes=("kv_lora",))
+        self.kv_b_proj = param(rngs, (C, N, cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora", "heads", "head_dim"), dtype)
+        self.o_proj = param(rngs, (N, cfg.v_head_dim, D), ("heads", "head_dim", "embed"), dtype)
+
+    def __call__(self, x_BTD, positions_BT, cos_BTP, sin_BTP, latent_BSC, rope_BSP, softmax_scale):
+        cfg = self.cfg
+        nope, C = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank is None:
+            q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj.value)
+        else:
+            qa_BTQ = self.q_a_layernorm(jnp.einsum("btd,dq->btq", x_BTD, self.q_a_proj.value))
+            q_BTNH = jnp.einsum("btq,qnh->btnh", qa_BTQ, self.q_b_proj.value)
+        q_nope_BTNO, q_rope_BTNP = q_BTNH[..., :nope], q_BTNH[..., nope:]
+        q_rope_BTNP = apply_rope(q_rope_BTNP, cos_BTP[:, :, None], sin_BTP[:, :, None], cfg.rope_interleave)
+
+        kv_BTX = jnp.einsum("btd,dx->btx", x_BTD, self.kv_a_proj_with_mqa.value)
+        latent_BTC = self.kv_a_layernorm(kv_BTX[..., :C])
+        k_rope_BTP = apply_rope(kv_BTX[..., C:], cos_BTP, sin_BTP, cfg.rope_interleave)
+
+        latent_BSC = write_slots(latent_BSC, latent_BTC, positions_BT)
+        rope_BSP = write_slots(rope_BSP, k_rope_BTP, positions_BT)
+
+        w_kv_CNX = self.kv_b_proj.value
+        wk_CNO, wv_CNO = w_kv_CNX[..., :nope], w_kv_CNX[..., nope:]
+        q_lat_BTNC = jnp.einsum("btno,cno->btnc", q_nope_BTNO, wk_CNO)
+        scores_BTNS = (
+            jnp.einsum("btnc,bsc->btns", q_lat_BTNC, latent_BSC)
+            + jnp.einsum("btnp,bsp->btns", q_rope_BTNP, rope_BSP)
+        ) * softmax_scale
+        probs_BTNS = masked_softmax(scores_BTNS, causal_slot_mask(positions_BT, latent_BSC.shape[1]))
+        out_lat_BTNC = jnp.einsum("btns,bsc->btnc", probs_BTNS.astype(latent_BSC.dtype), latent_BSC)
+        out_BTNO = jnp.einsum("btnc,cno->btno", out_lat_BTNC, wv_CNO)
+        y_BTD = jnp.einsum("btno,nod->btd", out_BTNO, self.o_proj.value)
+        return y_BTD, latent_BSC, rope_BSP

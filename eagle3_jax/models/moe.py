@@ -1,0 +1,180 @@
+"""Mixture of experts: the DeepSeek-V3 router and routed-expert compute whose cost follows top-k.
+
+Routing (DeepSeek-V3 "noaux_tc"): float32 scores (sigmoid or softmax); the correction bias is added
+for *choosing* experts only; experts are chosen within the ``topk_group`` best groups (a group is
+scored by the sum of its two best biased scores); the weights are the unbiased scores of the chosen
+experts, normalized when ``norm_topk_prob``, times ``routed_scaling_factor``.
+
+Expert compute. Assignments (token, expert) are sorted by expert so each expert's tokens are
+contiguous. Two kernels, same result:
+  * ``blocked``: a loop over fixed-size row blocks of the *non-empty* experts only; each block is a
+    [b, D] x [D, F] matmul with that expert's weights. Work = O(assignments + experts hit), never
+    O(all experts), on every backend. Not reverse-differentiable (a dynamic-length loop).
+  * ``ragged``: ``jax.lax.ragged_dot`` (a native grouped matmul on TPU). Differentiable. On the
+    CPU backend it currently costs O(tokens x all experts) (measured in benchmarks/moe_dispatch.py),
+    so it is not the CPU default.
+With a mesh, experts are sharded over the ``expert`` axis and expert width over ``tensor``: inside
+``jax.shard_map`` each device runs only its local experts on the tokens routed to them, and a psum
+over (expert, tensor) combines the partial outputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.models.layers import SwiGLU, param
+
+
+def route(x_MD: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array, cfg: TargetConfig):
+    """Returns (expert ids [M, K] int32, weights [M, K] float32)."""
+    logits_ME = jnp.einsum("md,de->me", x_MD.astype(jnp.float32), w_router_DE.astype(jnp.float32))
+    if cfg.scoring_func == "sigmoid":
+        scores_ME = jax.nn.sigmoid(logits_ME)
+    else:
+        scores_ME = jax.nn.softmax(logits_ME, axis=-1)
+    choice_ME = scores_ME + bias_E[None, :]
+    E, n_group = cfg.n_routed_experts, cfg.n_group
+    if n_group > 1:
+        grouped_MGE = choice_ME.reshape(-1, n_group, E // n_group)
+        group_score_MG = jax.lax.top_k(grouped_MGE, 2)[0].sum(-1)
+        _, top_groups = jax.lax.top_k(group_score_MG, cfg.topk_group)
+        group_keep_MG = jnp.zeros_like(group_score_MG, dtype=bool).at[
+            jnp.arange(group_score_MG.shape[0])[:, None], top_groups].set(True)
+        keep_ME = jnp.repeat(group_keep_MG, E // n_group, axis=1)
+        choice_ME = jnp.where(keep_ME, choice_ME, -jnp.inf)
+    _, idx_MK = jax.lax.top_k(choice_ME, cfg.num_experts_per_tok)
+    weights_MK = jnp.take_along_axis(scores_ME, idx_MK, axis=1)
+    if cfg.norm_topk_prob:
+        weights_MK = weights_MK / (weights_MK.sum(-1, keepdims=True) + 1e-20)
+    return idx_MK.astype(jnp.int32), weights_MK * cfg.routed_scaling_factor
+
+
+def _sort_assignments(idx_MK, weights_MK, first_expert, num_local):
+    """Sorts assignments by local expert; non-local ones go last (key = num_local)."""
+    M, K = idx_MK.shape
+    local_A = idx_MK.reshape(-1) - first_expert
+    is_local_A = (local_A >= 0) & (local_A < num_local)
+    key_A = jnp.where(is_local_A, local_A, num_local)
+    order_A = jnp.argsort(key_A, stable=True)
+    token_A = (jnp.arange(M * K, dtype=jnp.int32) // K)[order_A]
+    weight_A = jnp.where(is_local_A, weights_MK.reshape(-1), 0.0)[order_A]
+    counts_E = jnp.bincount(key_A, length=num_local + 1)[:num_local].astype(jnp.int32)
+    return token_A, weight_A, counts_E
+
+
+def block_rows(num_assignments: int, num_experts: int) -> int:
+    """Static block size: about the mean rows per expert, a power of two in [1, 256]."""
+    mean_rows = max(1, num_assignments // max(1, num_experts))
+    return int(min(256, 2 ** math.ceil(math.log2(mean_rows))))
+
+
+def experts_blocked(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert):
+    E = w_gate_EDF.shape[0]
+    M, K = idx_MK.shape
+    token_A, weight_A, counts_E = _sort_assignments(idx_MK, weights_MK, first_expert, E)
+    b = block_rows(M * K, E)
+    starts_E = jnp.cumsum(counts_E) - counts_E
+    blocks_E = (counts_E + b - 1) // b
+    block_end_E = jnp.cumsum(blocks_E)
+    block_start_E = block_end_E - blocks_E
+    rows_b = jnp.arange(b, dtype=jnp.int32)
+
+    def one_block(j, out_MD):
+        e = jnp.searchsorted(block_end_E, j, side="right")
+        offset = (j - block_start_E[e]) * b
+        valid_b = offset + rows_b < counts_E[e]
+        rows = jnp.where(valid_b, starts_E[e] + offset + rows_b, 0)
+        tok_b = token_A[rows]
+        x_bD = x_MD[tok_b]
+        g_bF = x_bD @ w_gate_EDF[e]
+        u_bF = x_bD @ w_up_EDF[e]
+        y_bD = (jax.nn.silu(g_bF) * u_bF) @ w_down_EFD[e]
+        y_bD = y_bD * jnp.where(valid_b, weight_A[rows], 0.0)[:, None].astype(y_bD.dtype)
+        return out_MD.at[tok_b].add(y_bD)
+
+    return jax.lax.fori_loop(0, block_end_E[-1], one_block, jnp.zeros_like(x_MD))
+
+
+def experts_ragged(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert):
+    E = w_gate_EDF.shape[0]
+    token_A, weight_A, counts_E = _sort_assignments(idx_MK, weights_MK, first_expert, E)
+    x_AD = x_MD[token_A]
+    # Rows past sum(counts) (non-local assignments) belong to no group: ragged_dot leaves them 0.
+    g_AF = jax.lax.ragged_dot(x_AD, w_gate_EDF, counts_E)
+    u_AF = jax.lax.ragged_dot(x_AD, w_up_EDF, counts_E)
+    y_AD = jax.lax.ragged_dot(jax.nn.silu(g_AF) * u_AF, w_down_EFD, counts_E)
+    y_AD = y_AD * weight_A[:, None].astype(y_AD.dtype)
+    return jnp.zeros_like(x_MD).at[token_A].add(y_AD)
+
+
+EXPERT_KERNELS = {"blocked": experts_blocked, "ragged": experts_ragged}
+
+
+def default_kernel() -> str:
+    return "ragged" if jax.default_backend() == "tpu" else "blocked"
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs | None, mesh=None, kernel: str | None = None):
+        D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+        self.cfg = cfg
+        self.mesh = mesh
+        self.kernel = kernel or default_kernel()
+        # The router stays float32 whatever the model dtype, as in the reference checkpoints.
+        self.gate = param(rngs, (D, E), ("embed", None), jnp.float32)
+        self.e_score_correction_bias = param(None, (E,), (None,), jnp.float32, init="zeros")
+        self.w_gate = param(rngs, (E, D, F), ("expert", "embed", "moe_mlp"), dtype)
+        self.w_up = param(rngs, (E, D, F), ("expert", "embed", "moe_mlp"), dtype)
+        self.w_down = param(rngs, (E, F, D), ("expert", "moe_mlp", "embed"), dtype)
+        self.shared_experts = (
+            SwiGLU(D, F * cfg.n_shared_experts, dtype, rngs) if cfg.n_shared_experts > 0 else None
+        )
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        B, T, D = x_BTD.shape
+        x_MD = x_BTD.reshape(B * T, D)
+        idx_MK, weights_MK = route(x_MD, self.gate.value, self.e_score_correction_bias.value, self.cfg)
+        kernel = EXPERT_KERNELS[self.kernel]
+        ws = (self.w_gate.value, self.w_up.value, self.w_down.value)
+        mesh = self.mesh
+        if mesh is None or (mesh.shape["expert"] == 1 and mesh.shape["tensor"] == 1):
+            y_MD = kernel(x_MD, idx_MK, weights_MK, *ws, 0)
+        else:
+            y_MD = self._sharded(kernel, x_MD, idx_MK, weights_MK, ws)
+        y_BTD = y_MD.reshape(B, T, D)
+        if self.shared_experts is not None:
+            y_BTD = y_BTD + self.shared_experts(x_BTD)
+        return y_BTD
+
+    def _sharded(self, kernel, x_MD, idx_MK, weights_MK, ws):
+        mesh = self.mesh
+        E = self.cfg.n_routed_experts
+        n_exp, n_ten = mesh.shape["expert"], mesh.shape["tensor"]
+        if E % n_exp:
+            raise ValueError(f"{E} routed experts cannot be split over an expert axis of {n_exp}")
+        F = self.cfg.moe_intermediate_size
+        ten = "tensor" if F % n_ten == 0 else None
+        rows = "data" if x_MD.shape[0] % mesh.shape["data"] == 0 else None
+        local_experts = E // n_exp
+
+        def local(x_MD, idx_MK, w_MK, wg, wu, wd):
+            first = jax.lax.axis_index("expert") * local_experts
+            y = kernel(x_MD, idx_MK, w_MK, wg, wu, wd, first)
+            return jax.lax.psum(y, ("expert", "tensor") if ten else "expert")
+
+        fn = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(rows, None), P(rows, None), P(rows, None),
+                      P("expert", None, ten), P("expert", None, ten), P("expert", ten, None)),
+            out_specs=P(rows, None),
+            check_vma=False,
+        )
+        return fn(x_MD, idx_MK, weights_MK, *ws)

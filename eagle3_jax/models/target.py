@@ -1,0 +1,115 @@
+"""The DeepSeek-V3-architecture target: embed -> decoder layers (dense first, then MoE) -> norm -> head.
+
+Besides logits it returns the EAGLE-3 auxiliary hidden states: the residual stream after the
+layers named by ``aux_layer_ids`` (id i = output of layer i, the SGLang/SpecForge convention),
+concatenated low to high.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.errors import ConfigError
+from eagle3_jax.models.attention import MLAttention
+from eagle3_jax.models.cache import MLACache
+from eagle3_jax.models.layers import RMSNorm, SwiGLU, param, rope_cos_sin, rope_inv_freq, yarn_softmax_scale
+from eagle3_jax.models.moe import MoE
+from eagle3_jax.sharding import constrain
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TargetConfig, layer: int, dtype, rngs, mesh=None, moe_kernel=None):
+        D = cfg.hidden_size
+        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.self_attn = MLAttention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoE(cfg, dtype, rngs, mesh=mesh, kernel=moe_kernel)
+        else:
+            self.mlp = SwiGLU(D, cfg.intermediate_size, dtype, rngs)
+
+    def __call__(self, x_BTD, positions_BT, cos_BTP, sin_BTP, latent_BSC, rope_BSP, softmax_scale):
+        h_BTD, latent_BSC, rope_BSP = self.self_attn(
+            self.input_layernorm(x_BTD), positions_BT, cos_BTP, sin_BTP, latent_BSC, rope_BSP, softmax_scale)
+        x_BTD = x_BTD + h_BTD
+        x_BTD = x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
+        return constrain(x_BTD, ("batch", "seq", "embed")), latent_BSC, rope_BSP
+
+
+@dataclass
+class TargetStep:
+    """What one target call returns: final hidden (post-norm), aux states, the updated cache."""
+
+    hidden_BTD: jax.Array
+    aux_BTX: jax.Array | None
+    cache: MLACache
+
+
+class Target(nnx.Module):
+    def __init__(self, cfg: TargetConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None, mesh=None,
+                 moe_kernel: str | None = None):
+        cfg.validate()
+        self.cfg = cfg
+        self.dtype = dtype
+        D, V = cfg.hidden_size, cfg.vocab_size
+        self.embed_tokens = param(rngs, (V, D), ("vocab", "embed"), dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs, mesh, moe_kernel) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (D, V), ("embed", "vocab"), dtype)
+        inv_freq, attn_factor = rope_inv_freq(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
+        self.rope_inv_freq = tuple(inv_freq.tolist())  # static (hashable) data, not a parameter
+        self.rope_attn_factor = attn_factor
+        self.softmax_scale = yarn_softmax_scale(cfg.rope, cfg.qk_head_dim)
+
+    def check_aux_ids(self, aux_layer_ids: Sequence[int]) -> tuple[int, ...]:
+        L = self.cfg.num_hidden_layers
+        ids = tuple(int(i) for i in aux_layer_ids)
+        bad = [i for i in ids if not 0 <= i < L]
+        if bad:
+            raise ConfigError(
+                f"aux layer ids {list(ids)}: {bad} fall outside the target's layers 0..{L - 1}; "
+                f"id i means the output of layer i (SGLang/SpecForge convention), so the default for "
+                f"{L} layers is {list(self.cfg.default_aux_layer_ids())}"
+            )
+        return ids
+
+    def init_cache(self, batch: int, capacity: int) -> MLACache:
+        cfg = self.cfg
+        return MLACache.zeros(cfg.num_hidden_layers, batch, capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim, self.dtype)
+
+    def embed(self, ids_BT: jax.Array) -> jax.Array:
+        return jnp.take(self.embed_tokens.value, ids_BT, axis=0)
+
+    def logits(self, hidden_BTD: jax.Array) -> jax.Array:
+        if self.lm_head is None:
+            out = jnp.einsum("btd,vd->btv", hidden_BTD, self.embed_tokens.value)
+        else:
+            out = jnp.einsum("btd,dv->btv", hidden_BTD, self.lm_head.value)
+        return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+    def __call__(self, ids_BT: jax.Array, positions_BT: jax.Array, cache: MLACache,
+                 aux_layer_ids: Sequence[int] = ()) -> TargetStep:
+        """Runs T new tokens per row at the given absolute positions, writing them into the cache."""
+        x_BTD = constrain(self.embed(ids_BT), ("batch", "seq", "embed"))
+        cos_BTP, sin_BTP = rope_cos_sin(positions_BT, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attn_factor)
+        aux_layer_ids = tuple(aux_layer_ids)
+        aux = [None] * len(aux_layer_ids)
+        latent_LBSC, rope_LBSP = cache.latent_LBSC, cache.rope_LBSP
+        for i, layer in enumerate(self.layers):
+            x_BTD, lat, rp = layer(x_BTD, positions_BT, cos_BTP, sin_BTP, latent_LBSC[i], rope_LBSP[i],
+                                   self.softmax_scale)
+            # In-place updates of the (donated) stacked cache, not a fresh stack per call.
+            latent_LBSC = latent_LBSC.at[i].set(lat)
+            rope_LBSP = rope_LBSP.at[i].set(rp)
+            for n, want in enumerate(aux_layer_ids):
+                if want == i:
+                    aux[n] = x_BTD
+        new_cache = MLACache(latent_LBSC=latent_LBSC, rope_LBSP=rope_LBSP)
+        aux_BTX = jnp.concatenate(aux, axis=-1) if aux else None
+        return TargetStep(hidden_BTD=self.norm(x_BTD), aux_BTX=aux_BTX, cache=new_cache)
