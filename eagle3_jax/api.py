@@ -1,4 +1,4 @@
-"""The public Python surface: load_target (and, as they land, load_draft and Generator)."""
+"""The public Python surface: load_target, load_draft, Generator."""
 
 from __future__ import annotations
 
@@ -16,10 +16,13 @@ from flax import nnx
 from eagle3_jax.checkpoint.hf_loader import load_state
 from eagle3_jax.checkpoint.safetensors import CheckpointReader
 from eagle3_jax.checkpoint.target_map import is_ignored_key, target_rules
-from eagle3_jax.config import TargetConfig
-from eagle3_jax.errors import ConfigError
+from eagle3_jax.config import DraftConfig, TargetConfig
+from eagle3_jax.errors import CheckpointError, ConfigError
+from eagle3_jax.metrics import GenerationStats, check_acceptance
 from eagle3_jax.models.cache import MLACache
+from eagle3_jax.models.draft import Draft
 from eagle3_jax.models.target import Target
+from eagle3_jax.spec.generate import FINISH_NAMES, generate_loop
 from eagle3_jax.sharding import make_mesh, shard_state
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -140,3 +143,223 @@ def load_target(path: str | os.PathLike, dtype="float32", mesh=None, moe_kernel:
     state = load_state(reader, target_rules(cfg), abstract_state, prefix=cfg.weight_prefix,
                        ignore=lambda k: is_ignored_key(cfg, k), mesh=mesh, where=path)
     return LoadedTarget(nnx.merge(graphdef, state), mesh)
+
+
+# ====================================================================== draft
+@dataclass
+class DraftOutput:
+    logits: jax.Array   # [B, T, draft_vocab] float32
+    hidden: jax.Array   # [B, T, D]
+
+
+def _draft_call(graphdef, state, ids_BT, aux_BTX, embed_VD):
+    draft = nnx.merge(graphdef, state)
+    B, T = ids_BT.shape
+    positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    step = draft(ids_BT, draft.fuse(aux_BTX), positions_BT, embed_VD, None)
+    return step.logits_BTW, step.hidden_BTD
+
+
+class LoadedDraft:
+    """An EAGLE-3 draft checked against, and wired to, its target."""
+
+    def __init__(self, model: Draft, target: LoadedTarget, aux_layer_ids: tuple[int, ...]):
+        self.model = model
+        self.config: DraftConfig = model.cfg
+        self.target = target
+        self.aux_layer_ids = aux_layer_ids
+        self.graphdef, self.state = nnx.split(model)
+        self._call = jax.jit(_draft_call, static_argnums=(0,))
+
+    def forward(self, ids, aux_hidden) -> DraftOutput:
+        """One causal pass (TTT step 0). ``ids[:, t]`` is the token after position t of ``aux_hidden``."""
+        with mesh_context(self.target.mesh):
+            logits, hidden = self._call(self.graphdef, self.state, jnp.asarray(ids, jnp.int32),
+                                        jnp.asarray(aux_hidden), self.target.model.embed_tokens.value)
+        return DraftOutput(logits=logits, hidden=hidden)
+
+
+def _check_and_wire(cfg: DraftConfig, target: LoadedTarget, fc_in: int, d2t, own_embedding_width):
+    from eagle3_jax.contracts import check_pairing, resolve_aux_ids
+
+    ids = resolve_aux_ids(cfg, target.config)
+    check_pairing(cfg, target.config, fc_in, len(ids), d2t, own_embedding_width)
+    return ids
+
+
+def build_draft(cfg: DraftConfig, target: LoadedTarget, dtype=None, seed: int = 0) -> LoadedDraft:
+    """A randomly initialized draft for ``target`` (tests, training from scratch)."""
+    from eagle3_jax.contracts import resolve_aux_ids
+
+    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
+    ids = resolve_aux_ids(cfg, target.config)
+    model = Draft(cfg, len(ids), dtype, nnx.Rngs(seed))
+    _check_and_wire(cfg, target, model.fc.value.shape[0], None, None)
+    if target.mesh is not None:
+        graphdef, state = nnx.split(model)
+        model = nnx.merge(graphdef, shard_state(state, target.mesh))
+    return LoadedDraft(model, target, ids)
+
+
+def load_draft(path: str | os.PathLike, target: LoadedTarget, dtype=None) -> LoadedDraft:
+    """Loads an EAGLE-3 draft directory (config.json + safetensors, SpecForge/SGLang layout) for ``target``.
+
+    Every wiring contract is checked before a single weight is placed: aux layer ids exist in the
+    target, fc's input width equals len(ids) x target hidden, vocabularies agree, d2t stays inside
+    the target vocab, a shared embedding has the draft's width.
+    """
+    from eagle3_jax.checkpoint.draft_map import draft_rules
+
+    path = os.fspath(path)
+    cfg = DraftConfig.from_path(path)
+    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
+    reader = CheckpointReader(path)
+    if "fc.weight" not in reader:
+        raise CheckpointError(
+            f"{path}: no fc.weight: this is not an EAGLE-3 draft (EAGLE-3 fuses the target's aux states with fc). "
+            "An EAGLE-1/2 draft cannot be served as EAGLE-3")
+    fc_out, fc_in = reader.shape("fc.weight")
+    own_embedding = "embed_tokens.weight" in reader
+    d2t = reader.read("d2t") if "d2t" in reader else None
+    ids = _check_and_wire(cfg, target, fc_in, d2t, reader.shape("embed_tokens.weight")[1] if own_embedding else None)
+    maps = tuple(m for m in ("d2t", "t2d") if m in reader)
+    if "d2t" not in maps and cfg.draft_vocab_size != cfg.vocab_size:
+        raise CheckpointError(
+            f"{path}: draft_vocab_size={cfg.draft_vocab_size} < vocab_size={cfg.vocab_size} but the checkpoint has no "
+            "d2t tensor mapping draft ids to target ids; re-export the draft with its vocab map")
+    fill = {}
+    if "d2t" not in maps:
+        fill[("d2t",)] = np.zeros((cfg.draft_vocab_size,), np.int32)
+    if "t2d" not in maps:
+        t2d = np.zeros((cfg.vocab_size,), bool)
+        t2d[np.arange(cfg.draft_vocab_size) + (d2t if d2t is not None else 0)] = True
+        fill[("t2d",)] = t2d
+    abstract = nnx.eval_shape(lambda: Draft(cfg, len(ids), dtype, None, own_embedding=own_embedding))
+    graphdef, abstract_state = nnx.split(abstract)
+    state = load_state(reader, draft_rules(cfg, len(ids), own_embedding, maps), abstract_state,
+                       mesh=target.mesh, where=path, fill=fill)
+    return LoadedDraft(nnx.merge(graphdef, state), target, ids)
+
+
+# ====================================================================== generation
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    stats: GenerationStats
+
+
+class Generator:
+    """Batch generation with an optional EAGLE-3 draft; ``draft=None`` is target-only decoding."""
+
+    def __init__(self, target: LoadedTarget, draft: LoadedDraft | None = None, num_draft_tokens: int = 4,
+                 max_len: int = 2048, mesh=None):
+        if draft is not None and draft.target is not target:
+            raise ConfigError("the draft was loaded for a different target object; pass target=... to load_draft")
+        if draft is not None and num_draft_tokens < 1:
+            raise ConfigError(f"num_draft_tokens must be >= 1 with a draft, found {num_draft_tokens}")
+        if max_len < 2:
+            raise ConfigError(f"max_len must be >= 2, found {max_len}")
+        if mesh is not None and target.mesh is not None and mesh is not target.mesh:
+            raise ConfigError("Generator mesh differs from the mesh the target was loaded on; load it with mesh=...")
+        self.target = target
+        self.draft = draft
+        self.num_draft_tokens = num_draft_tokens if draft is not None else 0
+        self.max_len = max_len
+        self.mesh = target.mesh
+
+    def _pad_batch(self, prompts: Sequence[Sequence[int]]):
+        if not prompts:
+            raise ConfigError("generate() got no prompts")
+        lens = [len(p) for p in prompts]
+        if min(lens) < 1:
+            raise ConfigError("every prompt needs at least one token")
+        if max(lens) >= self.max_len:
+            raise ConfigError(f"a prompt has {max(lens)} tokens but max_len is {self.max_len}; raise max_len")
+        B = len(prompts)
+        data = self.mesh.shape["data"] if self.mesh is not None else 1
+        B_pad = -(-B // data) * data
+        # Pad prompt length to a multiple of 16 so nearby lengths share one compiled program.
+        T = min(-(-max(lens) // 16) * 16, self.max_len - 1)
+        ids = np.zeros((B_pad, T), np.int32)
+        lengths = np.ones((B_pad,), np.int32)
+        for b, p in enumerate(prompts):
+            ids[b, :len(p)] = p
+            lengths[b] = len(p)
+        return ids, lengths, B
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, eos_token_ids: Sequence[int] = ()
+                 ) -> GenerationResult:
+        import time
+
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise ConfigError(
+                f"sampling settings out of range: temperature={temperature} (>= 0), top_p={top_p} (0, 1], "
+                f"top_k={top_k} (>= 0)")
+        ids, lengths, B = self._pad_batch(prompts)
+        eos = np.asarray(list(eos_token_ids) or [-1], np.int32)
+        greedy = temperature == 0.0
+        d = self.draft
+        start = time.perf_counter()
+        with mesh_context(self.mesh):
+            out = generate_loop(
+                self.target.graphdef, self.target.state, d.graphdef if d else None, d.state if d else None,
+                jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(seed), jnp.float32(max(temperature, 1e-6)),
+                jnp.int32(top_k), jnp.float32(top_p), jnp.asarray(eos),
+                num_draft=self.num_draft_tokens, max_new=int(max_new_tokens), capacity=self.max_len,
+                aux_ids=d.aux_layer_ids if d else (), greedy=greedy)
+            tokens, n_out, finish, rounds, round_tokens, accepted = jax.device_get(out)
+        seconds = time.perf_counter() - start
+        stats = GenerationStats(
+            rounds=int(rounds[:B].sum()), tokens=int(n_out[:B].sum()), round_tokens=int(round_tokens[:B].sum()),
+            seconds=seconds,
+            accepted_per_position=[int(a) for a in accepted[: self.num_draft_tokens]],
+            per_row_accept_length=[float(rt / r) if r else float("nan") for rt, r in zip(round_tokens[:B], rounds[:B])])
+        if d is not None:
+            check_acceptance(stats, self.num_draft_tokens)
+        return GenerationResult(
+            tokens=[tokens[b, : n_out[b]].tolist() for b in range(B)],
+            finish_reasons=[FINISH_NAMES.get(int(f), "running") for f in finish[:B]],
+            stats=stats)
+
+
+def save_draft(draft: LoadedDraft, path: str | os.PathLike, config_overrides: dict | None = None) -> None:
+    """Writes the draft in the SpecForge / SGLang layout (config.json + model.safetensors).
+
+    The config records the aux layer ids actually used, so the wiring travels with the weights.
+    Written to a temporary directory and renamed, so a crash never leaves a complete-looking draft.
+    """
+    import json
+    import shutil
+    import tempfile
+
+    from eagle3_jax.checkpoint.draft_map import iter_draft_tensors
+    from eagle3_jax.checkpoint.safetensors import CheckpointWriter
+
+    path = os.fspath(path)
+    if os.path.exists(path):
+        raise CheckpointError(f"{path} already exists; remove it or choose another output directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
+    try:
+        cfg = draft.config
+        hf = cfg.to_hf_dict()
+        hf.setdefault("eagle_config", {})
+        hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(draft.aux_layer_ids)
+        hf["eagle_config"].setdefault("use_aux_hidden_state", True)
+        hf.update(config_overrides or {})
+        flat = {tuple(p): np.asarray(jax.device_get(v.value)) for p, v in nnx.to_flat_state(draft.state)}
+        with CheckpointWriter(tmp) as writer:
+            for name, arr in iter_draft_tensors(cfg, flat, len(draft.aux_layer_ids),
+                                                draft.model.embed_tokens is not None):
+                writer.add(name, arr)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf, f, indent=2)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -10,6 +10,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+import eagle3_jax as e3  # noqa: E402
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 from tests import hf_fixtures  # noqa: E402
@@ -26,3 +28,34 @@ def hf_target_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_target_dir(hf_target_dirs):
     return hf_target_dirs["qlora_groups_yarn"][0]
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_target_dir):
+    return e3.load_target(tiny_target_dir)
+
+
+@pytest.fixture(scope="session")
+def trained_draft_dir(tiny_target, tmp_path_factory):
+    """A draft trained on the tiny target's own outputs, saved in the SpecForge layout."""
+    from tests import spec_fixtures
+
+    cfg = spec_fixtures.tiny_draft_config(tiny_target.config)
+    draft = e3.build_draft(cfg, tiny_target, seed=0)
+    seqs = spec_fixtures.target_greedy_corpus(tiny_target)
+    trained, _ = spec_fixtures.train_draft_on_target(tiny_target, draft, seqs)
+    path = tmp_path_factory.mktemp("drafts") / "trained"
+    e3.save_draft(trained, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def random_draft_dir(tiny_target, tmp_path_factory):
+    from tests import spec_fixtures
+
+    draft = e3.build_draft(spec_fixtures.tiny_draft_config(tiny_target.config, draft_vocab=64), tiny_target, seed=7)
+    # a non-trivial vocab map: draft id i -> target id 2i + 1
+    draft.state["d2t"].value = jax.numpy.arange(64, dtype=jax.numpy.int32) + 1
+    path = tmp_path_factory.mktemp("drafts") / "random"
+    e3.save_draft(draft, path)
+    return path

@@ -67,6 +67,27 @@ def kept(logits):
     return set(np.flatnonzero(np.isfinite(np.asarray(logits))).tolist())
 
 
+# Jitted once per shape: cheaper than eager op-by-op dispatch, and it is the way the
+# functions are used. The crafted cases below pass Python numbers, which jit traces.
+jfilter = jax.jit(filter_logits)
+jprobs = jax.jit(target_probs)
+
+
+def filter_ref(logits_V, temperature, top_k, top_p):
+    """Straightforward NumPy reference of the documented filtering rule (one row)."""
+    x = np.asarray(logits_V, np.float32) / np.float32(temperature)
+    keep = np.ones(x.shape, bool)
+    if top_k > 0:
+        keep &= x >= np.sort(x)[::-1][min(top_k, x.size) - 1]
+    if top_p < 1.0:
+        probs = softmax_np(np.where(keep, x, -np.inf))
+        order = np.argsort(-probs, kind="stable")
+        before = np.cumsum(probs[order]) - probs[order]
+        last = order[np.flatnonzero(before < top_p).max(initial=0)]
+        keep &= x >= x[last]
+    return np.where(keep, x, -np.inf)
+
+
 @partial(jax.jit, static_argnames="n")
 def _speculate(key, p_K1V, q_KV, n):
     """Draft n rows from q (shared across rows) and verify against p with rejection_accept."""
@@ -136,56 +157,60 @@ def test_greedy_ties_and_jit_bitwise():
 
 def test_top_k_exact_sets_with_ties():
     logits = jnp.array([3.0, 1.0, 2.0, 2.0, 0.0, -1.0])
-    assert kept(filter_logits(logits, 1.0, 1, 1.0)) == {0}
+    assert kept(jfilter(logits, 1.0, 1, 1.0)) == {0}
     # k-th largest (k=2) is 2.0, shared by ids 2 and 3: both kept.
-    assert kept(filter_logits(logits, 1.0, 2, 1.0)) == {0, 2, 3}
-    assert kept(filter_logits(logits, 1.0, 3, 1.0)) == {0, 2, 3}
-    assert kept(filter_logits(logits, 1.0, 4, 1.0)) == {0, 1, 2, 3}
+    assert kept(jfilter(logits, 1.0, 2, 1.0)) == {0, 2, 3}
+    assert kept(jfilter(logits, 1.0, 3, 1.0)) == {0, 2, 3}
+    assert kept(jfilter(logits, 1.0, 4, 1.0)) == {0, 1, 2, 3}
     for off in (0, 6, 100):  # 0 means off; k >= V keeps everything
-        assert kept(filter_logits(logits, 1.0, off, 1.0)) == set(range(6))
+        assert kept(jfilter(logits, 1.0, off, 1.0)) == set(range(6))
 
 
 def test_top_p_exact_sets():
     probs = np.array([0.15, 0.5, 0.05, 0.2, 0.1])  # sorted: 1 (.5), 3 (.2), 0 (.15), 4 (.1), 2 (.05)
     logits = jnp.log(jnp.asarray(probs, jnp.float32))
-    assert kept(filter_logits(logits, 1.0, 0, 0.3)) == {1}
-    assert kept(filter_logits(logits, 1.0, 0, 0.6)) == {1, 3}  # .5 < .6 <= .7: crossing token kept
-    assert kept(filter_logits(logits, 1.0, 0, 0.75)) == {1, 3, 0}
-    assert kept(filter_logits(logits, 1.0, 0, 0.9)) == {1, 3, 0, 4}
-    assert kept(filter_logits(logits, 1.0, 0, 0.99)) == set(range(5))
+    assert kept(jfilter(logits, 1.0, 0, 0.3)) == {1}
+    assert kept(jfilter(logits, 1.0, 0, 0.6)) == {1, 3}  # .5 < .6 <= .7: crossing token kept
+    assert kept(jfilter(logits, 1.0, 0, 0.75)) == {1, 3, 0}
+    assert kept(jfilter(logits, 1.0, 0, 0.9)) == {1, 3, 0, 4}
+    assert kept(jfilter(logits, 1.0, 0, 0.99)) == set(range(5))
     # Tiny top_p (and even 0) still keeps the most likely token.
-    assert kept(filter_logits(logits, 1.0, 0, 1e-6)) == {1}
-    assert kept(filter_logits(logits, 1.0, 0, 0.0)) == {1}
+    assert kept(jfilter(logits, 1.0, 0, 1e-6)) == {1}
+    assert kept(jfilter(logits, 1.0, 0, 0.0)) == {1}
 
 
 def test_top_p_one_is_off_even_for_negligible_tokens():
-    # exp(-200) underflows to probability 0 in float32; top_p=1 must still keep it.
-    logits = jnp.array([0.0, -200.0, 5.0, -1e4])
-    assert kept(filter_logits(logits, 1.0, 0, 1.0)) == {0, 1, 2, 3}
-    np.testing.assert_array_equal(filter_logits(logits, 1.0, 0, 1.0), logits)
+    # In float32 the top token's probability rounds to exactly 1.0, so "cumulative
+    # probability before the token < top_p" alone would drop the rest; top_p=1 must not.
+    logits = jnp.array([-20.0, -200.0, 0.0, -1e4])
+    assert float(jax.nn.softmax(logits)[2]) == 1.0
+    assert kept(jfilter(logits, 1.0, 0, 1.0)) == {0, 1, 2, 3}
+    # Also when top-k is on (so the filtering path runs): only top-k may remove tokens.
+    assert kept(jfilter(logits, 1.0, 3, 1.0)) == {0, 1, 2}
+    np.testing.assert_array_equal(jfilter(logits, 1.0, 0, 1.0), logits)
 
 
 def test_top_p_ties_at_cutoff_are_kept():
     logits = jnp.log(jnp.array([0.2, 0.4, 0.2, 0.2]))
     # Prefix reaching 0.5 ends at a 0.2 token; the other two tied 0.2 tokens stay too.
-    assert kept(filter_logits(logits, 1.0, 0, 0.5)) == {0, 1, 2, 3}
-    assert kept(filter_logits(logits, 1.0, 0, 0.3)) == {1}
+    assert kept(jfilter(logits, 1.0, 0, 0.5)) == {0, 1, 2, 3}
+    assert kept(jfilter(logits, 1.0, 0, 0.3)) == {1}
 
 
 def test_top_p_applies_to_top_k_renormalised_probs():
     logits = jnp.log(jnp.array([0.1, 0.4, 0.2, 0.3]))
     # Without top-k: .4 < .5 so the .3 token is needed as well.
-    assert kept(filter_logits(logits, 1.0, 0, 0.5)) == {1, 3}
+    assert kept(jfilter(logits, 1.0, 0, 0.5)) == {1, 3}
     # After top-2 the probs are 4/7, 3/7: the first alone already reaches 0.5.
-    assert kept(filter_logits(logits, 1.0, 2, 0.5)) == {1}
-    assert kept(filter_logits(logits, 1.0, 2, 0.6)) == {1, 3}
+    assert kept(jfilter(logits, 1.0, 2, 0.5)) == {1}
+    assert kept(jfilter(logits, 1.0, 2, 0.6)) == {1, 3}
 
 
 def test_temperature_scaling_and_target_probs():
     logits = jnp.array([[1.0, -2.0, 0.5, 3.0], [0.0, 0.0, 1.0, -1.0]])
-    out = filter_logits(logits, 0.5, 0, 1.0)
+    out = jfilter(logits, 0.5, 0, 1.0)
     np.testing.assert_allclose(out, logits / 0.5, rtol=1e-6)
-    p = target_probs(logits, 0.7, 3, 1.0)
+    p = jprobs(logits, 0.7, 3, 1.0)
     assert p.dtype == jnp.float32
     np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-6)
     ref = softmax_np(np.asarray(logits) / 0.7)
@@ -194,20 +219,20 @@ def test_temperature_scaling_and_target_probs():
     np.testing.assert_allclose(p, ref / ref.sum(-1, keepdims=True), rtol=1e-5)
     # Temperature changes which tokens survive top-p (flatter -> more tokens).
     row = jnp.array([2.0, 1.0, 0.0, -1.0])
-    assert kept(filter_logits(row, 0.25, 0, 0.9)) == {0}
-    assert kept(filter_logits(row, 4.0, 0, 0.9)) == {0, 1, 2, 3}
+    assert kept(jfilter(row, 0.25, 0, 0.9)) == {0}
+    assert kept(jfilter(row, 4.0, 0, 0.9)) == {0, 1, 2, 3}
 
 
 def test_per_row_sampling_params_broadcast():
     logits = jnp.tile(jnp.array([3.0, 1.0, 2.0, 0.0]), (3, 1))
-    out = filter_logits(logits, jnp.array([1.0, 1.0, 2.0]), jnp.array([1, 0, 2]), jnp.array([1.0, 0.5, 1.0]))
+    out = jfilter(logits, jnp.array([1.0, 1.0, 2.0]), jnp.array([1, 0, 2]), jnp.array([1.0, 0.5, 1.0]))
     assert kept(out[0]) == {0}
     assert kept(out[1]) == {0}  # softmax([3,1,2,0])[0] ~ 0.64 >= 0.5
     assert kept(out[2]) == {0, 2}
     np.testing.assert_allclose(out[2, [0, 2]], [1.5, 1.0])
 
 
-def test_filter_jit_with_traced_params_does_not_retrace():
+def test_filter_jit_with_traced_params_matches_reference_without_retrace():
     traces = []
 
     @jax.jit
@@ -215,11 +240,13 @@ def test_filter_jit_with_traced_params_does_not_retrace():
         traces.append(1)
         return filter_logits(logits, t, k, p), target_probs(logits, t, k, p)
 
-    logits = jnp.asarray(random_logits(np.random.default_rng(1), 4, 10))
-    for t, k, p in [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8), (0.5, 5, 0.6), (2.0, 1, 0.01)]:
-        got_l, got_p = f(logits, jnp.float32(t), jnp.int32(k), jnp.float32(p))
-        np.testing.assert_array_equal(got_l, filter_logits(logits, t, k, p))
-        np.testing.assert_allclose(got_p, target_probs(logits, t, k, p), rtol=1e-6)
+    logits = random_logits(np.random.default_rng(1), 4, 10)
+    for t, k, p in [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8), (0.5, 5, 0.6), (2.0, 1, 0.01), (0.9, 7, 0.95)]:
+        got_l, got_p = f(jnp.asarray(logits), jnp.float32(t), jnp.int32(k), jnp.float32(p))
+        ref = np.stack([filter_ref(row, t, k, p) for row in logits])
+        np.testing.assert_array_equal(np.isfinite(got_l), np.isfinite(ref))
+        np.testing.assert_allclose(np.where(np.isfinite(ref), got_l, 0), np.where(np.isfinite(ref), ref, 0), rtol=1e-6)
+        np.testing.assert_allclose(got_p, softmax_np(ref), rtol=1e-5, atol=1e-7)
     assert len(traces) == 1
 
 
@@ -242,7 +269,7 @@ def _case(seed, k, vocab, top_k, top_p, temperature=0.8):
     often enough to reach later positions and still puts mass where p is zero."""
     rng = np.random.default_rng(seed)
     logits = random_logits(rng, k + 1, vocab)
-    p = np.asarray(target_probs(jnp.asarray(logits), temperature, top_k, top_p))
+    p = np.asarray(jprobs(jnp.asarray(logits), temperature, top_k, top_p))
     q = softmax_np(logits[:k] / temperature + random_logits(rng, k, vocab, scale=1.0)).astype(np.float32)
     return p, q
 
@@ -251,8 +278,8 @@ def _case(seed, k, vocab, top_k, top_p, temperature=0.8):
     "seed,k,vocab,top_k,top_p",
     [
         (10, 1, 10, 4, 1.0),  # top-k: q has mass on the 6 tokens p excludes
-        (11, 3, 12, 0, 0.85),  # top-p
-        (12, 3, 8, 5, 0.9),  # both
+        (11, 3, 10, 0, 0.85),  # top-p
+        (12, 3, 10, 5, 0.9),  # both
     ],
 )
 def test_emitted_tokens_follow_target(seed, k, vocab, top_k, top_p):
@@ -309,12 +336,12 @@ def test_two_round_joint_distribution_is_product_of_targets():
     # sample x_0, x_1 from the target has x_0 ~ p_0 independent of x_1 ~ p_1. Run the
     # decoder honestly for two tokens: rows that emitted only one token in round 1
     # (n == 0) get x_1 from a second round starting at sequence position 1.
-    vocab, k = 8, 2
+    vocab, k = 10, 2
     rng = np.random.default_rng(30)
     logits = jnp.asarray(random_logits(rng, k + 2, vocab))
     # Per-position filtering: top-k at position 0, top-p at 1, both at 2, none at 3.
     p = np.asarray(
-        target_probs(logits, 0.9, jnp.array([4, 0, 5, 0]), jnp.array([1.0, 0.85, 0.9, 1.0]))
+        jprobs(logits, 0.9, jnp.array([4, 0, 5, 0]), jnp.array([1.0, 0.85, 0.9, 1.0]))
     )
     q = softmax_np(random_logits(rng, k + 1, vocab)).astype(np.float32)
     _, n1, out1 = speculate(31, p[: k + 1], q[:k])
@@ -335,7 +362,7 @@ def test_expected_acceptance_length():
     assert abs(n_acc.mean() - a) < 5 * se
 
     rng = np.random.default_rng(41)
-    p1 = np.asarray(target_probs(jnp.asarray(random_logits(rng, 10)), 1.0, 0, 0.9))
+    p1 = np.asarray(jprobs(jnp.asarray(random_logits(rng, 10)), 1.0, 0, 0.9))
     q1 = softmax_np(random_logits(rng, 10)).astype(np.float32)
     a = np.minimum(p1.astype(np.float64), q1).sum()
     _, n_acc, _ = speculate(41, np.tile(p1, (4, 1)), np.tile(q1, (3, 1)))
@@ -360,7 +387,7 @@ def test_full_pipeline_jit_with_traced_sampling_params():
     for t, k, p in [(1.0, 0, 1.0), (0.6, 3, 0.9), (1.5, 0, 0.5)]:
         n_acc, out = step(jax.random.key(0), logits, drafts, q, jnp.float32(t), jnp.int32(k), jnp.float32(p))
         assert n_acc.shape == (4,) and out.shape == (4, 3)
-        probs = np.asarray(target_probs(logits, t, k, p))
+        probs = np.asarray(jprobs(logits, t, k, p))
         # Every emitted extra token has nonzero target probability at its position.
         for b in range(4):
             nb = int(n_acc[b])

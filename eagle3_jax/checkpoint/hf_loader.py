@@ -34,11 +34,13 @@ def load_state(
     read: Callable[[CheckpointReader, str], np.ndarray] | None = None,
     mesh: jax.sharding.Mesh | None = None,
     where: str = "",
+    fill: dict | None = None,
 ) -> nnx.State:
     """Fills ``abstract_state`` (from ``nnx.eval_shape``) with tensors named by ``rules``.
 
     Every missing, unexpected or mis-shaped tensor is collected and reported in one
     CheckpointError, so a user fixes a bad checkpoint in one pass rather than one key at a time.
+    ``fill`` gives values (path -> array) for parameters the checkpoint may omit.
     """
     read = read or (lambda r, key: r.read(key))
     rules = list(rules)
@@ -99,6 +101,9 @@ def load_state(
         raise CheckpointError(
             f"{where}: {len(bad_shape)} tensor(s) have shapes that disagree with config.json: "
             + "; ".join(bad_shape[:5]) + ". Use the config.json that came with these weights.")
+    for path, value in (fill or {}).items():
+        if path not in values:
+            values[path] = jnp.asarray(value, dtype=flat[path].value.dtype)
     if len(values) != len(flat):
         left = sorted(set(flat) - set(values), key=str)
         raise CheckpointError(f"{where}: no tensor rule for parameters {left[:5]} (internal)")

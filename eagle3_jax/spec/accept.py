@@ -53,10 +53,13 @@ def filter_logits(logits_V, temperature, top_k, top_p):
 
     Args:
       logits_V: float array ``[.., V]``; computed in float32.
-      temperature: > 0. Scalar or array broadcastable to ``logits_V.shape[:-1]``;
-        may be traced. (Clamped to 1e-6 only to avoid NaNs; use greedy_accept for 0.)
-      top_k: int; 0 (or negative) means off; values >= V keep everything.
-      top_p: float in (0, 1]; 1.0 (or more) means off.
+      temperature: > 0. Scalar or array broadcastable to ``logits_V.shape[:-1]``
+        (numpy rules, trailing-aligned: per-request values for ``[B, K+1, V]`` logits
+        have shape ``[B, 1]``); may be traced. Clamped to 1e-6 only to avoid NaNs;
+        temperature 0 belongs to greedy_accept.
+      top_k: int, same shapes as temperature; 0 (or negative) means off; values >= V
+        keep everything.
+      top_p: float in (0, 1], same shapes as temperature; 1.0 (or more) means off.
 
     Exact definitions (both are order independent, so ties never depend on how the
     sort happened to order equal values):

@@ -1,0 +1,69 @@
+"""Acceptance statistics and the watchdog that makes a collapsed draft impossible to miss."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger("eagle3_jax")
+
+# The seed's symptom: tau pinned at 1.0 because no draft token was ever accepted.
+WATCHDOG_MIN_ROUNDS = 32
+WATCHDOG_TAU = 1.1
+
+
+class AcceptanceCollapseWarning(UserWarning):
+    """The draft's tokens are (almost) never accepted."""
+
+
+@dataclass
+class GenerationStats:
+    rounds: int                     # verify rounds, summed over rows (each row counts while active)
+    tokens: int                     # all new tokens, incl. the one the prefill produces
+    round_tokens: int               # tokens emitted by verify rounds (what tau measures)
+    seconds: float
+    accepted_per_position: list[int] = field(default_factory=list)
+    per_row_accept_length: list[float] = field(default_factory=list)
+
+    @property
+    def mean_accept_length(self) -> float:
+        """tau = tokens emitted per verify round, including the bonus token (>= 1)."""
+        return self.round_tokens / self.rounds if self.rounds else float("nan")
+
+    @property
+    def accept_rate_per_position(self) -> list[float]:
+        return [a / self.rounds if self.rounds else float("nan") for a in self.accepted_per_position]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds, "tokens": self.tokens, "seconds": self.seconds,
+            "mean_accept_length": self.mean_accept_length,
+            "accept_rate_per_position": self.accept_rate_per_position,
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+
+def check_acceptance(stats: GenerationStats, num_draft_tokens: int, context: str = "") -> bool:
+    """Warns loudly when tau stays below 1.1 over >= 32 rounds. Returns True when it warned."""
+    if num_draft_tokens <= 0 or stats.rounds < WATCHDOG_MIN_ROUNDS or not np.isfinite(stats.mean_accept_length):
+        return False
+    if stats.mean_accept_length >= WATCHDOG_TAU:
+        return False
+    msg = (
+        f"ACCEPTANCE COLLAPSE{(' in ' + context) if context else ''}: mean acceptance length "
+        f"{stats.mean_accept_length:.3f} over {stats.rounds} rounds with {num_draft_tokens} draft tokens "
+        "(1.0 = no draft token ever accepted). Likely causes: the draft is wired to the wrong target layers "
+        "(check eagle_config.eagle_aux_hidden_state_layer_ids against the layers it was trained on; id i = "
+        "output of layer i, an off-by-one gives this symptom), the draft was trained for a different target "
+        "or tokenizer, or the draft checkpoint is untrained/corrupt."
+    )
+    log.warning(msg)
+    warnings.warn(msg, AcceptanceCollapseWarning, stacklevel=3)
+    return True

@@ -1,0 +1,211 @@
+"""Speculative generation as one XLA program: prefill, then a ``lax.while_loop`` of rounds
+(draft K tokens -> verify K+1 with the target -> accept), with no host round trip per step.
+
+Positions. Let a row's target cache hold positions 0..n-1 and ``last`` be the token at position n
+(emitted, not yet run through the target). The draft cache holds, at position p, the pair
+(token at p+1, target aux state at p) — the pairing SpecForge trains with. One round:
+
+  1. draft: d1 comes from the draft output at position n-1 (kept from the previous round);
+     steps j = 1..K-1 feed (d_j, own hidden) at position n-1+j and give d_{j+1};
+  2. verify: the target extends [last, d1..dK] at positions n..n+K -> logits, aux;
+  3. accept a in 0..K drafts; emit d1..da plus the target's token c (correction or bonus);
+  4. catch up: the draft re-reads positions n..n+K with the target's true aux states and the
+     emitted tokens, overwriting its own guesses there; its output at n+a seeds the next round.
+The target cache now holds n..n+a validly; slots past that are stale, masked by position and
+overwritten next round. Everything is static-shaped: rows accept different counts, finish
+independently (EOS, max_new_tokens, max_len) and stop advancing, and the loop ends when all are done.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle3_jax.models.cache import KVCache, MLACache
+from eagle3_jax.sharding import constrain
+from eagle3_jax.spec.accept import greedy_accept, rejection_accept, sample_from_probs, target_probs
+
+RUNNING, FINISH_EOS, FINISH_LENGTH, FINISH_CAPACITY = 0, 1, 2, 3
+FINISH_NAMES = {FINISH_EOS: "eos", FINISH_LENGTH: "length", FINISH_CAPACITY: "max_len"}
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class LoopState:
+    tokens_BN: jax.Array       # emitted tokens
+    n_out_B: jax.Array         # how many emitted
+    budget_B: jax.Array        # min(max_new_tokens, max_len - prompt_len)
+    finish_B: jax.Array        # RUNNING / FINISH_*
+    lengths_B: jax.Array       # target cache length n
+    last_B: jax.Array          # token at position n
+    tcache: MLACache
+    dcache: KVCache | None
+    dhidden_BD: jax.Array | None   # draft output at position n-1
+    dlogits_BW: jax.Array | None   # its logits (d1 comes from here)
+    key: jax.Array
+    rounds_B: jax.Array
+    round_tokens_B: jax.Array
+    accepted_K: jax.Array
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    greedy: bool
+
+
+def _choose(key, logits_BV, greedy, temperature, top_k, top_p):
+    if greedy:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return sample_from_probs(key, target_probs(logits_BV, temperature, top_k, top_p))
+
+
+def _emit(state: LoopState, new_BJ, n_new_B, eos_E):
+    """Appends up to n_new tokens per running row; truncates after EOS and at the budget."""
+    B, J = new_BJ.shape
+    running_B = state.finish_B == RUNNING
+    room_B = state.budget_B - state.n_out_B
+    n_B = jnp.where(running_B, jnp.minimum(n_new_B, room_B), 0)
+    idx_J = jnp.arange(J)
+    is_eos_BJ = jnp.isin(new_BJ, eos_E) & (idx_J[None, :] < n_B[:, None])
+    first_eos_B = jnp.where(is_eos_BJ.any(-1), jnp.argmax(is_eos_BJ, axis=-1), J)
+    hit_eos_B = first_eos_B < n_B
+    n_B = jnp.where(hit_eos_B, first_eos_B + 1, n_B)
+    slots_BJ = jnp.where(idx_J[None, :] < n_B[:, None], state.n_out_B[:, None] + idx_J[None, :], state.tokens_BN.shape[1])
+    rows_BJ = jnp.broadcast_to(jnp.arange(B)[:, None], (B, J))
+    tokens_BN = state.tokens_BN.at[rows_BJ, slots_BJ].set(new_BJ, mode="drop")
+    n_out_B = state.n_out_B + n_B
+    finish_B = jnp.where(
+        ~running_B, state.finish_B,
+        jnp.where(hit_eos_B, FINISH_EOS, jnp.where(n_out_B >= state.budget_B, -1, RUNNING)))
+    return tokens_BN, n_out_B, finish_B, n_B
+
+
+def _resolve_budget_finish(finish_B, budget_is_max_new_B):
+    # -1 marks "budget exhausted": say whether max_new_tokens or max_len was the limit.
+    return jnp.where(finish_B == -1, jnp.where(budget_is_max_new_B, FINISH_LENGTH, FINISH_CAPACITY), finish_B)
+
+
+@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "num_draft", "max_new", "capacity", "aux_ids",
+                                             "greedy"))
+def generate_loop(tgraph, tstate, dgraph, dstate, prompt_BT, prompt_len_B, key, temperature, top_k, top_p, eos_E,
+                  *, num_draft: int, max_new: int, capacity: int, aux_ids: tuple, greedy: bool):
+    target = nnx.merge(tgraph, tstate)
+    draft = nnx.merge(dgraph, dstate) if dgraph is not None else None
+    K = num_draft if draft is not None else 0
+    B, T = prompt_BT.shape
+    sample = functools.partial(_choose, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
+    rows_B = jnp.arange(B)
+
+    # ---------------------------------------------------------------- prefill
+    tcache = target.init_cache(B, capacity)
+    tcache = MLACache(constrain(tcache.latent_LBSC, (None, "batch", "cache_seq", "kv_lora")),
+                      constrain(tcache.rope_LBSP, (None, "batch", "cache_seq", None)))
+    positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    out = target(prompt_BT, positions_BT, tcache, aux_ids if draft is not None else ())
+    last_hidden_BD = out.hidden_BTD[rows_B, prompt_len_B - 1]
+    key, k0 = jax.random.split(key)
+    first_B = sample(k0, target.logits(last_hidden_BD[:, None])[:, 0])
+
+    max_new_B = jnp.full((B,), max_new, jnp.int32)
+    room_B = capacity - prompt_len_B
+    budget_B = jnp.minimum(max_new_B, room_B)
+    budget_is_max_new_B = max_new_B <= room_B
+    state = LoopState(
+        tokens_BN=jnp.zeros((B, max_new), jnp.int32), n_out_B=jnp.zeros((B,), jnp.int32), budget_B=budget_B,
+        finish_B=jnp.where(budget_B > 0, RUNNING, FINISH_CAPACITY).astype(jnp.int32),
+        lengths_B=prompt_len_B.astype(jnp.int32), last_B=first_B, tcache=out.cache, dcache=None,
+        dhidden_BD=None, dlogits_BW=None, key=key, rounds_B=jnp.zeros((B,), jnp.int32),
+        round_tokens_B=jnp.zeros((B,), jnp.int32), accepted_K=jnp.zeros((max(K, 1),), jnp.int32))
+    tokens_BN, n_out_B, finish_B, _ = _emit(state, first_B[:, None], jnp.ones((B,), jnp.int32), eos_E)
+    state.tokens_BN, state.n_out_B = tokens_BN, n_out_B
+    state.finish_B = _resolve_budget_finish(finish_B, budget_is_max_new_B)
+
+    embed_VD = target.embed_tokens.value
+    if draft is not None:
+        # Draft prefill: pair aux at position t with the token at t+1 (the prompt shifted left,
+        # with the target's first new token at each row's end).
+        shifted_BT = jnp.concatenate([prompt_BT[:, 1:], jnp.zeros((B, 1), prompt_BT.dtype)], axis=1)
+        shifted_BT = shifted_BT.at[rows_B, prompt_len_B - 1].set(first_B)
+        dcache = draft.init_cache(B, capacity)
+        dstep = draft(shifted_BT, draft.fuse(out.aux_BTX), positions_BT, embed_VD, dcache)
+        state.dcache = dstep.cache
+        state.dhidden_BD = dstep.hidden_BTD[rows_B, prompt_len_B - 1]
+        state.dlogits_BW = dstep.logits_BTW[rows_B, prompt_len_B - 1]
+
+    # ---------------------------------------------------------------- rounds
+    def draft_pick(key, logits_BW):
+        if greedy:
+            d_B = jnp.argmax(logits_BW, axis=-1).astype(jnp.int32)
+            return d_B, None
+        q_BW = jax.nn.softmax(logits_BW / jnp.maximum(temperature, 1e-6), axis=-1)
+        return sample_from_probs(key, q_BW), q_BW
+
+    def spec_round(s: LoopState) -> LoopState:
+        key, k_draft, k_accept = jax.random.split(s.key, 3)
+        draft_keys = jax.random.split(k_draft, K)
+        d_ids, q_list = [], []
+        d_B, q_BW = draft_pick(draft_keys[0], s.dlogits_BW)
+        d_ids.append(d_B)
+        q_list.append(q_BW)
+        hidden_BD, dcache = s.dhidden_BD, s.dcache
+        for j in range(1, K):
+            pos_B1 = (s.lengths_B - 1 + j)[:, None]
+            step = draft(draft.to_target_ids(d_B)[:, None], hidden_BD[:, None], pos_B1, embed_VD, dcache)
+            hidden_BD, dcache = step.hidden_BTD[:, 0], step.cache
+            d_B, q_BW = draft_pick(draft_keys[j], step.logits_BTW[:, 0])
+            d_ids.append(d_B)
+            q_list.append(q_BW)
+        drafts_BK = draft.to_target_ids(jnp.stack(d_ids, axis=1))
+
+        ids_BK1 = jnp.concatenate([s.last_B[:, None], drafts_BK], axis=1)
+        pos_BK1 = s.lengths_B[:, None] + jnp.arange(K + 1, dtype=jnp.int32)[None, :]
+        tout = target(ids_BK1, pos_BK1, s.tcache, aux_ids)
+        logits_BK1V = target.logits(tout.hidden_BTD)
+        if greedy:
+            n_acc_B, out_BK1 = greedy_accept(drafts_BK, logits_BK1V)
+        else:
+            p_BK1V = target_probs(logits_BK1V, temperature, top_k, top_p)
+            q_BKW = jnp.stack(q_list, axis=1)
+            target_ids_W = draft.to_target_ids(jnp.arange(q_BKW.shape[-1]))
+            q_BKV = jnp.zeros((B, K, logits_BK1V.shape[-1]), jnp.float32).at[:, :, target_ids_W].set(q_BKW)
+            n_acc_B, out_BK1 = rejection_accept(k_accept, drafts_BK, q_BKV, p_BK1V)
+
+        running_B = s.finish_B == RUNNING
+        tokens_BN, n_out_B, finish_B, n_emit_B = _emit(s, out_BK1, n_acc_B + 1, eos_E)
+        finish_B = _resolve_budget_finish(finish_B, budget_is_max_new_B)
+
+        # Catch-up: the draft re-reads positions n..n+K with the target's true aux states.
+        cstep = draft(out_BK1, draft.fuse(tout.aux_BTX), pos_BK1, embed_VD, dcache)
+        accepted_K = s.accepted_K + jnp.sum(
+            (jnp.arange(K)[None, :] < n_acc_B[:, None]) & running_B[:, None], axis=0).astype(jnp.int32)
+        return LoopState(
+            tokens_BN=tokens_BN, n_out_B=n_out_B, budget_B=s.budget_B, finish_B=finish_B,
+            lengths_B=jnp.where(running_B, s.lengths_B + n_acc_B + 1, s.lengths_B),
+            last_B=jnp.where(running_B, out_BK1[rows_B, n_acc_B], s.last_B),
+            tcache=tout.cache, dcache=cstep.cache,
+            dhidden_BD=jnp.where(running_B[:, None], cstep.hidden_BTD[rows_B, n_acc_B], s.dhidden_BD),
+            dlogits_BW=jnp.where(running_B[:, None], cstep.logits_BTW[rows_B, n_acc_B], s.dlogits_BW),
+            key=key, rounds_B=s.rounds_B + running_B, round_tokens_B=s.round_tokens_B + n_emit_B,
+            accepted_K=accepted_K)
+
+    def target_round(s: LoopState) -> LoopState:
+        key, k = jax.random.split(s.key)
+        tout = target(s.last_B[:, None], s.lengths_B[:, None], s.tcache, ())
+        next_B = sample(k, target.logits(tout.hidden_BTD)[:, 0])
+        running_B = s.finish_B == RUNNING
+        tokens_BN, n_out_B, finish_B, n_emit_B = _emit(s, next_B[:, None], jnp.ones((B,), jnp.int32), eos_E)
+        finish_B = _resolve_budget_finish(finish_B, budget_is_max_new_B)
+        return LoopState(
+            tokens_BN=tokens_BN, n_out_B=n_out_B, budget_B=s.budget_B, finish_B=finish_B,
+            lengths_B=jnp.where(running_B, s.lengths_B + 1, s.lengths_B),
+            last_B=jnp.where(running_B, next_B, s.last_B), tcache=tout.cache, dcache=None, dhidden_BD=None,
+            dlogits_BW=None, key=key, rounds_B=s.rounds_B + running_B, round_tokens_B=s.round_tokens_B + n_emit_B,
+            accepted_K=s.accepted_K)
+
+    body = spec_round if draft is not None else target_round
+    state = jax.lax.while_loop(lambda s: jnp.any(s.finish_B == RUNNING), body, state)
+    return state.tokens_BN, state.n_out_B, state.finish_B, state.rounds_B, state.round_tokens_B, state.accepted_K
