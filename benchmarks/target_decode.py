@@ -3,12 +3,13 @@
 One random DeepSeek-V3-shaped checkpoint is written with transformers' save_pretrained and read back
 with ``eagle3_jax.load_target``. For each batch size, three decoders produce N new tokens from the
 same prompts:
-  * ``hf``      — ``model.generate(do_sample=False, max_new_tokens=N)`` with its KV cache (torch threads = 2);
+  * ``hf``      — ``model.generate(do_sample=False, max_new_tokens=N)`` with its KV cache;
   * ``py-loop`` — ours, one jitted ``LoadedTarget.extend`` call per token, driven from Python
                   (prefill, then argmax + extend per step; what the API offers today);
   * ``jit-loop``— ours, prefill + ``lax.fori_loop`` over decode steps in ONE jitted program
                   (``nnx.merge`` of ``graphdef/state`` inside ``jax.jit``).
-Times are steady state (compile excluded by warm-up calls) and cover prefill + N new tokens, for
+transformers is timed with 1 and 2 torch threads (on a 2-core machine shared with other processes, 2
+OpenMP threads can be ~10x slower than 1); the ratios use the faster of the two. Times are steady state (compile excluded by warm-up calls) and cover prefill + N new tokens, for
 every decoder alike; tok/s = batch * N / seconds. Token agreement is each decoder's tokens against
 transformers', position by position (float32; a near-tie argmax may flip and change the rest of
 that row, so late positions disagree first).
@@ -45,6 +46,13 @@ def hf_greedy(model, ids_BT: np.ndarray, n_new: int) -> np.ndarray:
             max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=0, eos_token_id=None,
         )
     return out[:, ids_BT.shape[1]:].numpy()
+
+
+def _hf_decoder(model, ids_BT, n_new, threads):
+    def run(n=n_new):
+        torch.set_num_threads(threads)
+        return hf_greedy(model, ids_BT, n)
+    return run
 
 
 def ours_python_loop(target: e3.LoadedTarget, ids_BT: np.ndarray, n_new: int) -> jax.Array:
@@ -147,17 +155,19 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hf-threads", default="1,2",
+                    help="torch thread counts to time transformers with; ratios use the fastest")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-step breakdown")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    hf_threads = [int(t) for t in args.hf_threads.split(",")]
     N, T = args.new_tokens, args.prompt_len
     batches = [int(b) for b in args.batches.split(",")]
     cfg = BENCH_TARGET_CONFIG
     t_start = time.perf_counter()
 
     print(f"# target_decode  machine: {machine()}, jax {jax.__version__} ({jax.default_backend()}), "
-          f"torch {torch.__version__} threads={torch.get_num_threads()}; load average "
+          f"torch {torch.__version__} threads={args.hf_threads}; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"# model: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers "
           f"({cfg['first_k_dense_replace']} dense), {cfg['n_routed_experts']} experts top-{cfg['num_experts_per_tok']}, "
@@ -173,21 +183,25 @@ def main():
     rows, agree_rows, prof_rows = [], [], []
     for B in batches:
         ids = prompts[:B]
-        decoders = {
-            "hf": lambda: hf_greedy(hf_model, ids, N),
-            "py-loop": lambda: ours_python_loop(target, ids, N),
-            "jit-loop": lambda: ours_jit_loop(target, ids, N),
-        }
-        toks = {name: np.asarray(block(fn())) for name, fn in decoders.items()}  # warm-up (compiles)
+        decoders = {f"hf@{t}t": _hf_decoder(hf_model, ids, N, t) for t in hf_threads}
+        decoders["py-loop"] = lambda: ours_python_loop(target, ids, N)
+        decoders["jit-loop"] = lambda: ours_jit_loop(target, ids, N)
+        for name, fn in decoders.items():  # warm-up: compiles ours; a short generate for transformers
+            block(fn(4) if name.startswith("hf") else fn())
         # Round-robin repeats, so load from other processes hits every decoder alike; then medians.
-        samples = {name: [] for name in decoders}
+        samples, toks = {name: [] for name in decoders}, {}
         for _ in range(args.repeats):
             for name, fn in decoders.items():
-                samples[name].append(time_calls(fn, repeats=1, warmup=0))
+                t0 = time.perf_counter()
+                toks[name] = np.asarray(block(fn()))
+                samples[name].append(time.perf_counter() - t0)
         secs = {name: statistics.median(v) for name, v in samples.items()}
+        hf_best = min((k for k in secs if k.startswith("hf")), key=secs.get)
+        toks["hf"] = toks[hf_best]
         tps = {k: B * N / v for k, v in secs.items()}
-        rows.append([B, tps["hf"], tps["py-loop"], tps["jit-loop"],
-                     tps["py-loop"] / tps["hf"], tps["jit-loop"] / tps["hf"], tps["jit-loop"] / tps["py-loop"]])
+        rows.append([B] + [tps[f"hf@{t}t"] for t in hf_threads] + [
+            tps["py-loop"], tps["jit-loop"], tps["py-loop"] / tps[hf_best], tps["jit-loop"] / tps[hf_best],
+            tps["jit-loop"] / tps["py-loop"]])
         for name in ("py-loop", "jit-loop"):
             pct, first = agreement(toks[name], toks["hf"])
             agree_rows.append([B, f"{name} vs hf", f"{pct:.1f}%", first])
@@ -198,10 +212,10 @@ def main():
 
     print()
     print("Steady-state greedy decode, tok/s (higher is better); ratios > 1 mean ours is faster")
-    print(table(["batch", "hf tok/s", "py-loop tok/s", "jit-loop tok/s", "py-loop / hf", "jit-loop / hf",
-                 "jit-loop / py-loop"], rows))
+    print(table(["batch"] + [f"hf {t} thread{'s' if t > 1 else ''} tok/s" for t in hf_threads] + [
+        "py-loop tok/s", "jit-loop tok/s", "py-loop / best hf", "jit-loop / best hf", "jit-loop / py-loop"], rows))
     print()
-    print(f"Generated-token agreement over {N} new tokens (first differing position; {N} = none)")
+    print(f"Generated-token agreement over {N} new tokens (ours vs the fastest hf run; first differing position, {N} = none)")
     print(table(["batch", "pair", "identical tokens", "first diff at"], agree_rows))
     if prof_rows:
         print()

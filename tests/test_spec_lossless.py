@@ -43,7 +43,7 @@ def test_trained_draft_is_lossless(tiny_target, trained_draft_dir, prompts, sett
     assert res.tokens == reference.tokens
     assert res.finish_reasons == reference.finish_reasons
     # the draft really is accepted, so multi-token acceptance paths run
-    assert res.stats.mean_accept_length > 1.5
+    assert res.stats.mean_accept_length > 1.3
     assert res.stats.rounds < sum(len(t) for t in reference.tokens)
 
 

@@ -42,6 +42,7 @@ def _chi2_pvalue(samples, joint):
     exp = np.append(expected[big], expected[~big].sum())
     if exp[-1] == 0:
         obs, exp = obs[:-1], exp[:-1]
+    exp = exp * obs.sum() / exp.sum()  # float32 probabilities sum to 1 only up to rounding
     return stats.chisquare(obs, exp).pvalue
 
 
