@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 # pytest exits 5 when it collects nothing; that must fail too, and it does because
 # make propagates every non-zero status.
 test: setup
-	$(VENV)/bin/python -m pytest -n 2 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n 2 --dist loadfile -W ignore::DeprecationWarning $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/python serve.py

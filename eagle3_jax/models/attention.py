@@ -44,21 +44,21 @@ class MLAttention(nnx.Module):
         cfg = self.cfg
         nope, C = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank is None:
-            q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj.value)
+            q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...])
         else:
-            qa_BTQ = self.q_a_layernorm(jnp.einsum("btd,dq->btq", x_BTD, self.q_a_proj.value))
-            q_BTNH = jnp.einsum("btq,qnh->btnh", qa_BTQ, self.q_b_proj.value)
+            qa_BTQ = self.q_a_layernorm(jnp.einsum("btd,dq->btq", x_BTD, self.q_a_proj[...]))
+            q_BTNH = jnp.einsum("btq,qnh->btnh", qa_BTQ, self.q_b_proj[...])
         q_nope_BTNO, q_rope_BTNP = q_BTNH[..., :nope], q_BTNH[..., nope:]
         q_rope_BTNP = apply_rope(q_rope_BTNP, cos_BTP[:, :, None], sin_BTP[:, :, None], cfg.rope_interleave)
 
-        kv_BTX = jnp.einsum("btd,dx->btx", x_BTD, self.kv_a_proj_with_mqa.value)
+        kv_BTX = jnp.einsum("btd,dx->btx", x_BTD, self.kv_a_proj_with_mqa[...])
         latent_BTC = self.kv_a_layernorm(kv_BTX[..., :C])
         k_rope_BTP = apply_rope(kv_BTX[..., C:], cos_BTP, sin_BTP, cfg.rope_interleave)
 
         latent_BSC = write_slots(latent_BSC, latent_BTC, positions_BT)
         rope_BSP = write_slots(rope_BSP, k_rope_BTP, positions_BT)
 
-        w_kv_CNX = self.kv_b_proj.value
+        w_kv_CNX = self.kv_b_proj[...]
         wk_CNO, wv_CNO = w_kv_CNX[..., :nope], w_kv_CNX[..., nope:]
         q_lat_BTNC = jnp.einsum("btno,cno->btnc", q_nope_BTNO, wk_CNO)
         scores_BTNS = (
@@ -68,5 +68,5 @@ class MLAttention(nnx.Module):
         probs_BTNS = masked_softmax(scores_BTNS, causal_slot_mask(positions_BT, latent_BSC.shape[1]))
         out_lat_BTNC = jnp.einsum("btns,bsc->btnc", probs_BTNS.astype(latent_BSC.dtype), latent_BSC)
         out_BTNO = jnp.einsum("btnc,cno->btno", out_lat_BTNC, wv_CNO)
-        y_BTD = jnp.einsum("btno,nod->btd", out_BTNO, self.o_proj.value)
+        y_BTD = jnp.einsum("btno,nod->btd", out_BTNO, self.o_proj[...])
         return y_BTD, latent_BSC, rope_BSP

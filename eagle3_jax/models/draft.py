@@ -43,9 +43,9 @@ class DraftAttention(nnx.Module):
         cfg = self.cfg
         G = cfg.num_key_value_heads
         R = cfg.num_attention_heads // G
-        q_BTNH = jnp.einsum("btx,xnh->btnh", x_BT2D, self.q_proj.value)
-        k_BTGH = jnp.einsum("btx,xgh->btgh", x_BT2D, self.k_proj.value)
-        v_BTGH = jnp.einsum("btx,xgh->btgh", x_BT2D, self.v_proj.value)
+        q_BTNH = jnp.einsum("btx,xnh->btnh", x_BT2D, self.q_proj[...])
+        k_BTGH = jnp.einsum("btx,xgh->btgh", x_BT2D, self.k_proj[...])
+        v_BTGH = jnp.einsum("btx,xgh->btgh", x_BT2D, self.v_proj[...])
         q_BTNH = apply_rope(q_BTNH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
         k_BTGH = apply_rope(k_BTGH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
         if cache is None:  # one causal pass over the given tokens (training, TTT step 0)
@@ -62,7 +62,7 @@ class DraftAttention(nnx.Module):
         S = k_BSGH.shape[1]
         probs = masked_softmax(scores_BTGRS.reshape(B, T, G * R, S), mask_BTS).reshape(B, T, G, R, S)
         out_BTGRH = jnp.einsum("btgrs,bsgh->btgrh", probs.astype(v_BSGH.dtype), v_BSGH)
-        y_BTD = jnp.einsum("btnh,nhd->btd", out_BTGRH.reshape(B, T, G * R, cfg.head_dim), self.o_proj.value)
+        y_BTD = jnp.einsum("btnh,nhd->btd", out_BTGRH.reshape(B, T, G * R, cfg.head_dim), self.o_proj[...])
         return y_BTD, cache
 
 
@@ -100,15 +100,15 @@ class Draft(nnx.Module):
 
     def fuse(self, aux_BTX: jax.Array) -> jax.Array:
         """The target's concatenated aux states -> draft width."""
-        return jnp.einsum("btx,xd->btd", aux_BTX.astype(self.dtype), self.fc.value)
+        return jnp.einsum("btx,xd->btd", aux_BTX.astype(self.dtype), self.fc[...])
 
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
-        return draft_ids + self.d2t.value[draft_ids]
+        return draft_ids + self.d2t[...][draft_ids]
 
     def __call__(self, ids_BT, hidden_BTD, positions_BT, embed_VD=None, cache: KVCache | None = None) -> DraftStep:
         """One decoder pass. ``hidden_BTD`` is fc(aux) or the draft's own previous output;
         ``ids_BT[:, t]`` is the token that follows the position ``hidden_BTD[:, t]`` came from."""
-        table = self.embed_tokens.value if self.embed_tokens is not None else embed_VD
+        table = self.embed_tokens[...] if self.embed_tokens is not None else embed_VD
         emb_BTD = jnp.take(table, ids_BT, axis=0).astype(self.dtype)
         cos, sin = rope_cos_sin(positions_BT, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attn_factor)
         normed_hidden = self.hidden_norm(hidden_BTD)
@@ -117,5 +117,5 @@ class Draft(nnx.Module):
         attn_BTD, cache = self.self_attn(x_BT2D, positions_BT, cos, sin, cache)
         h_BTD = residual_BTD + attn_BTD
         out_BTD = h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
-        logits = jnp.einsum("btd,dw->btw", self.norm(out_BTD), self.lm_head.value).astype(jnp.float32)
+        logits = jnp.einsum("btd,dw->btw", self.norm(out_BTD), self.lm_head[...]).astype(jnp.float32)
         return DraftStep(hidden_BTD=out_BTD, logits_BTW=logits, cache=cache)

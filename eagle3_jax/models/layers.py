@@ -40,7 +40,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.weight.value, self.eps)
+        return rms_norm(x, self.weight[...], self.eps)
 
 
 # ---------------------------------------------------------------------- rotary embeddings
@@ -129,6 +129,6 @@ class SwiGLU(nnx.Module):
         self.down = param(rngs, (width, dim), (width_axis, "embed"), dtype)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        g_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate.value)
-        u_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up.value)
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(g_BTF) * u_BTF, self.down.value)
+        g_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate[...])
+        u_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up[...])
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(g_BTF) * u_BTF, self.down[...])

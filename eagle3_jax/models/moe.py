@@ -140,9 +140,9 @@ class MoE(nnx.Module):
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         B, T, D = x_BTD.shape
         x_MD = x_BTD.reshape(B * T, D)
-        idx_MK, weights_MK = route(x_MD, self.gate.value, self.e_score_correction_bias.value, self.cfg)
+        idx_MK, weights_MK = route(x_MD, self.gate[...], self.e_score_correction_bias[...], self.cfg)
         kernel = EXPERT_KERNELS[self.kernel]
-        ws = (self.w_gate.value, self.w_up.value, self.w_down.value)
+        ws = (self.w_gate[...], self.w_up[...], self.w_down[...])
         mesh = self.mesh
         if mesh is None or (mesh.shape["expert"] == 1 and mesh.shape["tensor"] == 1):
             y_MD = kernel(x_MD, idx_MK, weights_MK, *ws, 0)

@@ -84,13 +84,13 @@ class Target(nnx.Module):
         return MLACache.zeros(cfg.num_hidden_layers, batch, capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim, self.dtype)
 
     def embed(self, ids_BT: jax.Array) -> jax.Array:
-        return jnp.take(self.embed_tokens.value, ids_BT, axis=0)
+        return jnp.take(self.embed_tokens[...], ids_BT, axis=0)
 
     def logits(self, hidden_BTD: jax.Array) -> jax.Array:
         if self.lm_head is None:
-            out = jnp.einsum("btd,vd->btv", hidden_BTD, self.embed_tokens.value)
+            out = jnp.einsum("btd,vd->btv", hidden_BTD, self.embed_tokens[...])
         else:
-            out = jnp.einsum("btd,dv->btv", hidden_BTD, self.lm_head.value)
+            out = jnp.einsum("btd,dv->btv", hidden_BTD, self.lm_head[...])
         return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"))
 
     def __call__(self, ids_BT: jax.Array, positions_BT: jax.Array, cache: MLACache,

@@ -124,7 +124,7 @@ def generate_loop(tgraph, tstate, dgraph, dstate, prompt_BT, prompt_len_B, key, 
     state.tokens_BN, state.n_out_B = tokens_BN, n_out_B
     state.finish_B = _resolve_budget_finish(finish_B, budget_is_max_new_B)
 
-    embed_VD = target.embed_tokens.value
+    embed_VD = target.embed_tokens[...]
     if draft is not None:
         # Draft prefill: pair aux at position t with the token at t+1 (the prompt shifted left,
         # with the target's first new token at each row's end).
