@@ -56,12 +56,12 @@ def make_inputs(M, E, K, D, F, seed=0):
     return x_MD, idx_MK.astype(jnp.int32), weights_MK, w_gate, w_up, w_down
 
 
-def blocked_trips(idx_MK: np.ndarray, E: int) -> tuple[int, int]:
-    """(loop trips, block size) that experts_blocked runs for this routing (same formula as moe.py)."""
+def blocked_trips(idx_MK: np.ndarray, E: int) -> tuple[int, int, int]:
+    """(experts hit, loop trips, block rows) of experts_blocked for this routing (moe.py's formula)."""
     M, K = idx_MK.shape
     b = block_rows(M * K, E)
     counts = np.bincount(np.asarray(idx_MK).reshape(-1), minlength=E)
-    return int(((counts + b - 1) // b).sum()), b
+    return int((counts > 0).sum()), int(((counts + b - 1) // b).sum()), b
 
 
 def time_compiled(compiled, args, repeats: int, slow_s: float) -> float:
@@ -106,12 +106,12 @@ def main():
                 ms[name] = 1e3 * time_compiled(compiled, inputs, args.repeats, args.slow_s)
             base.setdefault("blocked", ms["blocked"])
             base.setdefault("ragged", ms["ragged"])
-            trips, b = blocked_trips(np.asarray(inputs[1]), E)
+            hit, trips, b = blocked_trips(np.asarray(inputs[1]), E)
             ref = outs["dense"]
             scale = float(np.abs(ref).max())
             d_blk = float(np.abs(outs["blocked"] - ref).max())
             d_rag = float(np.abs(outs["ragged"] - ref).max())
-            rows.append([M, E, f"{trips} x {b}", ms["blocked"], ms["ragged"], ms["dense"],
+            rows.append([M, E, hit, f"{trips} x {b}", ms["blocked"], ms["ragged"], ms["dense"],
                          ms["blocked"] / base["blocked"], ms["ragged"] / base["ragged"],
                          ms["ragged"] / ms["blocked"], ms["dense"] / ms["blocked"],
                          f"{d_blk:.1e} / {d_rag:.1e}", f"{max(d_blk, d_rag) / scale:.1e}"])
@@ -120,9 +120,9 @@ def main():
 
     print()
     print("Expert compute vs number of experts (ms per call; growth columns are relative to the first E of that M)")
-    print(table(["M rows", "E", "blocked trips x rows", "blocked ms", "ragged ms", "dense ms",
+    print(table(["M rows", "E", "experts hit", "blocked trips x rows", "blocked ms", "ragged ms", "dense ms",
                  "blocked growth", "ragged growth", "ragged / blocked", "dense / blocked",
-                 "max|Δ| blk / rag vs dense", "rel"], rows))
+                 "max abs diff blk / rag vs dense", "diff / max abs y"], rows))
     print(f"\n# total wall time {time.perf_counter() - t_start:.0f} s; load average at end "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} (other processes share these cores)")
 

@@ -35,17 +35,31 @@ def tiny_target(tiny_target_dir):
     return e3.load_target(tiny_target_dir)
 
 
+def _shared_dir(tmp_path_factory):
+    """A directory shared by all pytest-xdist workers of this run (one build, many readers)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
-def trained_draft_dir(tiny_target, tmp_path_factory):
-    """A draft trained on the tiny target's own outputs, saved in the SpecForge layout."""
+def trained_draft_dir(tiny_target_dir, tiny_target, tmp_path_factory):
+    """A draft trained on the tiny target's own outputs, saved in the SpecForge layout.
+
+    The tiny target is rebuilt bit-identically by every worker (fixed seed), so the draft trained
+    by whichever worker gets here first serves them all.
+    """
+    from filelock import FileLock
+
     from tests import spec_fixtures
 
-    cfg = spec_fixtures.tiny_draft_config(tiny_target.config)
-    draft = e3.build_draft(cfg, tiny_target, seed=0)
-    seqs = spec_fixtures.target_greedy_corpus(tiny_target)
-    trained, _ = spec_fixtures.train_draft_on_target(tiny_target, draft, seqs)
-    path = tmp_path_factory.mktemp("drafts") / "trained"
-    e3.save_draft(trained, path)
+    path = _shared_dir(tmp_path_factory) / "trained_draft"
+    with FileLock(str(path) + ".lock"):
+        if not path.exists():
+            cfg = spec_fixtures.tiny_draft_config(tiny_target.config)
+            draft = e3.build_draft(cfg, tiny_target, seed=0)
+            seqs = spec_fixtures.target_greedy_corpus(tiny_target)
+            trained, _ = spec_fixtures.train_draft_on_target(tiny_target, draft, seqs)
+            e3.save_draft(trained, path)
     return path
 
 
