@@ -132,16 +132,23 @@ def build_target(cfg: TargetConfig, dtype="float32", mesh=None, seed: int | None
 
 
 def load_target(path: str | os.PathLike, dtype="float32", mesh=None, moe_kernel: str | None = None) -> LoadedTarget:
-    """Loads a Hugging Face DeepseekV3 / Kimi-K2 / Kimi-K2.5 checkpoint directory."""
+    """Loads a Hugging Face DeepseekV3 / Kimi-K2 / Kimi-K2.5 checkpoint directory (bf16/fp32, FP8
+    block-scaled or INT4 pack-quantized, dequantized on load) or one converted by ``tools.convert``."""
+    from eagle3_jax.checkpoint import quant, store
+
     path = os.fspath(path)
     cfg = TargetConfig.from_path(path)
     dtype = resolve_dtype(dtype)
     mesh = resolve_mesh(mesh)
     abstract = nnx.eval_shape(lambda: Target(cfg, dtype, None, mesh=mesh, moe_kernel=moe_kernel))
     graphdef, abstract_state = nnx.split(abstract)
+    if store.is_jax_checkpoint(path):
+        state = store.restore_state(path, abstract_state, mesh, kind="target")
+        return LoadedTarget(nnx.merge(graphdef, state), mesh)
     reader = CheckpointReader(path)
     state = load_state(reader, target_rules(cfg), abstract_state, prefix=cfg.weight_prefix,
-                       ignore=lambda k: is_ignored_key(cfg, k), mesh=mesh, where=path)
+                       ignore=lambda k: is_ignored_key(cfg, k), mesh=mesh, where=path,
+                       read=quant.dequantizing_reader(cfg.hf_config, dtype, where=path))
     return LoadedTarget(nnx.merge(graphdef, state), mesh)
 
 
@@ -208,21 +215,31 @@ def load_draft(path: str | os.PathLike, target: LoadedTarget, dtype=None) -> Loa
     target, fc's input width equals len(ids) x target hidden, vocabularies agree, d2t stays inside
     the target vocab, a shared embedding has the draft's width.
     """
+    from eagle3_jax.checkpoint import store
     from eagle3_jax.checkpoint.draft_map import draft_rules
 
     path = os.fspath(path)
     cfg = DraftConfig.from_path(path)
     dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
-    reader = CheckpointReader(path)
-    if "fc.weight" not in reader:
-        raise CheckpointError(
-            f"{path}: no fc.weight: this is not an EAGLE-3 draft (EAGLE-3 fuses the target's aux states with fc). "
-            "An EAGLE-1/2 draft cannot be served as EAGLE-3")
-    fc_out, fc_in = reader.shape("fc.weight")
-    own_embedding = "embed_tokens.weight" in reader
-    d2t = reader.read("d2t") if "d2t" in reader else None
-    ids = _check_and_wire(cfg, target, fc_in, d2t, reader.shape("embed_tokens.weight")[1] if own_embedding else None)
-    maps = tuple(m for m in ("d2t", "t2d") if m in reader)
+    if store.is_jax_checkpoint(path):  # converted by tools.convert: the same facts from its metadata
+        reader, stored = None, store.read_meta(path)["params"]
+        fc_in = stored["fc"]["shape"][0]
+        own_embedding = "embed_tokens" in stored
+        d2t = store.restore_arrays(path, ["d2t"])["d2t"] if "d2t" in stored else None
+        embed_width = stored["embed_tokens"]["shape"][1] if own_embedding else None
+        maps = tuple(m for m in ("d2t", "t2d") if m in stored)
+    else:
+        reader = CheckpointReader(path)
+        if "fc.weight" not in reader:
+            raise CheckpointError(
+                f"{path}: no fc.weight: this is not an EAGLE-3 draft (EAGLE-3 fuses the target's aux states with fc). "
+                "An EAGLE-1/2 draft cannot be served as EAGLE-3")
+        fc_out, fc_in = reader.shape("fc.weight")
+        own_embedding = "embed_tokens.weight" in reader
+        d2t = reader.read("d2t") if "d2t" in reader else None
+        embed_width = reader.shape("embed_tokens.weight")[1] if own_embedding else None
+        maps = tuple(m for m in ("d2t", "t2d") if m in reader)
+    ids = _check_and_wire(cfg, target, fc_in, d2t, embed_width)
     if "d2t" not in maps and cfg.draft_vocab_size != cfg.vocab_size:
         raise CheckpointError(
             f"{path}: draft_vocab_size={cfg.draft_vocab_size} < vocab_size={cfg.vocab_size} but the checkpoint has no "
@@ -236,8 +253,11 @@ def load_draft(path: str | os.PathLike, target: LoadedTarget, dtype=None) -> Loa
         fill[("t2d",)] = t2d
     abstract = nnx.eval_shape(lambda: Draft(cfg, len(ids), dtype, None, own_embedding=own_embedding))
     graphdef, abstract_state = nnx.split(abstract)
-    state = load_state(reader, draft_rules(cfg, len(ids), own_embedding, maps), abstract_state,
-                       mesh=target.mesh, where=path, fill=fill)
+    if reader is None:
+        state = store.restore_state(path, abstract_state, target.mesh, kind="draft", fill=fill)
+    else:
+        state = load_state(reader, draft_rules(cfg, len(ids), own_embedding, maps), abstract_state,
+                           mesh=target.mesh, where=path, fill=fill)
     return LoadedDraft(nnx.merge(graphdef, state), target, ids)
 
 

@@ -45,33 +45,8 @@ def load_state(
     read = read or (lambda r, key: r.read(key))
     rules = list(rules)
     flat = _flat(abstract_state)
-    on_disk = set(reader.keys())
-    used: set[str] = set()
-    missing, bad_shape = [], []
-    for rule in rules:
-        keys = [prefix + k for k in rule.hf_keys]
-        used.update(keys)
-        absent = [k for k in keys if k not in on_disk and not _has_quantized(on_disk, k)]
-        if absent:
-            missing.extend(absent)
-    # A quantized weight is stored as several tensors (weight + scales); those count as used.
-    for k in list(on_disk):
-        base = _quantized_base(k)
-        if base is not None and base in used:
-            used.add(k)
-    unexpected = sorted(k for k in on_disk - used if not ignore(k))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing tensor(s), e.g. {missing[:5]}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected tensor(s), e.g. {unexpected[:5]}")
-        raise CheckpointError(
-            f"{where or 'checkpoint'}: " + "; ".join(parts) +
-            ". The tensors do not match config.json: check that the config belongs to these weights "
-            "(layer count, q_lora_rank, expert count, first_k_dense_replace)"
-        )
-    skipped = sorted(k for k in on_disk - used)
+    bad_shape = []
+    skipped = check_keys(reader.keys(), rules, prefix=prefix, ignore=ignore, where=where)
     if skipped:
         log.info("%s: skipped %d tensors not used for serving (e.g. %s)", where, len(skipped), skipped[:3])
 
@@ -110,6 +85,39 @@ def load_state(
     for path, var in flat.items():
         var.value = values[path]
     return nnx.from_flat_state(list(flat.items()))
+
+
+def check_keys(on_disk: Iterable[str], rules: Iterable, *, prefix: str = "",
+               ignore: Callable[[str], bool] = lambda key: False, where: str = "") -> list[str]:
+    """Raises one CheckpointError listing every missing and unexpected tensor; returns the
+    on-disk tensors ``ignore`` skipped (not used by the model)."""
+    on_disk = set(on_disk)
+    used: set[str] = set()
+    missing = []
+    for rule in rules:
+        keys = [prefix + k for k in rule.hf_keys]
+        used.update(keys)
+        absent = [k for k in keys if k not in on_disk and not _has_quantized(on_disk, k)]
+        if absent:
+            missing.extend(absent)
+    # A quantized weight is stored as several tensors (weight + scales); those count as used.
+    for k in list(on_disk):
+        base = _quantized_base(k)
+        if base is not None and base in used:
+            used.add(k)
+    unexpected = sorted(k for k in on_disk - used if not ignore(k))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing tensor(s), e.g. {missing[:5]}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected tensor(s), e.g. {unexpected[:5]}")
+        raise CheckpointError(
+            f"{where or 'checkpoint'}: " + "; ".join(parts) +
+            ". The tensors do not match config.json: check that the config belongs to these weights "
+            "(layer count, q_lora_rank, expert count, first_k_dense_replace)"
+        )
+    return sorted(on_disk - used)
 
 
 QUANT_SUFFIXES = ("_scale_inv", "_packed", "_scale", "_shape", "_zero_point")

@@ -1,0 +1,460 @@
+"""Conversions between Hugging Face safetensors checkpoints and our JAX (orbax) checkpoints.
+
+Both directions stream one parameter at a time through the rule tables in
+``eagle3_jax.checkpoint.{target,draft}_map`` (the tables the loaders use), so peak host memory is
+bounded by the orbax parts in flight (two, see store.DEFAULT_PART_BYTES) or, for big models, by
+about three of the largest parameter (one layer's stacked experts), never by the model. Output is written into ``DST.tmp-XXXX`` beside DST and renamed when complete; a run that
+fails or is killed leaves no directory at DST.
+
+Byte-identical round trip: to-jax without ``--dtype`` keeps every parameter in its source dtype
+and records the dtype of each on-disk tensor that differs from its parameter's (e.g. an fp32
+router beside bf16 weights), so to-hf writes back the same names, dtypes, shapes and bytes.
+Tensors the model does not use (DeepSeek-V3's MTP layer, Kimi-K2.5's vision tower, rotary
+caches) are dropped and listed in eagle3_jax.json. FP8 / INT4 weights are dequantized on to-jax
+(bf16 unless ``--dtype`` says otherwise) and exported as bf16: there is no requantization, and
+the exported config.json loses its quantization_config accordingly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax.checkpoint import quant, store
+from eagle3_jax.checkpoint.hf_loader import check_keys
+from eagle3_jax.checkpoint.safetensors import (DTYPES, INDEX_FILE_NAME, CheckpointReader, CheckpointWriter,
+                                               dtype_code, parse_size)
+from eagle3_jax.errors import CheckpointError, ConfigError
+from eagle3_jax.sharding import make_mesh, sharding_for
+from tools.convert.models import DRAFT, TARGET, ModelSpec, detect_kind, draft_spec, draft_wiring, target_spec
+
+log = logging.getLogger("tools.convert")
+
+# Set to N to make to-jax / to-hf stop (sleep) after N parameters: lets a test kill a conversion
+# part-way through and check that nothing complete-looking is left behind.
+PAUSE_ENV = "EAGLE3_JAX_CONVERT_PAUSE_AFTER"
+
+DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Files that make a directory a checkpoint; everything else at the top level (tokenizer,
+# generation_config.json, chat template, remote code) is copied across unchanged.
+_NOT_EXTRAS = {"config.json", store.META_FILE, INDEX_FILE_NAME}
+
+
+# ---------------------------------------------------------------------- small helpers
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"no {Path(path).name} in {Path(path).parent}; point at a checkpoint directory") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+
+
+def _is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _common_float(dtypes) -> np.dtype:
+    """One dtype for a parameter built from several tensors: theirs if they agree, else float32."""
+    dtypes = {np.dtype(d) for d in dtypes}
+    return dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)
+
+
+def _copy_extras(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for p in sorted(src.iterdir()):
+        if p.is_file() and p.name not in _NOT_EXTRAS and not p.name.endswith(".safetensors") \
+                and not p.name.endswith(".safetensors.index.json"):
+            shutil.copy2(p, dst / p.name)
+            copied.append(p.name)
+    return copied
+
+
+class _Lazy(Sequence):
+    """The tensors of one rule, each read when the rule asks for it and not kept: a rule that
+    transposes and stacks 384 experts then holds the transposed copies, not the originals too."""
+
+    def __init__(self, keys, read):
+        self._keys, self._read = list(keys), read
+
+    def __len__(self):
+        return len(self._keys)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._read(k) for k in self._keys[i]]
+        return self._read(self._keys[i])
+
+
+def _pause_hook(done: int) -> None:
+    n = os.environ.get(PAUSE_ENV)
+    if n is not None and done == int(n):
+        print(f"[convert] paused after {done} parameters ({PAUSE_ENV})", file=sys.stderr, flush=True)
+        time.sleep(3600)
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=desc, mininterval=0.5,
+                file=sys.stderr, dynamic_ncols=True)
+
+
+@contextlib.contextmanager
+def staging(dst: Path, overwrite: bool) -> Iterator[Path]:
+    """A fresh ``DST.tmp-XXXX`` beside DST, renamed to DST on success and removed on failure.
+
+    With ``overwrite`` an existing DST is swapped out only after the new one is complete.
+    """
+    dst = Path(dst)
+    if (dst.exists() or dst.is_symlink()) and not overwrite:
+        raise CheckpointError(f"{dst} already exists; choose another output directory or pass --overwrite")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".tmp-", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 is for the staging name, not the result
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dst.exists() or dst.is_symlink():
+        old = Path(tempfile.mkdtemp(prefix=dst.name + ".old-", dir=dst.parent))
+        os.rmdir(old)
+        os.rename(dst, old)
+        os.rename(tmp, dst)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()
+    else:
+        os.rename(tmp, dst)
+
+
+# ---------------------------------------------------------------------- reading an HF directory
+def hf_spec(src: Path, reader: CheckpointReader, dtype=jnp.float32) -> ModelSpec:
+    hf = read_json(src / "config.json")
+    where = str(src / "config.json")
+    kind, arch = detect_kind(hf, where)
+    if kind == TARGET:
+        return target_spec(hf, arch, dtype, where)
+    from eagle3_jax.config import DraftConfig
+
+    return draft_spec(hf, arch, draft_wiring(DraftConfig.from_hf_dict(hf, where), reader, str(src)), dtype, where)
+
+
+def jax_spec(src: Path, meta: dict, dtype=jnp.float32) -> ModelSpec:
+    hf = read_json(src / "config.json")
+    where = str(src / "config.json")
+    if meta.get("kind") == TARGET:
+        return target_spec(hf, meta.get("architecture", ""), dtype, where)
+    if meta.get("kind") == DRAFT:
+        return draft_spec(hf, meta.get("architecture", ""), meta["wiring"], dtype, where)
+    raise CheckpointError(f"{src}: {store.META_FILE} has kind {meta.get('kind')!r}, expected target or draft")
+
+
+def _source_kind(reader, key: str, var) -> str:
+    """PLAIN / FP8 / INT4 for float parameters; integer and bool parameters (vocab maps) are read as is."""
+    if _is_float(var.value.dtype):
+        return quant.classify(reader, key)
+    code = reader.dtype_code(key)
+    ok = ("BOOL",) if var.value.dtype == jnp.bool_ else quant.INT_CODES
+    if code not in ok:
+        raise CheckpointError(f"{key}: dtype {code} is not supported here; expected one of {', '.join(ok)}")
+    return quant.PLAIN
+
+
+def preflight(reader: CheckpointReader, spec: ModelSpec, where: str) -> dict:
+    """Everything that can be checked from headers, before a byte of data is converted:
+    missing / unexpected tensors, unsupported dtypes, element counts against config.json."""
+    dropped = check_keys(reader.keys(), spec.rules, prefix=spec.prefix, ignore=spec.ignore, where=where)
+    problems, kinds = [], {}
+    for rule in spec.rules:
+        var = spec.flat[rule.path]
+        count, readable = 0, True
+        for k in rule.hf_keys:
+            key = spec.prefix + k
+            try:
+                kinds[key] = _source_kind(reader, key, var)
+                count += math.prod(quant.logical_shape(reader, key) if kinds[key] != quant.PLAIN
+                                   else reader.shape(key))
+            except CheckpointError as e:
+                problems.append(str(e))
+                readable = False
+        if readable and count != math.prod(var.value.shape):
+            key = spec.prefix + rule.hf_keys[0]
+            shapes = [quant.logical_shape(reader, spec.prefix + k) for k in rule.hf_keys[:2]]
+            problems.append(
+                f"{key}: shape {shapes[0]}" + (f" (and {len(rule.hf_keys) - 1} more like it)" if len(shapes) > 1 else "")
+                + f" holds {count} values in all, but config.json implies {store.param_name(rule.path)} of "
+                  f"shape {tuple(var.value.shape)} ({math.prod(var.value.shape)} values)")
+    if problems:
+        raise CheckpointError(f"{where}: {len(problems)} problem(s): " + "; ".join(problems[:5]) +
+                              ". Use the config.json that belongs to these weights, or re-export them")
+    skip = set(dropped)
+    used_bytes = sum(reader.nbytes(k) for k in reader.keys() if k not in skip)
+    return {"dropped": dropped, "kinds": kinds, "bytes": used_bytes}
+
+
+# ---------------------------------------------------------------------- to-jax
+def _on_disk(reader, key: str) -> list[str]:
+    """The stored tensors behind one logical weight (itself, or its quantized pieces)."""
+    return [x for x in (key, key + "_scale_inv", key + "_packed", key + "_scale", key + "_shape") if x in reader]
+
+
+def _convert_rule(reader, spec: ModelSpec, rule, kinds: dict, scheme, keep_source: bool):
+    """One parameter in our layout, and {hf key: on-disk dtype code} for the tensors whose code
+    differs from the parameter's (what to-hf needs to write them back as they were)."""
+    var = spec.flat[rule.path]
+    keys = [spec.prefix + k for k in rule.hf_keys]
+    if _is_float(var.value.dtype):
+        want = _common_float(quant.source_dtype(reader, k) for k in keys) if keep_source else np.dtype(var.value.dtype)
+        arrays = _Lazy(keys, lambda k: quant.read_dequantized(reader, k, want, scheme))
+    else:  # vocab maps: integers / bools, converted by the rule itself
+        want = np.dtype(var.value.dtype)
+        arrays = _Lazy(keys, reader.read)
+    name, shape = store.param_name(rule.path), tuple(var.value.shape)
+    try:
+        value = np.asarray(rule.to_ours(arrays))
+    except ValueError as e:
+        raise CheckpointError(f"{keys[0]}: shape {quant.logical_shape(reader, keys[0])} cannot form {name} {shape} "
+                              f"({e}); use the config.json of these weights") from None
+    if value.shape != shape:
+        raise CheckpointError(f"{keys[0]}: found shape {quant.logical_shape(reader, keys[0])}, config.json implies "
+                              f"{name} {shape} in our layout; use the config.json of these weights")
+    if value.dtype != want:
+        value = value.astype(want)
+    code = dtype_code(want)
+    # Dequantized weights go back out as bf16 (no requantization).
+    disk = {k: reader.dtype_code(k) if kinds[k] == quant.PLAIN else "BF16" for k in keys}
+    return value, {k: c for k, c in disk.items() if c != code}
+
+
+def to_jax(src, dst, dtype: str | None = None, mesh: str | None = None, overwrite: bool = False,
+           part_size=store.DEFAULT_PART_BYTES, progress: bool = True) -> dict:
+    """HF safetensors directory -> our JAX checkpoint directory. Returns the written metadata."""
+    src, dst = Path(src), Path(dst)
+    if store.is_jax_checkpoint(src):
+        raise CheckpointError(f"{src} is already an eagle3-jax checkpoint; use to-hf to export it")
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise ConfigError(f"--dtype {dtype!r} is not supported; use one of {sorted(DTYPE_NAMES)}")
+    part_bytes = parse_size(part_size)
+    the_mesh = make_mesh(mesh) if mesh else None
+    with staging(dst, overwrite) as tmp, CheckpointReader(src) as reader:
+        spec = hf_spec(src, reader, DTYPE_NAMES[dtype] if dtype else jnp.float32)
+        scheme = quant.QuantScheme.from_hf_config(spec.hf_config, str(src / "config.json"))
+        plan = preflight(reader, spec, str(src))
+        if plan["dropped"]:
+            log.warning("%s: dropping %d tensor(s) the model does not use (e.g. %s); they are listed in %s",
+                        src, len(plan["dropped"]), plan["dropped"][:3], store.META_FILE)
+        writer = store.StoreWriter(tmp, part_bytes)
+        try:
+            hf_dtypes: dict[str, str] = {}
+            dequantized: Counter = Counter()
+            n_values = 0
+            bar = _progress(plan["bytes"], f"to-jax {src.name}") if progress else None
+            for done, rule in enumerate(spec.rules, start=1):
+                var = spec.flat[rule.path]
+                value, codes = _convert_rule(reader, spec, rule, plan["kinds"], scheme, keep_source=dtype is None)
+                hf_dtypes.update(codes)
+                dequantized.update(plan["kinds"][spec.prefix + k] for k in rule.hf_keys
+                                   if plan["kinds"][spec.prefix + k] != quant.PLAIN)
+                n_values += value.size
+                nbytes = sum(reader.nbytes(x) for k in rule.hf_keys for x in _on_disk(reader, spec.prefix + k))
+                if the_mesh is not None:
+                    value = jax.device_put(value, sharding_for(the_mesh, getattr(var, "axes", None), value.shape))
+                writer.add(rule.path, value)
+                del value
+                if bar is not None:
+                    bar.update(nbytes)
+                _pause_hook(done)
+            meta = {
+                "kind": spec.kind,
+                "architecture": spec.architecture,
+                "dtype": dtype or "source",
+                "num_values": int(n_values),
+                "wiring": spec.wiring,
+                "saved_with_mesh": mesh,
+                "hf": {
+                    "weight_prefix": spec.prefix,
+                    # on-disk dtype of each tensor whose dtype differs from its parameter's
+                    "dtypes": dict(sorted(hf_dtypes.items())),
+                    "dropped": plan["dropped"],
+                    "dequantized": dict(dequantized),
+                    "quantization_config": (spec.hf_config.get("quantization_config")
+                                            or (spec.hf_config.get("text_config") or {}).get("quantization_config")),
+                    "source_bytes": plan["bytes"],
+                },
+            }
+            _write_json(tmp / "config.json", spec.hf_config)
+            meta["extras"] = _copy_extras(src, tmp)
+            if bar is not None:
+                bar.close()
+            full = writer.close(meta)
+        except BaseException:
+            writer.abort()
+            raise
+    return full
+
+
+# ---------------------------------------------------------------------- to-hf
+def _exported_config(hf: dict, meta: dict) -> dict:
+    """The config.json to write back; a dequantized checkpoint no longer has a quantization_config."""
+    if not meta["hf"].get("dequantized"):
+        return hf
+    hf = json.loads(json.dumps(hf))
+    for d in (hf, hf.get("text_config") or {}):
+        d.pop("quantization_config", None)
+        for key in ("torch_dtype", "dtype"):
+            if key in d:
+                d[key] = "bfloat16"
+    return hf
+
+
+def to_hf(src, dst, max_shard_size="5GB", overwrite: bool = False, progress: bool = True) -> list[Path]:
+    """Our JAX checkpoint directory -> HF safetensors (original names, dtypes, per-expert layout)."""
+    src, dst = Path(src), Path(dst)
+    meta = store.read_meta(src)
+    spec = jax_spec(src, meta)
+    rules = {store.param_name(r.path): r for r in spec.rules}
+    stored = meta["params"]
+    if set(rules) != set(stored):
+        raise CheckpointError(
+            f"{src}: stored parameters and config.json disagree: missing {sorted(set(rules) - set(stored))[:5]}, "
+            f"unexpected {sorted(set(stored) - set(rules))[:5]}; convert the original checkpoint again")
+    prefix = meta["hf"]["weight_prefix"]
+    hf_dtypes = meta["hf"]["dtypes"]
+    total = sum(math.prod(e["shape"]) * jnp.dtype(e["dtype"]).itemsize for e in stored.values())
+    with staging(dst, overwrite) as tmp:
+        bar = _progress(total, f"to-hf {src.name}") if progress else None
+        done = 0
+        with CheckpointWriter(tmp, max_shard_bytes=parse_size(max_shard_size)) as writer:
+            for name, value in store.iter_params(src):
+                rule = rules[name]
+                for key, arr in zip(rule.hf_keys, rule.to_hf(value)):
+                    key = prefix + key
+                    code = hf_dtypes.get(key)
+                    if code is not None and dtype_code(arr.dtype) != code:
+                        arr = arr.astype(DTYPES[code])
+                    writer.add(key, arr)
+                if bar is not None:
+                    bar.update(value.nbytes)
+                del value
+                done += 1
+                _pause_hook(done)
+        _write_json(tmp / "config.json", _exported_config(read_json(src / "config.json"), meta))
+        for name in meta.get("extras", []):
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)
+        if bar is not None:
+            bar.close()
+        written = [dst / p.name for p in writer.files]
+    if meta["hf"]["dropped"]:
+        log.warning("%s: %d tensor(s) of the original checkpoint were dropped on to-jax and are not in %s "
+                    "(e.g. %s)", src, len(meta["hf"]["dropped"]), dst, meta["hf"]["dropped"][:3])
+    return written
+
+
+# ---------------------------------------------------------------------- inspect
+def _pattern(name: str) -> str:
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def _summarize(entries) -> list[str]:
+    """(name, shape, dtype) rows grouped by name pattern (layer / expert indices as *)."""
+    groups: dict = {}
+    for name, shape, dt in entries:
+        key = (_pattern(name), tuple(shape), str(dt))
+        groups[key] = groups.get(key, 0) + 1
+    width = max((len(k[0]) for k in groups), default=0)
+    return [f"  {pat:<{width}}  {list(shape)!s:<20} {dt:<9} x{n}" for (pat, shape, dt), n in groups.items()]
+
+
+def _wiring_lines(spec: ModelSpec, target_cfg=None) -> list[str]:
+    cfg = spec.cfg
+    if spec.kind == TARGET:
+        q = "null" if cfg.q_lora_rank is None else cfg.q_lora_rank
+        return [
+            f"layers {cfg.num_hidden_layers} (first {cfg.first_k_dense_replace} dense), hidden {cfg.hidden_size}, "
+            f"heads {cfg.num_attention_heads}, q_lora {q}, kv_lora {cfg.kv_lora_rank}, vocab {cfg.vocab_size}",
+            f"experts {cfg.n_routed_experts} routed + {cfg.n_shared_experts} shared, top {cfg.num_experts_per_tok}, "
+            f"groups {cfg.n_group} keep {cfg.topk_group}, rope {cfg.rope.rope_type}",
+            f"default EAGLE-3 aux layer ids for a draft: {list(cfg.default_aux_layer_ids())}",
+        ]
+    n_aux = spec.wiring["n_aux"]
+    ids = list(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None
+    fc_in = n_aux * cfg.target_hidden_size
+    lines = [
+        f"aux layer ids: {ids if ids is not None else 'not in config (the target default [1, L//2-1, L-4] applies)'}",
+        f"fc: [{fc_in} -> {cfg.hidden_size}] = {n_aux} aux states x target hidden {cfg.target_hidden_size}",
+        f"hidden {cfg.hidden_size}, heads {cfg.num_attention_heads} (kv {cfg.num_key_value_heads}), "
+        f"intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}, draft vocab {cfg.draft_vocab_size}",
+        f"vocab maps: {', '.join(spec.wiring['vocab_maps']) or 'none'}; "
+        f"own embedding: {'yes' if spec.wiring['own_embedding'] else 'no (uses the target embedding)'}",
+    ]
+    if ids is not None and len(ids) != n_aux:
+        lines.append(f"WARNING: config lists {len(ids)} aux layer ids but fc takes {n_aux} aux states")
+    return lines
+
+
+def inspect(path) -> str:
+    path = Path(path)
+    out = [f"path: {path}"]
+    if store.is_jax_checkpoint(path):
+        meta = store.read_meta(path)
+        spec = jax_spec(path, meta)
+        params = meta["params"]
+        n = sum(math.prod(e["shape"]) for e in params.values())
+        nbytes = sum(math.prod(e["shape"]) * jnp.dtype(e["dtype"]).itemsize for e in params.values())
+        out += [f"format: eagle3-jax checkpoint v{meta['format_version']} ({len(meta['parts'])} orbax part(s))",
+                f"kind: {meta['kind']}   architecture: {meta['architecture']}   dtype: {meta['dtype']}"]
+        out += _wiring_lines(spec)
+        out.append(f"parameters: {n:,} values in {len(params)} arrays, {nbytes / 1e9:.3f} GB")
+        deq = meta["hf"].get("dequantized") or {}
+        if deq:
+            out.append("dequantized from: " + ", ".join(f"{v} {k} tensors" for k, v in deq.items())
+                       + " (to-hf writes them as bf16, not requantized)")
+        dropped = meta["hf"].get("dropped") or []
+        out.append(f"dropped on conversion (not used by the model): {len(dropped)} tensor(s)"
+                   + (f", e.g. {dropped[:3]}" if dropped else ""))
+        out.append("arrays:")
+        out += _summarize((name, e["shape"], e["dtype"]) for name, e in params.items())
+        return "\n".join(out)
+    with CheckpointReader(path) as reader:
+        spec = hf_spec(path, reader)
+        scheme = quant.QuantScheme.from_hf_config(spec.hf_config)
+        dropped = check_keys(reader.keys(), spec.rules, prefix=spec.prefix, ignore=spec.ignore, where=str(path))
+        codes = Counter(reader.dtype_code(k) for k in reader.keys())
+        n_model = sum(math.prod(v.value.shape) for v in spec.flat.values())
+        out += [f"format: Hugging Face safetensors ({len(reader.files)} file(s), {reader.total_bytes() / 1e9:.3f} GB)",
+                f"kind: {spec.kind}   architecture: {spec.architecture}"]
+        out += _wiring_lines(spec)
+        out.append(f"quantization: {scheme.method or 'none'}"
+                   + (f" (block {scheme.fp8_block[0]}x{scheme.fp8_block[1]})" if scheme.method == "fp8" else "")
+                   + (f" (INT4 group {scheme.int4_group})" if scheme.method == "compressed-tensors" else ""))
+        out.append(f"tensors: {len(reader)} (" + ", ".join(f"{c} {n}" for c, n in codes.most_common()) + ")")
+        out.append(f"parameters used by the model: {n_model:,}")
+        out.append(f"not used (dropped by to-jax): {len(dropped)} tensor(s)" + (f", e.g. {dropped[:3]}" if dropped else ""))
+        out.append("tensors:")
+        out += _summarize((k, reader.shape(k), reader.dtype_code(k)) for k in reader.keys())
+        return "\n".join(out)

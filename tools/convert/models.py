@@ -1,0 +1,96 @@
+"""What each kind of checkpoint (target, draft) needs for conversion: its config, its rule table
+(the same tables the loaders use, so converting and loading cannot disagree), and the abstract
+model state that gives every parameter's shape, logical axes and default dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle3_jax.checkpoint.draft_map import draft_rules
+from eagle3_jax.checkpoint.target_map import is_ignored_key, target_rules
+from eagle3_jax.config import DRAFT_ARCHITECTURES, TARGET_ARCHITECTURES, TARGET_MODEL_TYPES, DraftConfig, TargetConfig
+from eagle3_jax.errors import CheckpointError, ConfigError
+
+TARGET, DRAFT = "target", "draft"
+
+
+@dataclass
+class ModelSpec:
+    kind: str
+    architecture: str
+    cfg: Any                                  # TargetConfig | DraftConfig
+    rules: list                               # [Rule], in export order
+    prefix: str                               # on-disk key prefix ("language_model." for Kimi-K2.5)
+    ignore: Callable[[str], bool]             # on-disk tensors the model does not use
+    flat: dict                                # our param path -> abstract nnx.Variable
+    wiring: dict = field(default_factory=dict)  # JSON-able facts needed to rebuild the rules
+
+    @property
+    def hf_config(self) -> dict:
+        return self.cfg.to_hf_dict()
+
+
+def detect_kind(hf: dict, where: str = "config.json") -> tuple[str, str]:
+    """(kind, architecture) from config.json's ``architectures`` (then model_type / eagle_config)."""
+    archs = hf.get("architectures") or []
+    for a in archs:
+        if a in TARGET_ARCHITECTURES:
+            return TARGET, a
+        if a in DRAFT_ARCHITECTURES:
+            return DRAFT, a
+    if archs:
+        raise ConfigError(
+            f"{where}: architectures {archs} is neither a target ({', '.join(TARGET_ARCHITECTURES)}) nor an "
+            f"EAGLE-3 draft ({', '.join(DRAFT_ARCHITECTURES)}); this tool converts only those")
+    if hf.get("model_type") in TARGET_MODEL_TYPES or "text_config" in hf:
+        return TARGET, "DeepseekV3ForCausalLM"
+    if "eagle_config" in hf or "draft_vocab_size" in hf:
+        return DRAFT, DRAFT_ARCHITECTURES[0]
+    raise ConfigError(f"{where}: no architectures field and nothing else that says target or draft; "
+                      "add \"architectures\": [\"DeepseekV3ForCausalLM\"] or [\"LlamaForCausalLMEagle3\"]")
+
+
+def _flat(module_fn) -> dict:
+    abstract = nnx.eval_shape(module_fn)
+    _, state = nnx.split(abstract)
+    return {tuple(p): v for p, v in nnx.to_flat_state(state)}
+
+
+def target_spec(hf: dict, architecture: str, dtype=jnp.float32, where: str = "config.json") -> ModelSpec:
+    from eagle3_jax.models.target import Target
+
+    cfg = TargetConfig.from_hf_dict(hf, where)
+    return ModelSpec(TARGET, architecture, cfg, target_rules(cfg), cfg.weight_prefix,
+                     lambda k: is_ignored_key(cfg, k), _flat(lambda: Target(cfg, dtype, None)))
+
+
+def draft_wiring(cfg: DraftConfig, reader, where: str) -> dict:
+    """What the draft's tensors say about its wiring: aux count (from fc), own embedding, vocab maps."""
+    if "fc.weight" not in reader:
+        raise CheckpointError(f"{where}: no fc.weight, so this is not an EAGLE-3 draft (EAGLE-3 fuses the target's "
+                              "aux hidden states with fc); EAGLE-1/2 drafts are not supported")
+    fc_out, fc_in = reader.shape("fc.weight")
+    if fc_in % cfg.target_hidden_size:
+        raise CheckpointError(
+            f"{where}: fc.weight is [{fc_out}, {fc_in}] but {fc_in} is not a multiple of target_hidden_size="
+            f"{cfg.target_hidden_size}; fc must take n_aux x target hidden inputs. Fix target_hidden_size in config.json")
+    return {"n_aux": fc_in // cfg.target_hidden_size, "own_embedding": "embed_tokens.weight" in reader,
+            "vocab_maps": [m for m in ("d2t", "t2d") if m in reader]}
+
+
+def draft_spec(hf: dict, architecture: str, wiring: dict, dtype=jnp.float32,
+               where: str = "config.json") -> ModelSpec:
+    from eagle3_jax.models.draft import Draft
+
+    cfg = DraftConfig.from_hf_dict(hf, where)
+    n_aux, own = int(wiring["n_aux"]), bool(wiring["own_embedding"])
+    rules = draft_rules(cfg, n_aux, own, tuple(wiring["vocab_maps"]))
+    flat = _flat(lambda: Draft(cfg, n_aux, dtype, None, own_embedding=own))
+    # A draft without a stored vocab map gets the identity one the model builds; it is not a tensor.
+    ruled = {r.path for r in rules}
+    flat = {p: v for p, v in flat.items() if p in ruled}
+    return ModelSpec(DRAFT, architecture, cfg, rules, "", lambda k: False, flat, dict(wiring))
