@@ -22,7 +22,7 @@ from eagle3_jax.metrics import GenerationStats, check_acceptance
 from eagle3_jax.models.cache import MLACache
 from eagle3_jax.models.draft import Draft
 from eagle3_jax.models.target import Target
-from eagle3_jax.spec.generate import FINISH_NAMES, generate_loop
+from eagle3_jax.spec.generate import FINISH_NAMES, Sampling, generate_loop
 from eagle3_jax.sharding import make_mesh, shard_state
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -325,13 +325,15 @@ class Generator:
         d = self.draft
         start = time.perf_counter()
         with mesh_context(self.mesh):
+            sp = Sampling(jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p), jnp.asarray(eos))
             out = generate_loop(
                 self.target.graphdef, self.target.state, d.graphdef if d else None, d.state if d else None,
-                jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(seed), jnp.float32(max(temperature, 1e-6)),
-                jnp.int32(top_k), jnp.float32(top_p), jnp.asarray(eos),
+                jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(seed), sp,
                 num_draft=self.num_draft_tokens, max_new=int(max_new_tokens), capacity=self.max_len,
                 aux_ids=d.aux_layer_ids if d else (), greedy=greedy)
-            tokens, n_out, finish, rounds, round_tokens, accepted = jax.device_get(out)
+            tokens, n_out, finish, rounds, round_tokens, accepted_BK = jax.device_get(
+                (out.tokens_BN, out.n_out_B, out.finish_B, out.rounds_B, out.round_tokens_B, out.accepted_BK))
+            accepted = accepted_BK[:B].sum(0)
         seconds = time.perf_counter() - start
         stats = GenerationStats(
             rounds=int(rounds[:B].sum()), tokens=int(n_out[:B].sum()), round_tokens=int(round_tokens[:B].sum()),

@@ -18,6 +18,7 @@ independently (EOS, max_new_tokens, max_len) and stop advancing, and the loop en
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ class LoopState:
     tokens_BN: jax.Array       # emitted tokens
     n_out_B: jax.Array         # how many emitted
     budget_B: jax.Array        # min(max_new_tokens, max_len - prompt_len)
+    budget_is_max_new_B: jax.Array  # which of the two limits the budget is (for finish reasons)
     finish_B: jax.Array        # RUNNING / FINISH_*
     lengths_B: jax.Array       # target cache length n
     last_B: jax.Array          # token at position n
@@ -49,22 +51,29 @@ class LoopState:
     key: jax.Array
     rounds_B: jax.Array
     round_tokens_B: jax.Array
-    accepted_K: jax.Array
+    accepted_BK: jax.Array     # per row: rounds in which draft position i was accepted
 
 
+@jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class SamplingParams:
-    greedy: bool
+class Sampling:
+    """Sampling settings as traced scalars (one compiled program serves every value)."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    eos_E: jax.Array
 
 
-def _choose(key, logits_BV, greedy, temperature, top_k, top_p):
+def _choose(key, logits_BV, greedy, sp: Sampling):
     if greedy:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    return sample_from_probs(key, target_probs(logits_BV, temperature, top_k, top_p))
+    return sample_from_probs(key, target_probs(logits_BV, sp.temperature, sp.top_k, sp.top_p))
 
 
 def _emit(state: LoopState, new_BJ, n_new_B, eos_E):
-    """Appends up to n_new tokens per running row; truncates after EOS and at the budget."""
+    """Appends up to n_new tokens per running row; truncates after EOS and at the budget.
+    Returns (tokens, n_out, finish, n_emitted); finish already names the limit that was hit."""
     B, J = new_BJ.shape
     running_B = state.finish_B == RUNNING
     room_B = state.budget_B - state.n_out_B
@@ -78,29 +87,19 @@ def _emit(state: LoopState, new_BJ, n_new_B, eos_E):
     rows_BJ = jnp.broadcast_to(jnp.arange(B)[:, None], (B, J))
     tokens_BN = state.tokens_BN.at[rows_BJ, slots_BJ].set(new_BJ, mode="drop")
     n_out_B = state.n_out_B + n_B
+    budget_finish_B = jnp.where(state.budget_is_max_new_B, FINISH_LENGTH, FINISH_CAPACITY)
     finish_B = jnp.where(
         ~running_B, state.finish_B,
-        jnp.where(hit_eos_B, FINISH_EOS, jnp.where(n_out_B >= state.budget_B, -1, RUNNING)))
-    return tokens_BN, n_out_B, finish_B, n_B
+        jnp.where(hit_eos_B, FINISH_EOS, jnp.where(n_out_B >= state.budget_B, budget_finish_B, RUNNING)))
+    return tokens_BN, n_out_B, finish_B.astype(jnp.int32), n_B
 
 
-def _resolve_budget_finish(finish_B, budget_is_max_new_B):
-    # -1 marks "budget exhausted": say whether max_new_tokens or max_len was the limit.
-    return jnp.where(finish_B == -1, jnp.where(budget_is_max_new_B, FINISH_LENGTH, FINISH_CAPACITY), finish_B)
-
-
-@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "num_draft", "max_new", "capacity", "aux_ids",
-                                             "greedy"))
-def generate_loop(tgraph, tstate, dgraph, dstate, prompt_BT, prompt_len_B, key, temperature, top_k, top_p, eos_E,
-                  *, num_draft: int, max_new: int, capacity: int, aux_ids: tuple, greedy: bool):
-    target = nnx.merge(tgraph, tstate)
-    draft = nnx.merge(dgraph, dstate) if dgraph is not None else None
+def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, *, num_draft, max_new, capacity,
+             aux_ids, greedy) -> LoopState:
+    """Runs the prompts through the target (and the draft) and emits each row's first token."""
     K = num_draft if draft is not None else 0
     B, T = prompt_BT.shape
-    sample = functools.partial(_choose, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
     rows_B = jnp.arange(B)
-
-    # ---------------------------------------------------------------- prefill
     tcache = target.init_cache(B, capacity)
     tcache = MLACache(constrain(tcache.latent_LBSC, (None, "batch", "cache_seq", "kv_lora")),
                       constrain(tcache.rope_LBSP, (None, "batch", "cache_seq", None)))
@@ -108,43 +107,47 @@ def generate_loop(tgraph, tstate, dgraph, dstate, prompt_BT, prompt_len_B, key, 
     out = target(prompt_BT, positions_BT, tcache, aux_ids if draft is not None else ())
     last_hidden_BD = out.hidden_BTD[rows_B, prompt_len_B - 1]
     key, k0 = jax.random.split(key)
-    first_B = sample(k0, target.logits(last_hidden_BD[:, None])[:, 0])
+    first_B = _choose(k0, target.logits(last_hidden_BD[:, None])[:, 0], greedy, sp)
 
     max_new_B = jnp.full((B,), max_new, jnp.int32)
     room_B = capacity - prompt_len_B
     budget_B = jnp.minimum(max_new_B, room_B)
-    budget_is_max_new_B = max_new_B <= room_B
     state = LoopState(
         tokens_BN=jnp.zeros((B, max_new), jnp.int32), n_out_B=jnp.zeros((B,), jnp.int32), budget_B=budget_B,
+        budget_is_max_new_B=max_new_B <= room_B,
         finish_B=jnp.where(budget_B > 0, RUNNING, FINISH_CAPACITY).astype(jnp.int32),
         lengths_B=prompt_len_B.astype(jnp.int32), last_B=first_B, tcache=out.cache, dcache=None,
         dhidden_BD=None, dlogits_BW=None, key=key, rounds_B=jnp.zeros((B,), jnp.int32),
-        round_tokens_B=jnp.zeros((B,), jnp.int32), accepted_K=jnp.zeros((max(K, 1),), jnp.int32))
-    tokens_BN, n_out_B, finish_B, _ = _emit(state, first_B[:, None], jnp.ones((B,), jnp.int32), eos_E)
-    state.tokens_BN, state.n_out_B = tokens_BN, n_out_B
-    state.finish_B = _resolve_budget_finish(finish_B, budget_is_max_new_B)
-
-    embed_VD = target.embed_tokens[...]
+        round_tokens_B=jnp.zeros((B,), jnp.int32), accepted_BK=jnp.zeros((B, max(K, 1)), jnp.int32))
+    state.tokens_BN, state.n_out_B, state.finish_B, _ = _emit(
+        state, first_B[:, None], jnp.ones((B,), jnp.int32), sp.eos_E)
     if draft is not None:
         # Draft prefill: pair aux at position t with the token at t+1 (the prompt shifted left,
         # with the target's first new token at each row's end).
         shifted_BT = jnp.concatenate([prompt_BT[:, 1:], jnp.zeros((B, 1), prompt_BT.dtype)], axis=1)
         shifted_BT = shifted_BT.at[rows_B, prompt_len_B - 1].set(first_B)
-        dcache = draft.init_cache(B, capacity)
-        dstep = draft(shifted_BT, draft.fuse(out.aux_BTX), positions_BT, embed_VD, dcache)
+        dstep = draft(shifted_BT, draft.fuse(out.aux_BTX), positions_BT, target.embed_tokens[...],
+                      draft.init_cache(B, capacity))
         state.dcache = dstep.cache
         state.dhidden_BD = dstep.hidden_BTD[rows_B, prompt_len_B - 1]
         state.dlogits_BW = dstep.logits_BTW[rows_B, prompt_len_B - 1]
+    return state
 
-    # ---------------------------------------------------------------- rounds
+
+def _round_fn(target, draft, sp: Sampling, *, num_draft, aux_ids, greedy):
+    """One round of the loop body: speculative with a draft, plain decoding without."""
+    embed_VD = target.embed_tokens[...]
+
     def draft_pick(key, logits_BW):
         if greedy:
-            d_B = jnp.argmax(logits_BW, axis=-1).astype(jnp.int32)
-            return d_B, None
-        q_BW = jax.nn.softmax(logits_BW / jnp.maximum(temperature, 1e-6), axis=-1)
+            return jnp.argmax(logits_BW, axis=-1).astype(jnp.int32), None
+        q_BW = jax.nn.softmax(logits_BW / jnp.maximum(sp.temperature, 1e-6), axis=-1)
         return sample_from_probs(key, q_BW), q_BW
 
     def spec_round(s: LoopState) -> LoopState:
+        K = num_draft
+        B = s.last_B.shape[0]
+        rows_B = jnp.arange(B)
         key, k_draft, k_accept = jax.random.split(s.key, 3)
         draft_keys = jax.random.split(k_draft, K)
         d_ids, q_list = [], []
@@ -168,44 +171,110 @@ def generate_loop(tgraph, tstate, dgraph, dstate, prompt_BT, prompt_len_B, key, 
         if greedy:
             n_acc_B, out_BK1 = greedy_accept(drafts_BK, logits_BK1V)
         else:
-            p_BK1V = target_probs(logits_BK1V, temperature, top_k, top_p)
+            p_BK1V = target_probs(logits_BK1V, sp.temperature, sp.top_k, sp.top_p)
             q_BKW = jnp.stack(q_list, axis=1)
             target_ids_W = draft.to_target_ids(jnp.arange(q_BKW.shape[-1]))
             q_BKV = jnp.zeros((B, K, logits_BK1V.shape[-1]), jnp.float32).at[:, :, target_ids_W].set(q_BKW)
             n_acc_B, out_BK1 = rejection_accept(k_accept, drafts_BK, q_BKV, p_BK1V)
 
         running_B = s.finish_B == RUNNING
-        tokens_BN, n_out_B, finish_B, n_emit_B = _emit(s, out_BK1, n_acc_B + 1, eos_E)
-        finish_B = _resolve_budget_finish(finish_B, budget_is_max_new_B)
+        tokens_BN, n_out_B, finish_B, n_emit_B = _emit(s, out_BK1, n_acc_B + 1, sp.eos_E)
 
         # Catch-up: the draft re-reads positions n..n+K with the target's true aux states.
         cstep = draft(out_BK1, draft.fuse(tout.aux_BTX), pos_BK1, embed_VD, dcache)
-        accepted_K = s.accepted_K + jnp.sum(
-            (jnp.arange(K)[None, :] < n_acc_B[:, None]) & running_B[:, None], axis=0).astype(jnp.int32)
-        return LoopState(
-            tokens_BN=tokens_BN, n_out_B=n_out_B, budget_B=s.budget_B, finish_B=finish_B,
+        accepted_BK = s.accepted_BK + ((jnp.arange(K)[None, :] < n_acc_B[:, None]) & running_B[:, None])
+        return dataclasses.replace(
+            s, tokens_BN=tokens_BN, n_out_B=n_out_B, finish_B=finish_B,
             lengths_B=jnp.where(running_B, s.lengths_B + n_acc_B + 1, s.lengths_B),
             last_B=jnp.where(running_B, out_BK1[rows_B, n_acc_B], s.last_B),
             tcache=tout.cache, dcache=cstep.cache,
             dhidden_BD=jnp.where(running_B[:, None], cstep.hidden_BTD[rows_B, n_acc_B], s.dhidden_BD),
             dlogits_BW=jnp.where(running_B[:, None], cstep.logits_BTW[rows_B, n_acc_B], s.dlogits_BW),
             key=key, rounds_B=s.rounds_B + running_B, round_tokens_B=s.round_tokens_B + n_emit_B,
-            accepted_K=accepted_K)
+            accepted_BK=accepted_BK.astype(jnp.int32))
 
     def target_round(s: LoopState) -> LoopState:
         key, k = jax.random.split(s.key)
         tout = target(s.last_B[:, None], s.lengths_B[:, None], s.tcache, ())
-        next_B = sample(k, target.logits(tout.hidden_BTD)[:, 0])
+        next_B = _choose(k, target.logits(tout.hidden_BTD)[:, 0], greedy, sp)
         running_B = s.finish_B == RUNNING
-        tokens_BN, n_out_B, finish_B, n_emit_B = _emit(s, next_B[:, None], jnp.ones((B,), jnp.int32), eos_E)
-        finish_B = _resolve_budget_finish(finish_B, budget_is_max_new_B)
-        return LoopState(
-            tokens_BN=tokens_BN, n_out_B=n_out_B, budget_B=s.budget_B, finish_B=finish_B,
+        tokens_BN, n_out_B, finish_B, n_emit_B = _emit(s, next_B[:, None], jnp.ones_like(next_B), sp.eos_E)
+        return dataclasses.replace(
+            s, tokens_BN=tokens_BN, n_out_B=n_out_B, finish_B=finish_B,
             lengths_B=jnp.where(running_B, s.lengths_B + 1, s.lengths_B),
-            last_B=jnp.where(running_B, next_B, s.last_B), tcache=tout.cache, dcache=None, dhidden_BD=None,
-            dlogits_BW=None, key=key, rounds_B=s.rounds_B + running_B, round_tokens_B=s.round_tokens_B + n_emit_B,
-            accepted_K=s.accepted_K)
+            last_B=jnp.where(running_B, next_B, s.last_B), tcache=tout.cache, key=key,
+            rounds_B=s.rounds_B + running_B, round_tokens_B=s.round_tokens_B + n_emit_B)
 
-    body = spec_round if draft is not None else target_round
-    state = jax.lax.while_loop(lambda s: jnp.any(s.finish_B == RUNNING), body, state)
-    return state.tokens_BN, state.n_out_B, state.finish_B, state.rounds_B, state.round_tokens_B, state.accepted_K
+    return spec_round if draft is not None else target_round
+
+
+def _merge_models(tgraph, tstate, dgraph, dstate):
+    return nnx.merge(tgraph, tstate), (nnx.merge(dgraph, dstate) if dgraph is not None else None)
+
+
+_STATIC = ("tgraph", "dgraph", "num_draft", "max_new", "capacity", "aux_ids", "greedy")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def generate_loop(tgraph, tstate, dgraph, dstate, prompt_BT, prompt_len_B, key, sp: Sampling,
+                  *, num_draft: int, max_new: int, capacity: int, aux_ids: tuple, greedy: bool) -> LoopState:
+    """Prefill + rounds until every row is done, in one program."""
+    target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
+    state = _prefill(target, draft, prompt_BT, prompt_len_B, key, sp, num_draft=num_draft, max_new=max_new,
+                     capacity=capacity, aux_ids=aux_ids, greedy=greedy)
+    body = _round_fn(target, draft, sp, num_draft=num_draft, aux_ids=aux_ids, greedy=greedy)
+    return jax.lax.while_loop(lambda s: jnp.any(s.finish_B == RUNNING), body, state)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+def admit_rows(tgraph, tstate, dgraph, dstate, state: LoopState, admit_B, prompt_BT, prompt_len_B, sp: Sampling,
+               *, num_draft: int, max_new: int, capacity: int, aux_ids: tuple, greedy: bool) -> LoopState:
+    """Prefills new prompts into the rows marked by ``admit_B``; other rows keep their state."""
+    target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
+    key, k_new = jax.random.split(state.key)
+    fresh = _prefill(target, draft, prompt_BT, prompt_len_B, k_new, sp, num_draft=num_draft, max_new=max_new,
+                     capacity=capacity, aux_ids=aux_ids, greedy=greedy)
+    fresh.key = key
+    return _merge_rows(admit_B, fresh, state)
+
+
+def _merge_rows(mask_B, new: LoopState, old: LoopState) -> LoopState:
+    """Row-wise select between two loop states; the target cache keeps layers first, batch second."""
+
+    def rows(axis):
+        def sel(n, o):
+            m = mask_B.reshape((1,) * axis + (-1,) + (1,) * (n.ndim - axis - 1))
+            return jnp.where(m, n, o)
+        return sel
+
+    merged = jax.tree_util.tree_map(rows(0), dataclasses.replace(new, tcache=None, key=None),
+                                    dataclasses.replace(old, tcache=None, key=None))
+    return dataclasses.replace(merged, tcache=jax.tree_util.tree_map(rows(1), new.tcache, old.tcache), key=new.key)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+def run_rounds(tgraph, tstate, dgraph, dstate, state: LoopState, max_rounds, sp: Sampling,
+               *, num_draft: int, max_new: int, capacity: int, aux_ids: tuple, greedy: bool) -> LoopState:
+    """At most ``max_rounds`` rounds (stops early when no row is running)."""
+    target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
+    body = _round_fn(target, draft, sp, num_draft=num_draft, aux_ids=aux_ids, greedy=greedy)
+
+    def cond(c):
+        s, r = c
+        return jnp.any(s.finish_B == RUNNING) & (r < max_rounds)
+
+    state, _ = jax.lax.while_loop(cond, lambda c: (body(c[0]), c[1] + 1), (state, jnp.int32(0)))
+    return state
+
+
+FINISH_IDLE = 4  # an empty row of a continuous batch
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("batch",))
+def blank_state(tgraph, tstate, dgraph, dstate, batch: int, key, sp: Sampling,
+                *, num_draft: int, max_new: int, capacity: int, aux_ids: tuple, greedy: bool) -> LoopState:
+    """A loop state with every row idle, ready for ``admit_rows``."""
+    target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
+    state = _prefill(target, draft, jnp.zeros((batch, 1), jnp.int32), jnp.ones((batch,), jnp.int32), key, sp,
+                     num_draft=num_draft, max_new=max_new, capacity=capacity, aux_ids=aux_ids, greedy=greedy)
+    return dataclasses.replace(state, finish_B=jnp.full((batch,), FINISH_IDLE, jnp.int32))
