@@ -17,6 +17,7 @@ from eagle3_jax.checkpoint.hf_loader import load_state
 from eagle3_jax.checkpoint.safetensors import CheckpointReader
 from eagle3_jax.checkpoint.target_map import is_ignored_key, target_rules
 from eagle3_jax.config import DraftConfig, TargetConfig
+from eagle3_jax.distributed import fetch
 from eagle3_jax.errors import CheckpointError, ConfigError
 from eagle3_jax.metrics import GenerationStats, check_acceptance
 from eagle3_jax.models.cache import MLACache
@@ -331,8 +332,8 @@ class Generator:
                 jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(seed), sp,
                 num_draft=self.num_draft_tokens, max_new=int(max_new_tokens), capacity=self.max_len,
                 aux_ids=d.aux_layer_ids if d else (), greedy=greedy)
-            tokens, n_out, finish, rounds, round_tokens, accepted_BK = jax.device_get(
-                (out.tokens_BN, out.n_out_B, out.finish_B, out.rounds_B, out.round_tokens_B, out.accepted_BK))
+            tokens, n_out, finish, rounds, round_tokens, accepted_BK = (fetch(x) for x in (
+                out.tokens_BN, out.n_out_B, out.finish_B, out.rounds_B, out.round_tokens_B, out.accepted_BK))
             accepted = accepted_BK[:B].sum(0)
         seconds = time.perf_counter() - start
         stats = GenerationStats(
