@@ -1,0 +1,278 @@
+"""``python serve.py``: the crash-safe batch generation job.
+
+Everything that can be checked cheaply is checked before the model loads: settings, the target's
+config, the tokenizer, every input line, the output file and its settings. Then prompts stream
+through the refill-batching engine and each finished prompt is appended to the output at once.
+Exit status: 0 done (or nothing to do), 1 an error (message on stderr), 2 bad command line,
+130 interrupted (rerun the same command to finish).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import warnings
+from typing import Callable
+
+from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.metrics import AcceptanceCollapseWarning
+from eagle3_jax.serve.inputs import InputError, PromptRecord, read_prompts
+from eagle3_jax.serve.output import ResumableOutput, sidecar_path
+from eagle3_jax.serve.report import RunStats, Watchdog, metrics_dict, summary_table, write_metrics
+from eagle3_jax.serve.settings import EMIT_CHOICES, ServeSettings, read_yaml_config
+
+log = logging.getLogger("eagle3_jax")
+
+NO_TARGET_MESSAGE = """\
+serve.py generates completions for a JSONL file of prompts with a DeepSeek-V3-class target and,
+optionally, an EAGLE-3 draft. Point it at a model:
+
+    python serve.py --target HF_TARGET_DIR [--draft EAGLE3_DRAFT_DIR] \\
+        --input prompts.jsonl --output out.jsonl [--max-new-tokens 256] [--mesh data=1,expert=8,tensor=1]
+
+prompts.jsonl has one {"id": ..., "messages": [...]} or {"id": ..., "prompt": "..."} per line.
+Rerunning the same command after a crash resumes where it stopped. `python serve.py --help` lists
+every option; configs/serve/*.yaml are example --config files.
+(The embedded demo models are not shipped yet.)
+"""
+BAD_LINES_SHOWN = 20
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="serve.py", description="Crash-safe batch generation with a target and an optional EAGLE-3 draft.",
+        epilog="Settings may also come from --config FILE.yaml (same keys); flags given here win.")
+    a = p.add_argument
+    a("--target", help="Hugging Face DeepseekV3 / Kimi-K2 / Kimi-K2.5 checkpoint directory (or a converted one)")
+    a("--draft", help="EAGLE-3 draft directory (SpecForge / SGLang layout); omit for target-only decoding")
+    a("--input", help="prompts JSONL: {\"id\", \"messages\"} or {\"id\", \"prompt\"} per line")
+    a("--output", help="results JSONL, appended as prompts finish; its settings go to OUTPUT.settings.json")
+    a("--max-new-tokens", type=int, help="tokens to generate per prompt (default 256)")
+    a("--temperature", type=float, help="0 = greedy (default); > 0 samples")
+    a("--top-p", type=float, help="nucleus sampling mass (default 1.0 = off)")
+    a("--top-k", type=int, help="sample from the k most likely tokens (default 0 = off)")
+    a("--num-draft-tokens", type=int, help="draft tokens per verify round (default 4)")
+    a("--batch-size", type=int, help="rows generated together (default 8)")
+    a("--max-len", type=int, help="prompt + generation capacity per row in tokens (default 2048)")
+    a("--mesh", help="device mesh, e.g. data=1,expert=8,tensor=1; 'auto' (default) puts every device on expert, "
+                     "'none' runs on one device")
+    a("--seed", type=int, help="sampling seed (default 0)")
+    a("--emit", choices=EMIT_CHOICES, help="'text' (default): id, text, num_tokens, finish_reason, accept_length; "
+                                          "'training': the prompt's messages + the generated assistant turn")
+    a("--metrics", help="write the run's totals (tok/s, tau, per-position acceptance) to this JSON file")
+    a("--config", help="YAML file of defaults for the options above")
+    a("--overwrite", action="store_const", const=True, default=None,
+      help="discard an existing output written with other settings and start over")
+    a("--skip-bad-lines", action="store_const", const=True, default=None,
+      help="skip malformed input lines (reported) instead of stopping before generation")
+    a("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+      help="compute dtype; 'auto' (default) = the checkpoint's torch_dtype")
+    return p
+
+
+def settings_from_argv(argv) -> ServeSettings:
+    ns = vars(build_parser().parse_args(argv))
+    config_path = ns.pop("config")
+    yaml_values = read_yaml_config(config_path) if config_path else {}
+    return ServeSettings.merged(yaml_values, ns)
+
+
+# ---------------------------------------------------------------------- helpers
+def resolve_dtype_name(dtype: str, target_cfg) -> str:
+    from eagle3_jax.api import DTYPES
+
+    if dtype != "auto":
+        return dtype
+    hf = target_cfg.hf_config or {}
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    for d in (text, hf):
+        name = d.get("torch_dtype") or d.get("dtype")
+        if name in DTYPES:
+            return name
+    return "bfloat16"
+
+
+def resolve_mesh(spec: str):
+    import jax
+
+    from eagle3_jax.sharding import make_mesh
+
+    if spec == "none":
+        return None
+    if spec == "auto":
+        return make_mesh(None) if jax.device_count() > 1 else None
+    return make_mesh(spec)
+
+
+def load_models(s: ServeSettings, dtype: str):
+    import eagle3_jax as e3
+
+    mesh = resolve_mesh(s.mesh)
+    log.info("loading target %s (%s%s)", s.target, dtype, f", mesh {dict(mesh.shape)}" if mesh is not None else "")
+    target = e3.load_target(s.target, dtype=dtype, mesh=mesh)
+    draft = None
+    if s.draft:
+        log.info("loading draft %s", s.draft)
+        draft = e3.load_draft(s.draft, target)
+    return target, draft
+
+
+def tokenize(tok, rec: PromptRecord) -> tuple[list[int] | None, str | None]:
+    """Token ids, or the error that goes into this prompt's finish_reason."""
+    import jinja2
+
+    try:
+        ids = tok.encode_chat(rec.messages) if rec.messages is not None else tok.encode(rec.prompt)
+    except jinja2.TemplateError as e:
+        return None, f"error: chat template failed on this conversation: {e}"
+    if not ids:
+        return None, "error: prompt is empty (0 tokens)"
+    return ids, None
+
+
+def result_record(rec: PromptRecord, emit: str, text: str, num_tokens: int, finish_reason: str,
+                  accept_length: float | None) -> dict:
+    if emit == "training":
+        msgs = list(rec.prompt_messages())
+        if not finish_reason.startswith("error"):
+            msgs.append({"role": "assistant", "content": text})
+        return {"id": rec.id, "messages": msgs, "finish_reason": finish_reason}
+    return {"id": rec.id, "text": text, "num_tokens": num_tokens, "finish_reason": finish_reason,
+            "accept_length": accept_length}
+
+
+def generation_text(tok, tokens: list[int], finish_reason: str) -> str:
+    # The stop token ends the answer; it is not part of it.
+    if finish_reason == "eos" and tokens and tokens[-1] in tok.eos_token_ids:
+        tokens = tokens[:-1]
+    return tok.decode(tokens)
+
+
+# ---------------------------------------------------------------------- the job
+def run(s: ServeSettings, models: Callable | None = None, engine_module=None) -> int:
+    """Runs the job. ``models(settings, dtype) -> (target, draft)`` and ``engine_module`` (with
+    ``Engine`` and ``Request``) replace the defaults in tests."""
+    from eagle3_jax.config import DraftConfig, TargetConfig
+    from eagle3_jax.tokenizer import TokenizerError, check_vocab, load_tokenizer
+
+    s.validate()
+    target_cfg = TargetConfig.from_path(s.target)
+    if s.draft:
+        DraftConfig.from_path(s.draft)   # a wrong --draft path fails now, not after the target has loaded
+    dtype = resolve_dtype_name(s.dtype, target_cfg)
+    tok = load_tokenizer(s.target)
+    check_vocab(tok, target_cfg.vocab_size, s.target)
+    log.info("%s", tok.describe())
+
+    records, bad = read_prompts(s.input)
+    if bad:
+        shown = "\n  ".join(bad[:BAD_LINES_SHOWN]) + (f"\n  ... and {len(bad) - BAD_LINES_SHOWN} more"
+                                                     if len(bad) > BAD_LINES_SHOWN else "")
+        if not s.skip_bad_lines:
+            raise InputError(f"{s.input}: {len(bad)} malformed line(s); nothing was generated. Fix them or pass "
+                             f"--skip-bad-lines:\n  {shown}")
+        log.warning("%s: skipping %d malformed line(s):\n  %s", s.input, len(bad), shown)
+    if not records:
+        print(f"{s.input} has no prompts; nothing to do.")
+        return 0
+    if tok.chat_template is None and any(r.messages is not None for r in records):
+        raise TokenizerError(f"{s.target}: the inputs have 'messages' but the tokenizer has no chat template "
+                             "(tokenizer_config.json 'chat_template' or chat_template.jinja); add one or give "
+                             "plain 'prompt' inputs")
+
+    k = s.num_draft_tokens if s.draft else 0
+    fingerprint = s.fingerprint(dtype, tok.eos_token_ids, tok.kind)
+    stats = RunStats(k)
+    with ResumableOutput(s.output, fingerprint, s.overwrite) as out:
+        pending = [r for r in records if r.key not in out.done]
+        already = len(records) - len(pending)
+        if already:
+            log.info("%s: %d of %d prompts already done; generating the other %d", s.output, already,
+                     len(records), len(pending))
+        if not pending:
+            print(f"all {len(records)} prompts are already in {s.output}; nothing to do.")
+            return 0
+        log.info("settings recorded in %s", sidecar_path(s.output))
+        requests, by_key = [], {}
+        engine_module = engine_module or importlib.import_module("eagle3_jax.spec.engine")
+        for rec in pending:
+            ids, error = tokenize(tok, rec)
+            if error is None and len(ids) >= s.max_len:
+                error = f"error: prompt has {len(ids)} tokens, max_len is {s.max_len}"
+            if error is not None:
+                log.warning("prompt %s (line %d): %s", rec.key, rec.line, error)
+                out.append(result_record(rec, s.emit, "", 0, error, None))
+                stats.add(0, error)
+                continue
+            requests.append(engine_module.Request(key=rec.key, prompt=ids))
+            by_key[rec.key] = rec
+        if requests:
+            _generate(s, tok, dtype, requests, by_key, out, stats, models or load_models, engine_module)
+
+    print(summary_table(stats, already, len(bad)))
+    if s.metrics:
+        write_metrics(s.metrics, metrics_dict(stats, already, len(bad), dict(s.as_dict(), dtype=dtype)))
+        log.info("metrics written to %s", s.metrics)
+    return 0
+
+
+def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, engine_module) -> None:
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    target, draft = models(s, dtype)
+    k = stats.k
+    engine = engine_module.Engine(
+        target, draft=draft, num_draft_tokens=s.num_draft_tokens, max_len=s.max_len, batch_size=s.batch_size,
+        max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+        eos_token_ids=tuple(tok.eos_token_ids))
+    watchdog = Watchdog(k, context=s.output)
+    stats.start_clock()
+    with logging_redirect_tqdm(), tqdm(total=len(requests), unit="prompt", desc="serve", dynamic_ncols=True,
+                                       mininterval=0.5) as bar:
+        for fin in engine.run(requests):
+            rec = by_key[fin.key]
+            tau = round(fin.round_tokens / fin.rounds, 4) if k and fin.rounds else None
+            out.append(result_record(rec, s.emit, generation_text(tok, fin.tokens, fin.finish_reason),
+                                     len(fin.tokens), fin.finish_reason, tau))
+            stats.add(len(fin.tokens), fin.finish_reason, fin.rounds, fin.round_tokens,
+                      fin.accepted_per_position if k else ())
+            stats.tick()
+            bar.set_postfix_str(stats.postfix(), refresh=False)
+            bar.update(1)
+            watchdog.maybe_check(stats)
+    stats.tick()
+    # The engine itself runs the acceptance check on its totals when the run ends.
+
+
+def main(argv=None, models: Callable | None = None, engine_module=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s",
+                            datefmt="%H:%M:%S")
+        log.setLevel(logging.INFO)
+    # The watchdog logs its warning (above the progress bar); the same text as a Python warning
+    # would only print it a second time.
+    warnings.simplefilter("ignore", AcceptanceCollapseWarning)
+    try:
+        s = settings_from_argv(argv)
+    except Eagle3Error as e:
+        print(f"serve.py: error: {e}", file=sys.stderr)
+        return 2
+    if not s.target:
+        print(NO_TARGET_MESSAGE)
+        if s.input or s.output:
+            print("serve.py: error: --target is required to generate", file=sys.stderr)
+            return 2
+        return 0
+    try:
+        return run(s, models=models, engine_module=engine_module)
+    except Eagle3Error as e:
+        print(f"serve.py: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\nserve.py: interrupted; finished prompts are saved in {s.output}. Rerun the same command to "
+              "finish the rest.", file=sys.stderr)
+        return 130

@@ -1,0 +1,169 @@
+"""The crash-safe output file: JSONL, one complete line per finished prompt.
+
+- Each record is appended with one ``write`` of the whole line (O_APPEND), then flushed and fsync'd,
+  so after a crash (kill -9, power loss) the file holds complete lines plus at most one partial
+  trailing line. On the next open that partial line is cut away before anything is appended.
+- The generation settings live next to the output in ``OUT.settings.json`` (written atomically).
+  Reopening an output written with other settings is an error unless ``overwrite``: mixing two
+  settings in one file would silently produce a data set that no single command can reproduce.
+- An exclusive ``flock`` on the output keeps two jobs from appending to the same file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+
+from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.serve.inputs import id_key
+from eagle3_jax.serve.settings import describe_difference
+
+log = logging.getLogger("eagle3_jax")
+
+SIDECAR_SUFFIX = ".settings.json"
+SIDECAR_VERSION = 1
+
+
+class OutputError(Eagle3Error, ValueError):
+    """The output file cannot be resumed safely."""
+
+
+def sidecar_path(output: str) -> str:
+    return output + SIDECAR_SUFFIX
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path)
+
+
+class ResumableOutput:
+    """Open with ``ResumableOutput(path, fingerprint, overwrite)``; ``done`` holds the finished id keys."""
+
+    def __init__(self, path: str, fingerprint: dict, overwrite: bool = False):
+        self.path = path
+        self.fingerprint = fingerprint
+        self.done: set[str] = set()
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise OutputError(f"--output {path}: directory {parent} does not exist")
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as e:
+            raise OutputError(f"cannot open --output {path}: {e.strerror}") from e
+        try:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise OutputError(f"{path} is being written by another serve.py process; wait for it or "
+                                  "choose another --output") from None
+            self._prepare(overwrite)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    # ------------------------------------------------------------------ opening
+    def _prepare(self, overwrite: bool) -> None:
+        if overwrite:
+            # Empty the results before the new settings land: a crash in between leaves an empty
+            # output, which any later run may claim.
+            os.ftruncate(self._fd, 0)
+            os.fsync(self._fd)
+        self._cut_partial_tail()
+        self._scan_done()
+        meta_path = sidecar_path(self.path)
+        if self.done:
+            stored = self._read_sidecar(meta_path)
+            diff = describe_difference(stored, self.fingerprint)
+            if diff:
+                raise OutputError(
+                    f"{self.path} already holds {len(self.done)} results generated with other settings:\n  "
+                    + "\n  ".join(diff)
+                    + "\nrerun with the original settings to resume, pass --overwrite to start over, or choose "
+                    "another --output")
+        else:
+            _write_json_atomic(meta_path, {"version": SIDECAR_VERSION, "generation": self.fingerprint})
+
+    def _read_sidecar(self, meta_path: str) -> dict:
+        if not os.path.isfile(meta_path):
+            raise OutputError(
+                f"{self.path} holds {len(self.done)} results but its settings file {meta_path} is missing, so it "
+                "cannot be resumed safely; pass --overwrite to start over or choose another --output")
+        try:
+            with open(meta_path, encoding="utf-8") as f:
+                meta = json.load(f)
+            return meta["generation"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise OutputError(f"{meta_path}: unreadable settings file ({e}); pass --overwrite to start over") from e
+
+    def _cut_partial_tail(self) -> None:
+        size = os.fstat(self._fd).st_size
+        if size == 0:
+            return
+        # Walk back from the end to the last newline; anything after it is a line cut by a crash.
+        pos, chunk = size, 1 << 16
+        end_of_complete = 0
+        while pos > 0:
+            start = max(0, pos - chunk)
+            data = os.pread(self._fd, pos - start, start)
+            i = data.rfind(b"\n")
+            if i >= 0:
+                end_of_complete = start + i + 1
+                break
+            pos = start
+        if end_of_complete < size:
+            log.warning("%s: removing a partial last line (%d bytes) left by an interrupted run",
+                        self.path, size - end_of_complete)
+            os.ftruncate(self._fd, end_of_complete)
+            os.fsync(self._fd)
+
+    def _scan_done(self) -> None:
+        with open(self.path, "rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    rec = json.loads(raw)
+                    key = id_key(rec["id"])
+                except (ValueError, KeyError, TypeError) as e:
+                    raise OutputError(
+                        f"{self.path} line {line_no} is not a serve.py result ({e}); the file was edited or belongs "
+                        "to something else: pass --overwrite to start over or choose another --output") from None
+                self.done.add(key)
+
+    # ------------------------------------------------------------------ writing
+    def append(self, record: dict) -> None:
+        data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        view = memoryview(data)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+        os.fsync(self._fd)
+        self.done.add(id_key(record["id"]))
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # releases the lock
+            self._fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
