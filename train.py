@@ -1,20 +1,39 @@
-"""Draft training CLI (EAGLE-3 with training-time test).
+"""Train an EAGLE-3 draft for a target (training-time test) and export it in the SpecForge layout.
 
-Not built yet: this prints what exists today instead of pretending to train.
+    python train.py --config configs/train/NAME.yaml [key=value ...]
+
+``key=value`` overrides any config key (``draft.intermediate_size=4096``, ``mode=prepare``).
+A rerun of the same command resumes from the last checkpoint in ``out_dir``.
 """
 
+import argparse
+import logging
 import sys
-
-USAGE = """\
-train.py: EAGLE-3 draft training (training-time test, online/offline hidden states, orbax
-checkpoints, SpecForge export) is not built yet. Drafts trained elsewhere (SpecForge layout) load
-with eagle3_jax.load_draft(path, target=...), and eagle3_jax.save_draft writes that layout.
-"""
 
 
 def main(argv=None) -> int:
-    print(USAGE)
-    return 2
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML training config (see configs/train/)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of config keys")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    logging.getLogger("eagle3_jax").setLevel(logging.INFO)  # ours; the libraries' chatter stays quiet
+
+    from eagle3_jax.errors import Eagle3Error
+    from eagle3_jax.train import TrainConfig, run
+
+    try:
+        cfg = TrainConfig.load(args.config, args.overrides)
+        result = run(cfg, progress=not args.no_progress)
+    except Eagle3Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cfg.mode == "prepare":
+        print(f"hidden states written to {result}")
+    else:
+        print(f"trained to step {result.step}; draft exported to {result.export_dir}")
+    return 0
 
 
 if __name__ == "__main__":

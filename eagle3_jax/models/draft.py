@@ -39,7 +39,7 @@ class DraftAttention(nnx.Module):
         self.v_proj = param(rngs, (2 * D, G, H), ("embed", "heads", "head_dim"), dtype)
         self.o_proj = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), dtype)
 
-    def __call__(self, x_BT2D, positions_BT, cos_BTH, sin_BTH, cache: KVCache | None):
+    def __call__(self, x_BT2D, positions_BT, cos_BTH, sin_BTH, cache: KVCache | None, attend=None):
         cfg = self.cfg
         G = cfg.num_key_value_heads
         R = cfg.num_attention_heads // G
@@ -48,6 +48,13 @@ class DraftAttention(nnx.Module):
         v_BTGH = jnp.einsum("btx,xgh->btgh", x_BT2D, self.v_proj[...])
         q_BTNH = apply_rope(q_BTNH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
         k_BTGH = apply_rope(k_BTGH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
+        if attend is not None:
+            # Training-time test: the caller owns which keys each query sees (earlier simulated
+            # steps); it returns the per-head output and whatever state it wants back.
+            if cache is not None:
+                raise ValueError("DraftAttention: pass either a KV cache or an attend function, not both")
+            out_BTNH, state = attend(q_BTNH, k_BTGH, v_BTGH)
+            return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...]), state
         if cache is None:  # one causal pass over the given tokens (training, TTT step 0)
             k_BSGH, v_BSGH = k_BTGH, v_BTGH
             mask_BTS = positions_BT[:, None, :] <= positions_BT[:, :, None]
@@ -70,7 +77,7 @@ class DraftAttention(nnx.Module):
 class DraftStep:
     hidden_BTD: jax.Array   # pre-norm output: fed back as the next step's hidden
     logits_BTW: jax.Array   # float32, over the draft vocab
-    cache: KVCache | None
+    cache: KVCache | None   # with ``attend``: the state attend returned instead
 
 
 class Draft(nnx.Module):
@@ -105,16 +112,21 @@ class Draft(nnx.Module):
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
         return draft_ids + self.d2t[...][draft_ids]
 
-    def __call__(self, ids_BT, hidden_BTD, positions_BT, embed_VD=None, cache: KVCache | None = None) -> DraftStep:
+    def __call__(self, ids_BT, hidden_BTD, positions_BT, embed_VD=None, cache: KVCache | None = None,
+                 attend=None) -> DraftStep:
         """One decoder pass. ``hidden_BTD`` is fc(aux) or the draft's own previous output;
-        ``ids_BT[:, t]`` is the token that follows the position ``hidden_BTD[:, t]`` came from."""
+        ``ids_BT[:, t]`` is the token that follows the position ``hidden_BTD[:, t]`` came from.
+
+        ``attend(q_BTNH, k_BTGH, v_BTGH) -> (out_BTNH, state)`` replaces the attention core (rotated
+        queries/keys in, per-head output out) for training-time test; ``state`` comes back in
+        ``DraftStep.cache``. Without it (serving) the computation is exactly as before."""
         table = self.embed_tokens[...] if self.embed_tokens is not None else embed_VD
         emb_BTD = jnp.take(table, ids_BT, axis=0).astype(self.dtype)
         cos, sin = rope_cos_sin(positions_BT, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attn_factor)
         normed_hidden = self.hidden_norm(hidden_BTD)
         residual_BTD = normed_hidden if self.cfg.norm_before_residual else hidden_BTD
         x_BT2D = jnp.concatenate([self.input_layernorm(emb_BTD), normed_hidden], axis=-1)
-        attn_BTD, cache = self.self_attn(x_BT2D, positions_BT, cos, sin, cache)
+        attn_BTD, cache = self.self_attn(x_BT2D, positions_BT, cos, sin, cache, attend)
         h_BTD = residual_BTD + attn_BTD
         out_BTD = h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
         logits = jnp.einsum("btd,dw->btw", self.norm(out_BTD), self.lm_head[...]).astype(jnp.float32)

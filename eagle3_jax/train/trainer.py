@@ -1,0 +1,357 @@
+"""The training loop: AdamW + warmup-cosine + clipping, a jitted TTT step on the mesh, orbax
+checkpoints that a restart resumes from, metrics, periodic acceptance eval, SpecForge export.
+
+One optimizer step consumes ``grad_accum`` batches of ``batch_size`` rows; their gradients are
+averaged inside the jitted step (a ``lax.scan``), so the step counter, the schedule and the
+checkpoints count optimizer steps. Rows are sharded over the mesh's ``data`` axis.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from eagle3_jax.api import LoadedDraft, mesh_context, resolve_dtype
+from eagle3_jax.contracts import check_pairing
+from eagle3_jax.errors import ConfigError
+from eagle3_jax.models.draft import Draft
+from eagle3_jax.sharding import make_mesh, shard_state
+from eagle3_jax.train import data as data_lib
+from eagle3_jax.train.config import TrainConfig
+from eagle3_jax.train.ttt import target_logits, target_signal, ttt_loss
+from eagle3_jax.train.vocab import VocabMap, load_or_build, token_counts
+
+log = logging.getLogger("eagle3_jax")
+
+# Keys a checkpoint cannot be resumed under if they changed: they alter the parameters' shapes,
+# the data order, or what a step means.
+RESUME_INVARIANTS = ("draft", "aux_layer_ids", "draft_vocab_size", "max_len", "batch_size", "grad_accum",
+                     "seed", "dtype", "hidden_source", "ttt_steps")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """AdamW after global-norm clipping, as hashable data: the compiled step depends on these, while
+    the learning rate comes in as an argument (so the schedule and run length never recompile it)."""
+
+    grad_clip: float
+    weight_decay: float
+    b1: float
+    b2: float
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> "OptimizerSpec":
+        return cls(cfg.grad_clip, cfg.weight_decay, cfg.betas[0], cfg.betas[1])
+
+    def build(self, learning_rate=0.0) -> optax.GradientTransformation:
+        parts = [optax.clip_by_global_norm(self.grad_clip)] if self.grad_clip > 0 else []
+        parts.append(optax.adamw(learning_rate, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay))
+        return optax.chain(*parts)
+
+
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Linear warmup over ``warmup_ratio`` of the steps, then cosine decay to 0 at ``total_steps``."""
+    warmup = max(1, round(cfg.warmup_ratio * cfg.total_steps)) if cfg.warmup_ratio > 0 else 0
+    if warmup:
+        return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.total_steps, warmup + 1))
+    return optax.cosine_decay_schedule(cfg.lr, cfg.total_steps)
+
+
+def train_step(params, opt_state, rest, embed_VD, lm_head_DV, tstate, batch, lr, *, graphdef, tgraph,
+               opt_spec: OptimizerSpec, aux_ids, steps, decay):
+    """One optimizer step at learning rate ``lr`` over batch arrays shaped [grad_accum, rows, ...]."""
+
+    def micro(mb):
+        if tgraph is not None:  # online: the frozen target runs here
+            aux_BTX, hidden_BTD = data_lib.target_features(tgraph, tstate, mb["ids"], aux_ids)
+        else:
+            aux_BTX, hidden_BTD = mb["aux"], mb["hidden"]
+        signal = target_signal(target_logits(hidden_BTD, lm_head_DV), mb["loss_mask"], rest["d2t"], rest["t2d"])
+
+        def loss_fn(p):
+            draft = nnx.merge(graphdef, p, rest)
+            return ttt_loss(draft, aux_BTX, mb["ids"], signal, embed_VD, steps, decay)
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return loss, metrics, grads
+
+    A = batch["ids"].shape[0]
+    if A == 1:
+        loss, metrics, grads = micro(jax.tree.map(lambda x: x[0], batch))
+    else:
+        def body(carry, mb):
+            return jax.tree.map(jnp.add, carry, micro(mb)), None
+
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                             jax.eval_shape(micro, jax.tree.map(lambda x: x[0], batch)))
+        (loss, metrics, grads), _ = jax.lax.scan(body, zeros, batch)
+        loss = loss / A
+        grads = jax.tree.map(lambda g: g / A, grads)
+        metrics = {"loss": metrics["loss"] / A, "acc": metrics["acc"] / A, "count": metrics["count"]}
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = opt_spec.build(lr).update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, {"loss": loss, "ploss": metrics["loss"], "acc": metrics["acc"],
+                               "count": metrics["count"], "grad_norm": grad_norm}
+
+
+@functools.lru_cache(maxsize=8)
+def compiled_step(graphdef, tgraph, opt_spec: OptimizerSpec, aux_ids: tuple, steps: int, decay: float,
+                  sharding_leaves: tuple, sharding_tree):
+    """The jitted step for these static settings, its new params and optimizer state pinned to the
+    shardings they came in with (else XLA may pick others, and the next call would recompile).
+    Cached, so runs with identical settings in one process (a resume, the tests) share it."""
+    params_sh, opt_sh = jax.tree.unflatten(sharding_tree, sharding_leaves)
+    step = functools.partial(train_step, graphdef=graphdef, tgraph=tgraph, opt_spec=opt_spec, aux_ids=aux_ids,
+                             steps=steps, decay=decay)
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(params_sh, opt_sh, None))
+
+
+@dataclass
+class TrainResult:
+    step: int
+    finished: bool
+    export_dir: str | None
+    last_metrics: dict | None
+
+
+class Trainer:
+    """Builds everything a run needs from a ``TrainConfig`` and resumes from its last checkpoint."""
+
+    def __init__(self, cfg: TrainConfig, progress: bool = True):
+        import orbax.checkpoint as ocp
+
+        tcfg = cfg.validate()
+        if cfg.mode != "train":
+            raise ConfigError(f"Trainer runs mode=train; mode={cfg.mode} is handled by prepare_offline")
+        self.cfg = cfg
+        self.progress = progress
+        self.tcfg = tcfg
+        self.aux_ids = cfg.resolved_aux_ids(tcfg)
+        self.dcfg = cfg.draft_config(tcfg)
+        self.mesh = make_mesh(cfg.mesh) if cfg.mesh is not None else None
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+
+        # ---- where the target's states come from
+        self.target = None
+        self.tokenizer = None
+        if cfg.hidden_source == "online":
+            self.tokenizer = data_lib.load_tokenizer(cfg.target)
+            examples = data_lib.read_examples(cfg.data, self.tokenizer, cfg.max_len, tcfg.vocab_size)
+            self.source = data_lib.TokenizedSource(examples, cfg.max_len)
+            self.target = self._load_target()
+            embed_VD, lm_head_DV = data_lib.target_head(self.target.model)
+        else:
+            self.source = data_lib.OfflineSource(cfg.offline_dir)
+            data_lib.check_offline_meta(self.source.meta, cfg, tcfg, cfg.offline_dir)
+            embed_VD, lm_head_DV = (self._replicated(jnp.asarray(a)) for a in self.source.head())
+        self.embed_VD, self.lm_head_DV = embed_VD, lm_head_DV
+
+        # ---- vocab map (saved once, reused on resume) and the draft
+        V, W = tcfg.vocab_size, self.dcfg.draft_vocab_size
+        self.vocab: VocabMap = load_or_build(os.path.join(cfg.out_dir, "vocab.npz"),
+                                             lambda: token_counts(self.source.iter_tokens(), V), V, W)
+        check_pairing(self.dcfg, tcfg, len(self.aux_ids) * tcfg.hidden_size, len(self.aux_ids), self.vocab.d2t, None)
+        model = Draft(self.dcfg, len(self.aux_ids), resolve_dtype(cfg.dtype), nnx.Rngs(cfg.seed))
+        model.d2t.value = jnp.asarray(self.vocab.d2t, jnp.int32)
+        model.t2d.value = jnp.asarray(self.vocab.t2d, jnp.bool_)
+        if self.mesh is not None:
+            graphdef, state = nnx.split(model)
+            model = nnx.merge(graphdef, shard_state(state, self.mesh))
+        self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        self.params = nnx.to_pure_dict(params)
+        self.rest = nnx.to_pure_dict(rest)
+        self.opt_spec = OptimizerSpec.from_config(cfg)
+        self.schedule = lr_schedule(cfg)
+        with mesh_context(self.mesh):  # optimizer moments placed like their parameters
+            self.opt_state = jax.jit(self.opt_spec.build().init)(self.params)
+        # Committed to explicit shardings, here and after a restore: the same placement means the
+        # same compiled step (a restored run must not recompile, nor run a different program).
+        self._shardings = jax.tree.map(lambda x: x.sharding, (self.params, self.opt_state))
+        self.params, self.opt_state = jax.device_put((self.params, self.opt_state), self._shardings)
+
+        # ---- data, checkpoints, resume
+        self.dataset = data_lib.make_dataset(self.source, cfg.batch_size, cfg.seed)
+        self.data_iter = data_lib.make_iterator(self.dataset, prefetch=2 * cfg.grad_accum)
+        self.step = 0
+        self.ckpt = ocp.CheckpointManager(
+            os.path.abspath(os.path.join(cfg.out_dir, "checkpoints")),
+            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True))
+        self._restore_latest()
+
+        self.eval_prompts = None
+        if cfg.eval_every > 0:
+            self.eval_prompts = data_lib.read_prompts(cfg.eval_prompts, self.tokenizer)
+
+        leaves, tree = jax.tree.flatten(self._shardings)
+        self._step = compiled_step(self.graphdef, self.target.graphdef if self.target else None, self.opt_spec,
+                                   self.aux_ids, cfg.ttt_steps, cfg.loss_decay, tuple(leaves), tree)
+
+    # ------------------------------------------------------------------ setup helpers
+    def _load_target(self):
+        import eagle3_jax as e3
+
+        return e3.load_target(self.cfg.target, dtype=self.cfg.resolved_target_dtype, mesh=self.mesh)
+
+    def _replicated(self, x):
+        return jax.device_put(x, NamedSharding(self.mesh, P())) if self.mesh is not None else x
+
+    def _device_batch(self, rows: list[dict]) -> dict:
+        batch = {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "index"}
+        if self.mesh is None:
+            return {k: jnp.asarray(v) for k, v in batch.items()}
+        sharding = NamedSharding(self.mesh, P(None, "data"))
+        return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+
+    def next_batch(self) -> dict:
+        return self._device_batch([next(self.data_iter) for _ in range(self.cfg.grad_accum)])
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self):
+        import orbax.checkpoint as ocp
+
+        self.ckpt.save(self.step, force=True, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(self.params),
+            opt_state=ocp.args.StandardSave(self.opt_state),
+            data=ocp.args.JsonSave(self.data_iter.get_state()),
+            meta=ocp.args.JsonSave({"step": self.step, "config": self.cfg.to_dict()})))
+
+    def _restore_latest(self):
+        import orbax.checkpoint as ocp
+
+        latest = self.ckpt.latest_step()
+        if latest is None:
+            if os.path.exists(self.metrics_path):  # a run that died before its first checkpoint
+                os.remove(self.metrics_path)
+            return
+        meta = self.ckpt.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        self._check_resumable(meta.get("config", {}))
+        restored = self.ckpt.restore(latest, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(self.params),
+            opt_state=ocp.args.StandardRestore(self.opt_state),
+            data=ocp.args.JsonRestore()))
+        self.params, self.opt_state = jax.device_put((restored.params, restored.opt_state), self._shardings)
+        self.data_iter.set_state(restored.data)
+        self.step = int(meta["step"])
+        self._truncate_metrics(self.step)
+        log.info("resumed from %s at step %d", self.ckpt.directory, self.step)
+
+    def _check_resumable(self, saved: dict):
+        now = self.cfg.to_dict()
+        changed = [k for k in RESUME_INVARIANTS if k in saved and saved[k] != now[k]]
+        if changed:
+            detail = ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed)
+            raise ConfigError(
+                f"{self.cfg.out_dir} holds checkpoints of a run with different settings ({detail}); "
+                "resume with the original settings or use a new out_dir")
+        other = [k for k in now if k in saved and saved[k] != now[k] and k not in RESUME_INVARIANTS]
+        if other:
+            log.warning("resuming with changed settings: %s", ", ".join(other))
+
+    def _truncate_metrics(self, step: int):
+        """Drops log lines past the checkpoint, so a resumed run's log reads as one uninterrupted run."""
+        if not os.path.exists(self.metrics_path):
+            return
+        with open(self.metrics_path) as f:
+            keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = self.metrics_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, self.metrics_path)
+
+    def _log(self, record: dict):
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # ------------------------------------------------------------------ the draft as a servable object
+    def draft_model(self) -> Draft:
+        return nnx.merge(self.graphdef, self.params, self.rest)
+
+    def loaded_draft(self) -> LoadedDraft:
+        return LoadedDraft(self.draft_model(), self.target, self.aux_ids)
+
+    def evaluate(self) -> dict:
+        """Acceptance of the current draft with the real Generator on the held-out prompts."""
+        from eagle3_jax.api import Generator
+
+        cfg = self.cfg
+        capacity = max(len(p) for p in self.eval_prompts) + cfg.eval_new_tokens + 1
+        gen = Generator(self.target, self.loaded_draft(), num_draft_tokens=cfg.eval_draft_tokens, max_len=capacity)
+        res = gen.generate(self.eval_prompts, cfg.eval_new_tokens,
+                           eos_token_ids=self.tokenizer.eos_token_ids if self.tokenizer else ())
+        return {"step": self.step, "eval_tau": res.stats.mean_accept_length,
+                "eval_accept_rate_per_position": res.stats.accept_rate_per_position}
+
+    def export(self, path: str | None = None) -> str:
+        import eagle3_jax as e3
+
+        path = path or self.cfg.resolved_export_dir
+        e3.save_draft(self.loaded_draft(), path)
+        return path
+
+    # ------------------------------------------------------------------ the loop
+    def run_step(self, batch: dict) -> dict:
+        tstate = self.target.state if self.target is not None else None
+        lr = self.schedule(self.step)
+        with mesh_context(self.mesh):
+            self.params, self.opt_state, m = self._step(
+                self.params, self.opt_state, self.rest, self.embed_VD, self.lm_head_DV, tstate, batch,
+                jnp.asarray(lr, jnp.float32))
+        m = jax.device_get(m)
+        self.step += 1
+        return {"step": self.step, "loss": float(m["loss"]),
+                "ploss": [float(x) for x in m["ploss"]], "acc": [float(x) for x in m["acc"]],
+                "count": [int(x) for x in m["count"]], "grad_norm": float(m["grad_norm"]), "lr": float(lr)}
+
+    def train(self, stop_at: int | None = None) -> TrainResult:
+        """Runs to ``total_steps`` (or stops after step ``stop_at``, as an interruption would), then exports."""
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
+        last = None
+        bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train", disable=not self.progress)
+        rows_per_step = cfg.batch_size * cfg.grad_accum
+        try:
+            while self.step < end:
+                t0 = time.perf_counter()
+                last = self.run_step(self.next_batch())
+                last["tokens_per_s"] = rows_per_step * cfg.max_len / max(time.perf_counter() - t0, 1e-9)
+                self._log(last)
+                bar.update(1)
+                bar.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{last['acc'][0]:.2f}",
+                                tok_s=f"{last['tokens_per_s']:.0f}")
+                if cfg.eval_every and self.step % cfg.eval_every == 0:
+                    ev = self.evaluate()
+                    self._log(ev)
+                    bar.write(f"step {self.step}: eval tau {ev['eval_tau']:.3f}")
+                if self.step % cfg.save_every == 0 or self.step == cfg.total_steps:
+                    self._save()
+        finally:
+            bar.close()
+            self.ckpt.wait_until_finished()
+        finished = self.step >= cfg.total_steps
+        export_dir = None
+        if finished:
+            export_dir = cfg.resolved_export_dir
+            if os.path.exists(export_dir):
+                log.info("%s already exists (a finished run); not overwritten", export_dir)
+            else:
+                self.export(export_dir)
+        return TrainResult(step=self.step, finished=finished, export_dir=export_dir, last_metrics=last)
+
+    def close(self):
+        self.ckpt.wait_until_finished()
+        self.ckpt.close()

@@ -1,0 +1,138 @@
+"""Training configs: YAML + overrides into a frozen TrainConfig; every bad config is refused with a
+message naming the key, before a model is loaded or anything is computed."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+import eagle3_jax as e3
+from eagle3_jax.errors import ConfigError
+from eagle3_jax.train import TrainConfig
+from eagle3_jax.train import trainer as trainer_lib
+from tests.hf_fixtures import REPO
+
+
+@pytest.fixture
+def files(tiny_target_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "hello there, general kenobi"}) + "\n")
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(
+        f"target: {tiny_target_dir}\n"
+        f"data: {data}\n"
+        f"out_dir: {tmp_path / 'out'}\n"
+        "draft:\n  intermediate_size: 128\n  num_attention_heads: 4\n  num_key_value_heads: 2\n"
+        "aux_layer_ids: [0, 1, 2]\n"
+        "draft_vocab_size: 64\n"
+        "max_len: 32\n"
+        "lr: 1e-4\n"
+        "betas: [0.9, 0.95]\n")
+    return cfg, data
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+    """Fails the test if anything tries to load or build a model."""
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the config was checked")
+    monkeypatch.setattr(e3, "load_target", refuse)
+    monkeypatch.setattr(trainer_lib.Trainer, "_load_target", refuse)
+
+
+def test_yaml_and_overrides(files):
+    path, data = files
+    cfg = TrainConfig.load(path, ["batch_size=4", "draft.head_dim=8", "mesh=data=2", "lr=3e-4", "ttt_steps=5"])
+    assert dataclasses.is_dataclass(cfg)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lr = 1.0
+    assert (cfg.batch_size, cfg.draft.head_dim, cfg.mesh, cfg.lr, cfg.ttt_steps) == (4, 8, "data=2", 3e-4, 5)
+    assert cfg.lr == 3e-4 and isinstance(cfg.lr, float)
+    assert cfg.betas == (0.9, 0.95) and cfg.aux_layer_ids == (0, 1, 2)
+    assert cfg.grad_clip == 0.5 and cfg.loss_decay == 0.8  # recipe defaults
+    tcfg = cfg.validate()
+    d = cfg.draft_config(tcfg)
+    assert (d.hidden_size, d.num_key_value_heads, d.head_dim, d.draft_vocab_size) == (64, 2, 8, 64)
+    assert d.aux_layer_ids == (0, 1, 2) and d.target_hidden_size == tcfg.hidden_size
+
+
+def test_like_target_draft_and_default_aux_ids(files, tiny_target_dir):
+    cfg = TrainConfig.load(None, [f"target={tiny_target_dir}", f"data={files[1]}", "out_dir=/tmp/x", "draft=like_target"])
+    tcfg = cfg.validate()
+    d = cfg.draft_config(tcfg)
+    assert (d.hidden_size, d.num_attention_heads, d.intermediate_size) == (
+        tcfg.hidden_size, tcfg.num_attention_heads, tcfg.intermediate_size)
+    assert d.aux_layer_ids == tcfg.default_aux_layer_ids() and d.draft_vocab_size == tcfg.vocab_size
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["learning_rate=1e-4"], "unknown key 'learning_rate'; valid keys: target, out_dir, data"),
+    (["total_step=10"], "unknown key 'total_step' \\(did you mean 'total_steps'\\?\\)"),
+    (["draft.hiden_size=64"], "draft: unknown key 'hiden_size'"),
+    (["batch_size=2.5"], "batch_size: expected an integer, found float 2.5"),
+    (["lr=fast"], "lr: expected a number, found str 'fast'"),
+    (["betas=[0.9]"], "betas: expected a list of 2 values"),
+    (["aux_layer_ids=[0, one]"], r"aux_layer_ids\[1\]: expected an integer"),
+    (["ttt_steps=true"], "ttt_steps: expected an integer, found bool"),
+])
+def test_unknown_keys_and_wrong_types(files, no_compute, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig.load(files[0], overrides)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data=/nonexistent/data.jsonl"], "data file /nonexistent/data.jsonl does not exist"),
+    (["aux_layer_ids=[0, 1, 4]"], r"\[4\] outside the target's layers 0..3"),
+    (["aux_layer_ids=[-1, 1, 2]"], r"\[-1\] outside"),
+    (["target=/nonexistent/target"], "no config.json"),
+    (["draft_vocab_size=100000"], "draft_vocab_size=100000 must lie in"),
+    (["draft.hidden_size=32"], "draft.hidden_size=32 but the target's hidden_size is 64"),
+    (["draft.num_key_value_heads=3"], "not a multiple of num_key_value_heads=3"),
+    (["batch_size=3", "mesh=data=2"], "batch_size=3 is not divisible by the mesh's data axis"),
+    (["hidden_source=offline", "offline_dir=/nonexistent/off"], "no prepared hidden states"),
+    (["mode=prepare"], "offline_dir is required"),
+    (["mode=sample"], "mode 'sample' is not one of"),
+    (["eval_every=10"], "eval_every > 0 needs eval_prompts"),
+    (["warmup_ratio=1.5"], r"warmup_ratio must lie in \[0, 1\)"),
+    (["dtype=float8"], "dtype 'float8' is not supported"),
+    (["total_steps=0"], "total_steps must be >= 1"),
+])
+def test_bad_values_fail_before_compute(files, no_compute, overrides, message):
+    cfg = TrainConfig.load(files[0], overrides)
+    with pytest.raises(ConfigError, match=message):
+        cfg.validate()
+    with pytest.raises(ConfigError, match=message):
+        trainer_lib.Trainer(cfg, progress=False)
+
+
+def test_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        TrainConfig.load(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("target: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        TrainConfig.load(bad)
+    with pytest.raises(ConfigError, match="'target'.*is required"):
+        TrainConfig.load(None, ["lr=1e-3"])
+    with pytest.raises(ConfigError, match="not key=value"):
+        TrainConfig.load(None, ["lr"])
+
+
+def test_cli_reports_config_errors(files):
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(files[0]), "--no-progress", "lr_max=1"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 2
+    assert "error:" in out.stderr and "unknown key 'lr_max'" in out.stderr
+
+
+@pytest.mark.parametrize("name", ["kimi_k25", "deepseek_v3"])
+def test_shipped_configs_fit_their_targets(name):
+    cfg = TrainConfig.load(REPO / f"configs/train/{name}.yaml")
+    tcfg = e3.TargetConfig.from_path(REPO / f"configs/models/{name}.json")
+    d = cfg.draft_config(tcfg)
+    assert d.hidden_size == tcfg.hidden_size == 7168
+    assert d.num_attention_heads * d.head_dim == 7168 and d.head_dim % 2 == 0
+    assert all(0 <= i < tcfg.num_hidden_layers for i in cfg.resolved_aux_ids(tcfg))
+    assert d.draft_vocab_size == 32000 and d.vocab_size == tcfg.vocab_size

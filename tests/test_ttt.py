@@ -1,0 +1,130 @@
+"""Training-time test: the efficient attention equals the literal unrolled reference, and both equal
+what the serving loop computes with its KV cache for the same simulated draft steps."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import eagle3_jax as e3
+from eagle3_jax.models.draft import Draft
+from eagle3_jax.train import ttt
+from tests.hf_fixtures import REPO
+from tests.spec_fixtures import tiny_draft_config
+
+B, T, V, W, D = 2, 12, 256, 64, 64
+
+
+@pytest.fixture(scope="module")
+def case():
+    """A random draft (GQA 4/2, draft vocab 64 of 256 with a scattered map) and random target outputs."""
+    cfg = e3.TargetConfig.from_path(REPO / "configs/models/tiny_deepseek_v3.json")
+    draft = Draft(tiny_draft_config(cfg, draft_vocab=W), 3, jnp.float32, nnx.Rngs(3))
+    rng = np.random.default_rng(0)
+    target_ids = np.sort(rng.choice(V, W, replace=False))
+    draft.d2t.value = jnp.asarray(target_ids - np.arange(W), jnp.int32)
+    t2d = np.zeros(V, bool)
+    t2d[target_ids] = True
+    draft.t2d.value = jnp.asarray(t2d)
+    logits = rng.normal(size=(B, T, V)) * 2
+    # Most positions' top token inside the draft vocab, some outside (those must be masked).
+    logits[..., target_ids] += 4 * (rng.random((B, T, 1)) < 0.8)
+    loss_mask = rng.random((B, T)) < 0.85
+    return dict(
+        draft=draft,
+        aux=jnp.asarray(rng.normal(size=(B, T, 3 * D)), jnp.float32),
+        ids=jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32),
+        logits=jnp.asarray(logits, jnp.float32),
+        loss_mask=jnp.asarray(loss_mask),
+        embed=jnp.asarray(rng.normal(size=(V, D)) * 0.3, jnp.float32),
+    )
+
+
+STEPS = 3
+
+
+def _loss_and_grads(case, attention, steps=STEPS):
+    draft = case["draft"]
+    graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
+    signal = ttt.target_signal(case["logits"], case["loss_mask"], draft.d2t[...], draft.t2d[...])
+
+    def f(p):
+        return ttt.ttt_loss(nnx.merge(graphdef, p, rest), case["aux"], case["ids"], signal, case["embed"], steps,
+                            attention=attention)
+
+    return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+
+
+@pytest.fixture(scope="module")
+def results(case):
+    return {a: _loss_and_grads(case, a) for a in ("efficient", "naive")}
+
+
+def test_efficient_equals_naive_loss_and_gradients(results):
+    (loss_e, m_e), g_e = results["efficient"]
+    (loss_n, m_n), g_n = results["naive"]
+    assert np.isfinite(float(loss_e))
+    # The masks really bite: some positions are dropped, and fewer at later steps.
+    counts = np.asarray(m_e["count"])
+    assert 0 < counts[-1] < counts[0] < B * T
+    np.testing.assert_allclose(loss_e, loss_n, rtol=1e-6)
+    np.testing.assert_array_equal(m_e["count"], m_n["count"])
+    np.testing.assert_allclose(m_e["loss"], m_n["loss"], rtol=1e-6)
+    flat_e, flat_n = jax.tree.leaves(g_e), jax.tree.leaves(g_n)
+    assert len(flat_e) == len(flat_n) > 10
+    for a, b in zip(flat_e, flat_n):
+        assert float(jnp.max(jnp.abs(a))) > 0  # every parameter gets a gradient (fc included)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_loss_is_decayed_sum_of_step_losses(results):
+    (loss, m), _ = results["efficient"]
+    np.testing.assert_allclose(loss, sum(0.8 ** i * m["loss"][i] for i in range(STEPS)), rtol=1e-6)
+
+
+def test_block_mask_is_causal_then_diagonal():
+    mask = ttt.block_mask(3, 3)
+    expected = np.array([
+        [1, 0, 0, 1, 0, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 1, 0],
+        [1, 1, 1, 0, 0, 1, 0, 0, 1],
+    ], bool)
+    np.testing.assert_array_equal(mask, expected)
+
+
+def test_unrolled_steps_equal_the_serving_path_with_a_kv_cache(case):
+    """Step i at index t sees step 0's keys 0..t and one key per simulated step: exactly the cache
+    slots the serving loop has filled when it drafts its i-th token after position t."""
+    draft, aux, ids, embed = case["draft"], case["aux"], case["ids"], case["embed"]
+    graphdef, state = nnx.split(draft)
+    steps = STEPS + 1
+    unrolled = jax.jit(lambda st: ttt.ttt_unroll(nnx.merge(graphdef, st), aux, ids, embed, steps))(state)
+    unrolled = [np.asarray(x) for x in unrolled]
+
+    @jax.jit
+    def serve(st, t_ids, hidden, pos, cache):
+        out = nnx.merge(graphdef, st)(t_ids, hidden, pos, embed, cache)
+        return out.logits_BTW, out.hidden_BTD, out.cache
+
+    for t in (0, 4, T - steps - 1):
+        cache = draft.init_cache(B, T + steps)
+        pos = jnp.broadcast_to(jnp.arange(t + 1, dtype=jnp.int32), (B, t + 1))
+        logits, hidden, cache = serve(state, ids[:, 1:t + 2], draft.fuse(aux[:, :t + 1]), pos, cache)
+        np.testing.assert_allclose(logits[:, t], unrolled[0][:, t], rtol=1e-4, atol=1e-5)
+        hidden = hidden[:, t:t + 1]
+        for i in range(1, steps):
+            p = jnp.full((B, 1), t + i, jnp.int32)
+            logits, hidden, cache = serve(state, ids[:, t + 1 + i:t + 2 + i], hidden, p, cache)
+            np.testing.assert_allclose(logits[:, 0], unrolled[i][:, t], rtol=1e-4, atol=1e-5)
+
+
+def test_target_signal_masks_and_restricts(case):
+    draft = case["draft"]
+    logits, mask = case["logits"], case["loss_mask"]
+    sig = ttt.target_signal(logits, mask, draft.d2t[...], draft.t2d[...])
+    target_ids = np.arange(W) + np.asarray(draft.d2t[...])
+    np.testing.assert_allclose(sig.probs_BTW, jax.nn.softmax(np.asarray(logits)[..., target_ids], -1), rtol=1e-6)
+    top = np.asarray(logits).argmax(-1)
+    next_mask = np.concatenate([np.asarray(mask)[:, 1:], np.zeros((B, 1), bool)], 1)
+    np.testing.assert_array_equal(sig.usable_BT, np.isin(top, target_ids) & next_mask)
