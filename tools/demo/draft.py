@@ -1,0 +1,71 @@
+"""Stages 4 and 5: the draft's training data and the draft, through the product's own CLIs.
+
+Stage 4 runs ``serve.py --emit training`` with the demo target on prompts cut from the *train*
+files, so the draft learns to predict what this target actually generates. Stage 5 runs
+``train.py --config configs/train/demo.yaml`` on that output. Both only call the CLIs; when a CLI
+does not offer what a stage needs yet, the stage stops and says what is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tools.demo import REPO
+
+
+class StageUnavailable(RuntimeError):
+    """A stage cannot run yet: a CLI or config it relies on is missing."""
+
+
+def _help(script: str) -> str:
+    proc = subprocess.run([sys.executable, os.path.join(REPO, script), "--help"], capture_output=True,
+                          text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise StageUnavailable(f"`python {script} --help` failed (exit {proc.returncode}):\n{proc.stderr.strip()}")
+    return proc.stdout
+
+
+def _run(cmd: list[str], say) -> None:
+    say("$ " + " ".join(cmd))
+    proc = subprocess.run(cmd, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"command failed with exit {proc.returncode}: {' '.join(cmd)}")
+
+
+def regenerate(target_dir: str, prompts: str, output: str, max_new_tokens: int, batch_size: int, max_len: int,
+               say=print) -> str:
+    """Stage 4: the target's greedy continuations of ``prompts`` as {"messages": [...]} records."""
+    text = _help("serve.py")
+    missing = [flag for flag in ("--emit", "--target", "--input", "--output", "--max-new-tokens") if flag not in text]
+    if missing or "training" not in text:
+        raise StageUnavailable(
+            f"serve.py does not support {', '.join(missing) or '--emit training'} yet; stage 4 needs "
+            "`serve.py --target DIR --input PROMPTS --output OUT --emit training`")
+    if not os.path.isfile(os.path.join(target_dir, "model.safetensors")):
+        raise StageUnavailable(f"{target_dir} holds no exported target; run stage 6 (or stages 3 and 6) first")
+    cmd = [sys.executable, "serve.py", "--target", target_dir, "--input", prompts, "--output", output,
+           "--emit", "training", "--max-new-tokens", str(max_new_tokens), "--batch-size", str(batch_size),
+           "--max-len", str(max_len), "--temperature", "0", "--mesh", "none"]
+    _run(cmd, say)
+    return output
+
+
+def train_draft(config: str, target_dir: str, data: str, run_dir: str, export_dir: str, say=print) -> str:
+    """Stage 5: train.py with the demo config; the draft is exported to ``export_dir``."""
+    if not os.path.isfile(os.path.join(REPO, config)):
+        raise StageUnavailable(f"{config} does not exist yet; stage 5 trains the draft with "
+                               f"`python train.py --config {config}`")
+    _help("train.py")
+    from eagle3_jax.train.config import TrainConfig
+
+    names = set(TrainConfig.__dataclass_fields__)
+    missing = [k for k in ("target", "data", "out_dir", "export_dir") if k not in names]
+    if missing:
+        raise StageUnavailable(f"train.py's config has no key(s) {missing}; stage 5 sets them on the command line")
+    overrides = [f"target={target_dir}", f"data={data}", f"out_dir={run_dir}", f"export_dir={export_dir}"]
+    _run([sys.executable, "train.py", "--config", config, "--no-progress", *overrides], say)
+    if not os.path.isfile(os.path.join(export_dir, "config.json")):
+        raise RuntimeError(f"train.py finished but wrote no draft config.json to {export_dir}")
+    return export_dir

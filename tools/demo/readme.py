@@ -1,0 +1,117 @@
+"""demo/README.md from the run's summary: recipe, seeds, losses, and what is still pending."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+
+
+def _fmt(x, nd=3):
+    return "n/a" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def render(s: dict, out: str, demo_bytes: int) -> str:
+    c, tk, tg, ex = s.get("corpus", {}), s.get("tokenizer", {}), s.get("target", {}), s.get("export_target", {})
+    st = tg.get("settings", {})
+    lines = [
+        "# The demo models",
+        "",
+        "Built from scratch by `python tools/make_demo.py` (stages 1-6; see its docstring), on "
+        f"{platform.machine()} / Python {platform.python_version()}, {datetime.date.today().isoformat()}.",
+        "No downloads: the corpus is the Python standard library of the interpreter that runs the script.",
+        "",
+        "| path | what |",
+        "| --- | --- |",
+        "| `target/` | DeepseekV3ForCausalLM (Hugging Face layout, bf16; router correction bias fp32) + tokenizer |",
+        "| `draft/` | EAGLE-3 draft (SpecForge layout) — "
+        + ("present" if s.get("draft") else "**pending** (stages 4-5)") + " |",
+        "| `prompts.jsonl` | held-out prompts (from files the target never saw) |",
+        "| `corpus.json` | the train / held-out file lists with content hashes |",
+        "| `train_log.jsonl` | the target's pre-training log (train and held-out loss) |",
+        "",
+        "## Recipe",
+        "",
+    ]
+    if c:
+        lines += [
+            f"1. **Corpus** — {c.get('source')}: {c['train']['files']} train files "
+            f"({c['train']['bytes'] / 1e6:.1f} MB), "
+            f"{c['heldout']['files']} held-out ({c['heldout']['bytes'] / 1e3:.0f} kB). Test directories, `test_*.py`, "
+            "files over 200 kB and generated codec tables are left out; a file is held out when "
+            "sha256(its path relative to the stdlib) mod 1000 < 20.",
+        ]
+    if tk:
+        lines += [
+            f"2. **Tokenizer** — byte-level BPE (`tokenizers`), vocab {tk['vocab_size']} including `<|bos|>` (0) and "
+            f"`<|eos|>` (1), trained on the train files; {tk['bytes_per_token']} bytes/token. Each file is one "
+            f"document: `<|bos|>` text `<|eos|>` ({tk['tokens']['train']:,} train tokens, "
+            f"{tk['tokens']['heldout']:,} held-out). The chat template only concatenates message contents, so "
+            "`{\"messages\": [prompt, continuation]}` means the plain text prompt + continuation.",
+        ]
+    if tg:
+        lines += [
+            f"3. **Target** — DeepSeek-V3 architecture, {tg['params'] / 1e6:.2f}M parameters "
+            f"({tg['active_params'] / 1e6:.2f}M active per token): see `target/config.json` (MLA with q LoRA, dense "
+            "first layer, 8 routed experts top-2 in 4 groups keep 2, 1 shared expert, sigmoid router with "
+            "`e_score_correction_bias`). Trained by `tools/demo/lm.py` with the product's `Target` "
+            f"(routed experts through the differentiable `{st.get('moe_kernel')}` kernel), float32: "
+            f"AdamW (peak lr {st.get('peak_lr')}, betas ({st.get('b1')}, {st.get('b2')}), "
+            f"weight decay {st.get('weight_decay')} on matrices, clip {st.get('grad_clip')}), {st.get('warmup_steps')} "
+            "warm-up steps then cosine to 10 % over the run's budget (fraction done = max(steps, wall time)); "
+            f"batch {st.get('batch_size')} random windows of {st.get('seq_len')} tokens; "
+            f"seed {st.get('seed')}. Load balance: DeepSeek-V3's auxiliary-loss-free bias update "
+            f"(±{st.get('bias_update_rate')} per step towards the mean expert load), no auxiliary loss.",
+            "",
+            f"   Ran {tg['steps']} steps / {tg['tokens'] / 1e6:.1f}M tokens in {tg['wall_s'] / 60:.1f} min "
+            f"(stopped: {tg['stop_reason']}). Held-out loss {_fmt(tg['best_heldout_loss'])} nats/token "
+            f"(best, step {tg['best_step']}); last train loss {_fmt(tg.get('final_train_loss'))}. "
+            "The exported weights are the best held-out checkpoint.",
+        ]
+    lines += [
+        "4. **Regenerate** — `serve.py --emit training` with the target on prompts from the train files. "
+        + ("Done." if s.get("regenerate") else "**Pending.**"),
+        "5. **Draft** — `train.py --config configs/train/demo.yaml` (training-time test, draft vocab ~2k). "
+        + ("Done." if s.get("draft") else "**Pending.**"),
+        "6. **Export** — `target/` through `eagle3_jax.checkpoint.target_map` + the streaming safetensors writer; "
+        "checked by loading it with `eagle3_jax.load_target` and with transformers' `DeepseekV3ForCausalLM`, "
+        "which must give the same greedy continuation of a held-out prompt.",
+        "",
+    ]
+    if ex.get("sample"):
+        smp = ex["sample"]
+        lines += [
+            "## Sample (greedy, held-out prompt)",
+            "",
+            ("eagle3_jax and transformers generate the same tokens" if smp.get("transformers_match", True) else
+             "transformers diverges from eagle3_jax at a near-tie of the two best tokens")
+            + (f"; teacher-forced logits differ by at most {smp['max_logit_diff']:.1e}." if "max_logit_diff" in smp
+               else "."),
+            "",
+            "Prompt:",
+            "```python",
+            smp["prompt"].rstrip("\n"),
+            "```",
+            f"Continuation ({smp['tokens']} tokens):",
+            "```python",
+            smp["continuation"].rstrip("\n"),
+            "```",
+            "",
+        ]
+    lines += [
+        "## Pending",
+        "",
+    ]
+    if tg.get("stop_reason") == "max_minutes":
+        lines.append("- the target stopped at the wall-time cap with its held-out loss still falling (see "
+                     "`train_log.jsonl`); a larger `--max-minutes` gives a stronger target")
+    lines += [
+        "- the EAGLE-3 draft (stages 4-5) and its held-out acceptance length τ" if not s.get("draft") else
+        "- held-out τ table: run `make demo`",
+        "",
+        f"Size of `{out}/` when this was written: {demo_bytes / 1e6:.1f} MB (limit 30 MB).",
+        "",
+        "Rebuild: `python tools/make_demo.py` (all stages) or e.g. `--stages 1,2,3,6 --max-minutes 40`. "
+        "Reruns give equivalent models, not identical bytes (the training length follows wall time).",
+        "",
+    ]
+    return "\n".join(lines)

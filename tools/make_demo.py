@@ -1,0 +1,291 @@
+"""Build the demo models from scratch: `python tools/make_demo.py [--stages 1,2,3,4,5,6] [--out demo]`.
+
+Stages (each reads what the earlier ones left in --out and --work, so any suffix can be rerun):
+  1 corpus     the running interpreter's standard library *.py files, split train / held-out by a
+               hash of each path; file lists in OUT/corpus.json, held-out prompts in OUT/prompts.jsonl
+  2 tokenizer  byte-level BPE (tokenizers), OUT/target/tokenizer.json + tokenizer_config.json;
+               the corpus as token streams in WORK
+  3 target     a DeepseekV3-architecture MoE pre-trained on the train stream (optax AdamW);
+               log in OUT/train_log.jsonl, parameters in WORK
+  4 regenerate `serve.py --emit training`: the target's continuations of train-file prompts
+  5 draft      `train.py --config configs/train/demo.yaml` on that data
+  6 export     the target in Hugging Face layout (bf16) to OUT/target, checked against transformers;
+               the draft (when stage 5 has run) checked through the public loaders; OUT/README.md
+Stage 6's target export runs before stage 4 when both are asked for, since stage 4 serves it.
+
+Everything is seeded (--seed). Intermediate files go to --work (default build/demo_work, ignored by git).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from tools.demo import bpe, corpus  # noqa: E402
+
+DEMO_TRAIN_CONFIG = "configs/train/demo.yaml"
+STAGE_NAMES = {1: "corpus", 2: "tokenizer", 3: "target", 4: "regenerate", 5: "draft", 6: "export"}
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+class Paths:
+    def __init__(self, out: str, work: str):
+        self.out, self.work = out, work
+        self.corpus_json = os.path.join(out, "corpus.json")
+        self.prompts = os.path.join(out, "prompts.jsonl")
+        self.target = os.path.join(out, "target")
+        self.draft = os.path.join(out, "draft")
+        self.train_log = os.path.join(out, "train_log.jsonl")
+        self.readme = os.path.join(out, "README.md")
+        self.regen_prompts = os.path.join(work, "regen_prompts.jsonl")
+        self.train_tokens = os.path.join(work, "train_tokens.npy")
+        self.heldout_tokens = os.path.join(work, "heldout_tokens.npy")
+        self.target_params = os.path.join(work, "target_params.npz")
+        self.regenerated = os.path.join(work, "regenerated.jsonl")
+        self.draft_run = os.path.join(work, "draft_run")
+        self.summary = os.path.join(work, "summary.json")
+
+
+def load_summary(p: Paths) -> dict:
+    if os.path.isfile(p.summary):
+        with open(p.summary) as f:
+            return json.load(f)
+    return {}
+
+
+def update_summary(p: Paths, key: str, value) -> None:
+    s = load_summary(p)
+    s[key] = value
+    tmp = p.summary + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(s, f, indent=2, default=str)
+    os.replace(tmp, p.summary)
+
+
+def require(path: str, stage: int) -> None:
+    if not os.path.exists(path):
+        raise SystemExit(f"error: {path} is missing; run stage {stage} ({STAGE_NAMES[stage]}) first")
+
+
+def corpus_files(p: Paths):
+    """The corpus split, checked against the manifest stage 1 wrote (same interpreter, same files)."""
+    require(p.corpus_json, 1)
+    with open(p.corpus_json) as f:
+        manifest = json.load(f)
+    train, heldout = corpus.split(corpus.collect(manifest["stdlib"]))
+    for name, files in (("train", train), ("heldout", heldout)):
+        if corpus.digest(files) != manifest[name]["sha256"]:
+            raise SystemExit(f"error: the {name} files under {manifest['stdlib']} differ from {p.corpus_json}; "
+                             "rerun stage 1")
+    return train, heldout
+
+
+# ====================================================================== stages
+def stage_corpus(p: Paths, args) -> None:
+    root = corpus.stdlib_root()
+    train, heldout = corpus.split(corpus.collect(root))
+    manifest = corpus.manifest(root, train, heldout)
+    with open(p.corpus_json, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+    heldout_prompts = corpus.spread_prompts(heldout, args.heldout_prompts, "heldout", per_file=3)
+    regen_prompts = corpus.spread_prompts(train, args.regen_prompts, "train", per_file=4)
+    corpus.write_jsonl(p.prompts, [{"id": r["id"], "prompt": r["prompt"]} for r in heldout_prompts])
+    corpus.write_jsonl(p.regen_prompts, [{"id": r["id"], "prompt": r["prompt"]} for r in regen_prompts])
+    say(f"corpus: {manifest['train']['files']} train files ({manifest['train']['bytes'] / 1e6:.1f} MB), "
+        f"{manifest['heldout']['files']} held-out ({manifest['heldout']['bytes'] / 1e3:.0f} kB) from {root}")
+    say(f"prompts: {len(heldout_prompts)} held-out -> {p.prompts}, {len(regen_prompts)} train -> {p.regen_prompts}")
+    update_summary(p, "corpus", {k: manifest[k] for k in ("source", "train", "heldout")})
+
+
+def stage_tokenizer(p: Paths, args) -> None:
+    import numpy as np
+
+    train, heldout = corpus_files(p)
+    t = time.perf_counter()
+    tok = bpe.train_tokenizer((f.text for f in train), args.vocab_size)
+    bpe.save(tok, p.target, model_max_length=args.seq_len)
+    streams = {}
+    for name, files, path in (("train", train, p.train_tokens), ("heldout", heldout, p.heldout_tokens)):
+        ids = bpe.encode_documents(tok, [f.text for f in files])
+        np.save(path, ids)
+        streams[name] = int(len(ids))
+    nbytes = sum(len(f.text.encode()) for f in train)
+    say(f"tokenizer: vocab {tok.get_vocab_size()} in {time.perf_counter() - t:.0f}s; train {streams['train']:,} "
+        f"tokens ({nbytes / streams['train']:.2f} bytes/token), held-out {streams['heldout']:,}")
+    update_summary(p, "tokenizer", {"vocab_size": tok.get_vocab_size(), "tokens": streams,
+                                    "bytes_per_token": round(nbytes / streams["train"], 3)})
+
+
+def stage_target(p: Paths, args) -> None:
+    import numpy as np
+
+    from tools.demo import lm
+
+    require(p.train_tokens, 2)
+    tok = bpe.load(p.target)
+    hf_config = lm.target_hf_config(tok.get_vocab_size(), tok.token_to_id(bpe.BOS), tok.token_to_id(bpe.EOS),
+                                    max_positions=args.seq_len)
+    settings = lm.TrainSettings(seq_len=args.seq_len, batch_size=args.batch_size, peak_lr=args.lr,
+                                max_steps=args.max_steps, max_seconds=args.max_minutes * 60, seed=args.seed,
+                                eval_every_seconds=args.eval_every_seconds)
+    summary = lm.train(hf_config, np.load(p.train_tokens), np.load(p.heldout_tokens), settings,
+                       p.train_log, p.target_params, say=say)
+    say(f"target: {summary['steps']} steps, {summary['tokens'] / 1e6:.1f}M tokens, best held-out loss "
+        f"{summary['best_heldout_loss']:.3f} at step {summary['best_step']} ({summary['stop_reason']}), "
+        f"{summary['wall_s'] / 60:.1f} min")
+    update_summary(p, "target", summary)
+
+
+def stage_export_target(p: Paths, args) -> None:
+    from tools.demo import export, lm
+
+    require(p.target_params, 3)
+    flat, meta = lm.load_params(p.target_params)
+    files = export.export_target(meta["config"], flat, p.target, p.target)
+    say(f"exported target (step {meta['step']}, held-out loss {meta['heldout_loss']:.3f}) to {p.target}: "
+        + ", ".join(files))
+    with open(p.prompts) as f:
+        prompt = json.loads(f.readline())["prompt"]
+    check = export.verify(p.target, prompt, args.verify_tokens, say=say)
+    if not check["ok"]:
+        raise SystemExit("error: transformers' DeepseekV3ForCausalLM and eagle3_jax.load_target disagree on the "
+                         "exported target (see above); the parameters are kept in " + p.target_params)
+    update_summary(p, "export_target", {"step": meta["step"], "heldout_loss": meta["heldout_loss"],
+                                        "files": files, "sample": {k: check[k] for k in (
+                                            "prompt", "continuation", "tokens", "transformers_match",
+                                            "max_logit_diff")}})
+
+
+def stage_regenerate(p: Paths, args) -> None:
+    from tools.demo import draft
+
+    require(p.regen_prompts, 1)
+    draft.regenerate(p.target, p.regen_prompts, p.regenerated, args.regen_new_tokens, args.regen_batch_size,
+                     max_len=args.seq_len, say=say)
+    update_summary(p, "regenerate", {"prompts": sum(1 for _ in open(p.regen_prompts)),
+                                     "new_tokens": args.regen_new_tokens})
+
+
+def stage_draft(p: Paths, args) -> None:
+    from tools.demo import draft
+
+    require(p.regenerated, 4)
+    draft.train_draft(DEMO_TRAIN_CONFIG, p.target, p.regenerated, p.draft_run, p.draft, say=say)
+    update_summary(p, "draft", {"config": DEMO_TRAIN_CONFIG, "export_dir": p.draft})
+
+
+def stage_export_draft(p: Paths, args) -> None:
+    """The draft is exported by train.py itself; here it is only loaded and checked."""
+    if not os.path.isfile(os.path.join(p.draft, "config.json")):
+        say(f"draft: none at {p.draft} yet (stages 4-5); the README lists it as pending")
+        return
+    import eagle3_jax as e3
+
+    target = e3.load_target(p.target)
+    e3.load_draft(p.draft, target)
+    say(f"draft at {p.draft} loads against the target")
+
+
+# ====================================================================== README
+def dir_size(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    return total
+
+
+def write_readme(p: Paths, args) -> None:
+    from tools.demo import readme
+
+    text = readme.render(load_summary(p), out=p.out, demo_bytes=dir_size(p.out))
+    with open(p.readme, "w") as f:
+        f.write(text)
+    say(f"wrote {p.readme}; {p.out}/ is {dir_size(p.out) / 1e6:.1f} MB")
+
+
+# ====================================================================== main
+def parse_stages(text: str) -> list[int]:
+    try:
+        stages = sorted({int(s) for s in text.split(",") if s.strip()})
+    except ValueError:
+        raise SystemExit(f"error: --stages expects numbers 1-6 separated by commas, got '{text}'")
+    bad = [s for s in stages if s not in STAGE_NAMES]
+    if bad or not stages:
+        raise SystemExit(f"error: --stages: unknown stage(s) {bad or text}; stages are "
+                         + ", ".join(f"{k} {v}" for k, v in STAGE_NAMES.items()))
+    return stages
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stages", default="1,2,3,4,5,6", help="comma-separated stages to run (default all)")
+    ap.add_argument("--out", default="demo", help="output folder (default demo)")
+    ap.add_argument("--work", default="build/demo_work", help="intermediate files (default build/demo_work)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-minutes", type=float, default=40.0, help="wall-time cap of stage 3's training")
+    ap.add_argument("--max-steps", type=int, default=100_000, help="step cap of stage 3's training")
+    ap.add_argument("--eval-every-seconds", type=float, default=150.0, help="held-out evaluation interval")
+    ap.add_argument("--vocab-size", type=int, default=8192)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--moe-kernel", default="padded_blocks", choices=["padded_blocks", "ragged"],
+                    help="differentiable routed-expert kernel for stage 3 (same results; padded_blocks is "
+                         "faster on CPU)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of stage 3")
+    ap.add_argument("--heldout-prompts", type=int, default=32)
+    ap.add_argument("--regen-prompts", type=int, default=2000)
+    ap.add_argument("--regen-new-tokens", type=int, default=96)
+    ap.add_argument("--regen-batch-size", type=int, default=32)
+    ap.add_argument("--verify-tokens", type=int, default=48, help="greedy tokens compared with transformers")
+    args = ap.parse_args(argv)
+    stages = parse_stages(args.stages)
+
+    p = Paths(args.out, args.work)
+    os.makedirs(p.out, exist_ok=True)
+    os.makedirs(p.work, exist_ok=True)
+
+    from tools.demo.draft import StageUnavailable
+
+    plan = []
+    for s in stages:
+        if s == 6:
+            continue
+        if s == 4 and 6 in stages:
+            plan.append(("6 export (target)", stage_export_target))
+        plan.append((f"{s} {STAGE_NAMES[s]}", {1: stage_corpus, 2: stage_tokenizer, 3: stage_target,
+                                               4: stage_regenerate, 5: stage_draft}[s]))
+    if 6 in stages:
+        if 4 not in stages:
+            plan.append(("6 export (target)", stage_export_target))
+        plan.append(("6 export (draft)", stage_export_draft))
+    t_all = time.perf_counter()
+    status = 0
+    for name, fn in plan:
+        t = time.perf_counter()
+        say(f"== stage {name}")
+        try:
+            fn(p, args)
+        except StageUnavailable as e:
+            say(f"stage {name} cannot run yet: {e}")
+            status = 3
+            break
+        say(f"== stage {name} done in {time.perf_counter() - t:.0f}s")
+    if 6 in stages or status:
+        write_readme(p, args)
+    say(f"total {(time.perf_counter() - t_all) / 60:.1f} min")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
