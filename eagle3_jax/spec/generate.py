@@ -113,7 +113,8 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, *, num_d
     room_B = capacity - prompt_len_B
     budget_B = jnp.minimum(max_new_B, room_B)
     state = LoopState(
-        tokens_BN=jnp.zeros((B, max_new), jnp.int32), n_out_B=jnp.zeros((B,), jnp.int32), budget_B=budget_B,
+        tokens_BN=constrain(jnp.zeros((B, max_new), jnp.int32), ("batch", None)),
+        n_out_B=jnp.zeros((B,), jnp.int32), budget_B=budget_B,
         budget_is_max_new_B=max_new_B <= room_B,
         finish_B=jnp.where(budget_B > 0, RUNNING, FINISH_CAPACITY).astype(jnp.int32),
         lengths_B=prompt_len_B.astype(jnp.int32), last_B=first_B, tcache=out.cache, dcache=None,
