@@ -76,7 +76,7 @@ class LoadedTarget:
     def _aux_ids(self, aux_layer_ids) -> tuple[int, ...]:
         if aux_layer_ids is None:
             return ()
-        return self.model.check_aux_ids(aux_layer_ids)
+        return self.config.check_aux_layer_ids(aux_layer_ids)
 
     def init_cache(self, batch: int, capacity: int) -> MLACache:
         with mesh_context(self.mesh):

@@ -142,6 +142,19 @@ class TargetConfig:
             and layer % self.moe_layer_freq == 0
         )
 
+    def check_aux_layer_ids(self, aux_layer_ids, where: str = "aux layer ids") -> tuple[int, ...]:
+        """The ids as a tuple, or a ConfigError when one names no layer of this model."""
+        L = self.num_hidden_layers
+        ids = tuple(int(i) for i in aux_layer_ids)
+        bad = [i for i in ids if not 0 <= i < L]
+        if bad:
+            raise ConfigError(
+                f"{where} {list(ids)}: {bad} outside the target's layers 0..{L - 1}. Id i means the output of "
+                f"layer i (SGLang/SpecForge convention); for this {L}-layer target the default is "
+                f"{list(self.default_aux_layer_ids())}"
+            )
+        return ids
+
     def default_aux_layer_ids(self) -> tuple[int, ...]:
         """SGLang/SpecForge default: outputs of layers 1, L//2-1, L-4 (streams entering 2, L//2, L-3)."""
         L = self.num_hidden_layers

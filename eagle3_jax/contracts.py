@@ -16,16 +16,10 @@ from eagle3_jax.errors import ConfigError
 def resolve_aux_ids(draft: DraftConfig, target: TargetConfig) -> tuple[int, ...]:
     """The layer ids the target must capture for this draft (from the draft's own config)."""
     ids = draft.aux_layer_ids if draft.aux_layer_ids is not None else target.default_aux_layer_ids()
-    L = target.num_hidden_layers
-    bad = [i for i in ids if not 0 <= i < L]
-    if bad:
-        raise ConfigError(
-            f"draft eagle_config.eagle_aux_hidden_state_layer_ids {list(ids)}: {bad} outside the target's "
-            f"layers 0..{L - 1}. Id i means the output of layer i (SGLang/SpecForge convention); "
-            f"for this {L}-layer target the default is {list(target.default_aux_layer_ids())}. "
-            "Was this draft trained for a different target?"
-        )
-    return tuple(ids)
+    try:
+        return target.check_aux_layer_ids(ids, where="draft eagle_config.eagle_aux_hidden_state_layer_ids")
+    except ConfigError as e:
+        raise ConfigError(f"{e}. Was this draft trained for a different target?") from None
 
 
 def check_pairing(draft: DraftConfig, target: TargetConfig, fc_in_width: int, n_aux: int,

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax.config import TargetConfig
-from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.attention import MLAttention
 from eagle3_jax.models.cache import MLACache
 from eagle3_jax.models.layers import RMSNorm, SwiGLU, param, rope_cos_sin, rope_inv_freq, yarn_softmax_scale
@@ -66,18 +65,6 @@ class Target(nnx.Module):
         self.rope_inv_freq = tuple(inv_freq.tolist())  # static (hashable) data, not a parameter
         self.rope_attn_factor = attn_factor
         self.softmax_scale = yarn_softmax_scale(cfg.rope, cfg.qk_head_dim)
-
-    def check_aux_ids(self, aux_layer_ids: Sequence[int]) -> tuple[int, ...]:
-        L = self.cfg.num_hidden_layers
-        ids = tuple(int(i) for i in aux_layer_ids)
-        bad = [i for i in ids if not 0 <= i < L]
-        if bad:
-            raise ConfigError(
-                f"aux layer ids {list(ids)}: {bad} fall outside the target's layers 0..{L - 1}; "
-                f"id i means the output of layer i (SGLang/SpecForge convention), so the default for "
-                f"{L} layers is {list(self.cfg.default_aux_layer_ids())}"
-            )
-        return ids
 
     def init_cache(self, batch: int, capacity: int) -> MLACache:
         cfg = self.cfg
