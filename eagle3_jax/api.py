@@ -289,7 +289,7 @@ class Generator:
         self.max_len = max_len
         self.mesh = target.mesh
 
-    def _pad_batch(self, prompts: Sequence[Sequence[int]]):
+    def _pad_batch(self, prompts: Sequence[Sequence[int]], prompt_len: int | None = None):
         if not prompts:
             raise ConfigError("generate() got no prompts")
         lens = [len(p) for p in prompts]
@@ -302,6 +302,11 @@ class Generator:
         B_pad = -(-B // data) * data
         # Pad prompt length to a multiple of 16 so nearby lengths share one compiled program.
         T = min(-(-max(lens) // 16) * 16, self.max_len - 1)
+        if prompt_len is not None:
+            if not max(lens) <= prompt_len < self.max_len:
+                raise ConfigError(f"prompt_len={prompt_len} must hold the longest prompt ({max(lens)} tokens) and "
+                                  f"be below max_len={self.max_len}")
+            T = prompt_len
         ids = np.zeros((B_pad, T), np.int32)
         lengths = np.ones((B_pad,), np.int32)
         for b, p in enumerate(prompts):
@@ -310,8 +315,14 @@ class Generator:
         return ids, lengths, B
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, eos_token_ids: Sequence[int] = ()
-                 ) -> GenerationResult:
+                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, eos_token_ids: Sequence[int] = (),
+                 prompt_len: int | None = None) -> GenerationResult:
+        """Generates for ``prompts`` (token id lists) in one batch.
+
+        The compiled program depends on the batch size, ``max_new_tokens`` and the padded prompt
+        length (the longest prompt rounded up to 16, or ``prompt_len`` when given): batches that
+        pin one ``prompt_len`` share one compilation.
+        """
         import time
 
         if max_new_tokens < 1:
@@ -320,7 +331,7 @@ class Generator:
             raise ConfigError(
                 f"sampling settings out of range: temperature={temperature} (>= 0), top_p={top_p} (0, 1], "
                 f"top_k={top_k} (>= 0)")
-        ids, lengths, B = self._pad_batch(prompts)
+        ids, lengths, B = self._pad_batch(prompts, prompt_len)
         eos = np.asarray(list(eos_token_ids) or [-1], np.int32)
         greedy = temperature == 0.0
         d = self.draft

@@ -266,7 +266,10 @@ def test_messages_without_chat_template_refused_before_loading(tmp_path, models,
 
 
 # ---------------------------------------------------------------------- command line and settings
-def test_without_target_prints_how_to_point_at_a_model(capsys):
+def test_without_target_prints_how_to_point_at_a_model(capsys, monkeypatch):
+    from eagle3_jax.serve import demo
+
+    monkeypatch.setattr(demo, "available", lambda *a: False)   # with demo/ present, no arguments = the demo
     assert cli.main([]) == 0
     assert "--target" in capsys.readouterr().out
     assert cli.main(["--input", "x.jsonl"]) == 2

@@ -186,15 +186,26 @@ def stage_draft(p: Paths, args) -> None:
 
 
 def stage_export_draft(p: Paths, args) -> None:
-    """The draft is exported by train.py itself; here it is only loaded and checked."""
+    """The draft is exported by train.py itself; here it is loaded through the public loaders, its
+    held-out acceptance length measured at the shipped K, and demo/demo.yaml written for the demo."""
     if not os.path.isfile(os.path.join(p.draft, "config.json")):
         say(f"draft: none at {p.draft} yet (stages 4-5); the README lists it as pending")
         return
-    import eagle3_jax as e3
+    import yaml
 
-    target = e3.load_target(p.target)
-    e3.load_draft(p.draft, target)
-    say(f"draft at {p.draft} loads against the target")
+    from eagle3_jax.serve import demo
+    from tools.demo import draft
+
+    settings = demo.DemoSettings(num_draft_tokens=args.num_draft_tokens)
+    with open(os.path.join(p.out, "demo.yaml"), "w") as f:
+        f.write("# What `python serve.py` (no arguments) runs; written by tools/make_demo.py stage 6.\n")
+        yaml.safe_dump(settings.__dict__, f, sort_keys=False)
+    heldout = draft.heldout_acceptance(p.target, p.draft, p.prompts, args.num_draft_tokens,
+                                       settings.max_new_tokens, settings.batch_size)
+    say(f"draft at {p.draft}: held-out tau {heldout['tau']:.2f} at K={args.num_draft_tokens} over "
+        f"{heldout['prompts']} prompts; per position {heldout['accept_rate_per_position']}")
+    update_summary(p, "draft_heldout", heldout)
+    update_summary(p, "draft_training", draft.training_summary(p.draft_run))
 
 
 # ====================================================================== README
@@ -246,7 +257,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heldout-prompts", type=int, default=32)
     ap.add_argument("--regen-prompts", type=int, default=2000)
     ap.add_argument("--regen-new-tokens", type=int, default=96)
-    ap.add_argument("--regen-batch-size", type=int, default=32)
+    ap.add_argument("--regen-batch-size", type=int, default=64)
+    ap.add_argument("--num-draft-tokens", type=int, default=6, help="the shipped K (demo/demo.yaml)")
     ap.add_argument("--verify-tokens", type=int, default=48, help="greedy tokens compared with transformers")
     args = ap.parse_args(argv)
     stages = parse_stages(args.stages)

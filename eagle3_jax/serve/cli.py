@@ -16,6 +16,7 @@ import sys
 import warnings
 from typing import Callable
 
+from eagle3_jax import distributed
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.metrics import AcceptanceCollapseWarning
 from eagle3_jax.serve.inputs import InputError, PromptRecord, read_prompts
@@ -35,7 +36,7 @@ optionally, an EAGLE-3 draft. Point it at a model:
 prompts.jsonl has one {"id": ..., "messages": [...]} or {"id": ..., "prompt": "..."} per line.
 Rerunning the same command after a crash resumes where it stopped. `python serve.py --help` lists
 every option; configs/serve/*.yaml are example --config files.
-(The embedded demo models are not shipped yet.)
+With no arguments at all it runs the embedded demo (demo/target + demo/draft, see demo/README.md).
 """
 BAD_LINES_SHOWN = 20
 
@@ -69,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="skip malformed input lines (reported) instead of stopping before generation")
     a("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
       help="compute dtype; 'auto' (default) = the checkpoint's torch_dtype")
+    # Multi-host: the same command on every host; process 0 writes the output, sidecar and metrics.
+    distributed.add_flags(p)
     return p
 
 
@@ -212,7 +215,7 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
             _generate(s, tok, dtype, requests, by_key, out, stats, models or load_models, engine_module)
 
     print(summary_table(stats, already, len(bad)))
-    if s.metrics:
+    if s.metrics and distributed.is_writer():
         write_metrics(s.metrics, metrics_dict(stats, already, len(bad), dict(s.as_dict(), dtype=dtype)))
         log.info("metrics written to %s", s.metrics)
     return 0
@@ -247,8 +250,27 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
     # The engine itself runs the acceptance check on its totals when the run ends.
 
 
+def _join_process_group(argv) -> None:
+    """Multi-host (--coordinator/--num-processes/--process-id or EAGLE3_* env): joins the process
+    group; every process then runs the same generation, and only process 0 draws the progress bar."""
+    import os
+
+    ns, _ = build_parser().parse_known_args(argv)
+    if distributed.initialize(ns.coordinator, ns.num_processes, ns.process_id) and not distributed.is_writer():
+        os.environ["TQDM_DISABLE"] = "1"
+
+
 def main(argv=None, models: Callable | None = None, engine_module=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        from eagle3_jax.serve import demo
+
+        if demo.available():
+            try:
+                return demo.run()
+            except Eagle3Error as e:
+                print(f"serve.py: error: {e}", file=sys.stderr)
+                return 1
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s",
                             datefmt="%H:%M:%S")
@@ -256,6 +278,11 @@ def main(argv=None, models: Callable | None = None, engine_module=None) -> int:
     # The watchdog logs its warning (above the progress bar); the same text as a Python warning
     # would only print it a second time.
     warnings.simplefilter("ignore", AcceptanceCollapseWarning)
+    try:
+        _join_process_group(argv)   # before anything touches JAX's devices
+    except Eagle3Error as e:
+        print(f"serve.py: error: {e}", file=sys.stderr)
+        return 2
     try:
         s = settings_from_argv(argv)
     except Eagle3Error as e:

@@ -47,7 +47,9 @@ def regenerate(target_dir: str, prompts: str, output: str, max_new_tokens: int, 
         raise StageUnavailable(f"{target_dir} holds no exported target; run stage 6 (or stages 3 and 6) first")
     cmd = [sys.executable, "serve.py", "--target", target_dir, "--input", prompts, "--output", output,
            "--emit", "training", "--max-new-tokens", str(max_new_tokens), "--batch-size", str(batch_size),
-           "--max-len", str(max_len), "--temperature", "0", "--mesh", "none"]
+           "--max-len", str(max_len), "--temperature", "0", "--mesh", "none",
+           # float32: CPU backends have no fast bfloat16 matmuls
+           "--dtype", "float32"]
     _run(cmd, say)
     return output
 
@@ -69,3 +71,48 @@ def train_draft(config: str, target_dir: str, data: str, run_dir: str, export_di
     if not os.path.isfile(os.path.join(export_dir, "config.json")):
         raise RuntimeError(f"train.py finished but wrote no draft config.json to {export_dir}")
     return export_dir
+
+
+def heldout_acceptance(target_dir: str, draft_dir: str, prompts: str, k: int, max_new_tokens: int,
+                       batch_size: int) -> dict:
+    """Greedy tau and per-position acceptance of the draft on the held-out prompts, through the
+    public loaders (float32, one device)."""
+    import json
+
+    import eagle3_jax as e3
+    from eagle3_jax.tokenizer import load_tokenizer
+
+    target = e3.load_target(target_dir, dtype="float32")
+    draft = e3.load_draft(draft_dir, target)
+    tok = load_tokenizer(target_dir)
+    with open(prompts) as f:
+        ids = [tok.encode(json.loads(line)["prompt"]) for line in f if line.strip()]
+    prompt_len = -(-max(len(i) for i in ids) // 16) * 16
+    gen = e3.Generator(target, draft, num_draft_tokens=k, max_len=prompt_len + max_new_tokens + k + 2)
+    rounds = round_tokens = 0
+    accepted = [0] * k
+    for i in range(0, len(ids), batch_size):
+        st = gen.generate(ids[i:i + batch_size], max_new_tokens, eos_token_ids=tuple(tok.eos_token_ids),
+                          prompt_len=prompt_len).stats
+        rounds += st.rounds
+        round_tokens += st.round_tokens
+        accepted = [a + b for a, b in zip(accepted, st.accepted_per_position)]
+    return {"num_draft_tokens": k, "prompts": len(ids), "max_new_tokens": max_new_tokens,
+            "tau": round(round_tokens / rounds, 3),
+            "accept_rate_per_position": [round(a / rounds, 3) for a in accepted]}
+
+
+def training_summary(run_dir: str) -> dict:
+    """The last training row and every eval row of train.py's metrics.jsonl."""
+    import json
+    import os
+
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return {}
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    train_rows = [r for r in rows if "loss" in r]
+    last = train_rows[-1] if train_rows else {}
+    return {"steps": last.get("step"), "final_loss": last.get("loss"),
+            "final_acc_per_position": [round(a, 3) for a in last.get("acc", [])],
+            "evals": [{"step": r["step"], "tau": round(r["eval_tau"], 3)} for r in rows if "eval_tau" in r]}

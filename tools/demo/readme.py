@@ -67,16 +67,38 @@ def render(s: dict, out: str, demo_bytes: int) -> str:
             f"(best, step {tg['best_step']}); last train loss {_fmt(tg.get('final_train_loss'))}. "
             "The exported weights are the best held-out checkpoint.",
         ]
+    rg, dt, dh = s.get("regenerate", {}), s.get("draft_training", {}), s.get("draft_heldout", {})
+    lines.append(
+        "4. **Regenerate** — `serve.py --emit training --temperature 0 --dtype float32` with the target on "
+        + (f"{rg['prompts']} prompts cut from the train files, {rg['new_tokens']} new tokens each, so the draft "
+           "learns what this target actually writes." if rg else "prompts from the train files. **Pending.**"))
+    if dt:
+        evals = ", ".join(f"{e['tau']:.2f} (step {e['step']})" for e in dt.get("evals", []))
+        lines.append(
+            "5. **Draft** — `train.py --config configs/train/demo.yaml` (one decoder layer fusing target layers "
+            "0, 2, 4; training-time test with 7 steps; draft vocab 2048): "
+            f"{dt.get('steps')} steps, final TTT loss {_fmt(dt.get('final_loss'))}, training accuracy by TTT step "
+            f"{dt.get('final_acc_per_position')}. Held-out greedy τ during training (K = the config's `eval_draft_tokens`): {evals or 'n/a'}.")
+    else:
+        lines.append("5. **Draft** — `train.py --config configs/train/demo.yaml` (training-time test, draft vocab "
+                     "~2k). **Pending.**")
     lines += [
-        "4. **Regenerate** — `serve.py --emit training` with the target on prompts from the train files. "
-        + ("Done." if s.get("regenerate") else "**Pending.**"),
-        "5. **Draft** — `train.py --config configs/train/demo.yaml` (training-time test, draft vocab ~2k). "
-        + ("Done." if s.get("draft") else "**Pending.**"),
         "6. **Export** — `target/` through `eagle3_jax.checkpoint.target_map` + the streaming safetensors writer; "
         "checked by loading it with `eagle3_jax.load_target` and with transformers' `DeepseekV3ForCausalLM`, "
-        "which must give the same greedy continuation of a held-out prompt.",
+        "which must give the same greedy continuation of a held-out prompt. `draft/` is written by train.py "
+        "(SpecForge layout) and loaded back with `eagle3_jax.load_draft`.",
         "",
     ]
+    if dh:
+        lines += [
+            "## Acceptance on the held-out prompts",
+            "",
+            f"Greedy, K = {dh['num_draft_tokens']} (the shipped `demo.yaml`), {dh['prompts']} prompts × "
+            f"{dh['max_new_tokens']} new tokens: **τ = {dh['tau']:.2f}** tokens per target forward pass; "
+            "acceptance by draft position "
+            + ", ".join(f"{i + 1}: {r:.2f}" for i, r in enumerate(dh["accept_rate_per_position"])) + ".",
+            "",
+        ]
     if ex.get("sample"):
         smp = ex["sample"]
         lines += [
@@ -97,17 +119,15 @@ def render(s: dict, out: str, demo_bytes: int) -> str:
             "```",
             "",
         ]
-    lines += [
-        "## Pending",
-        "",
-    ]
+    pending = []
     if tg.get("stop_reason") == "max_minutes":
-        lines.append("- the target stopped at the wall-time cap with its held-out loss still falling (see "
-                     "`train_log.jsonl`); a larger `--max-minutes` gives a stronger target")
+        pending.append("- the target stopped at the wall-time cap with its held-out loss still falling (see "
+                       "`train_log.jsonl`); a larger `--max-minutes` gives a stronger target")
+    if not dh:
+        pending.append("- the EAGLE-3 draft (stages 4-5) and its held-out acceptance length τ")
+    if pending:
+        lines += ["## Not done yet", "", *pending, ""]
     lines += [
-        "- the EAGLE-3 draft (stages 4-5) and its held-out acceptance length τ" if not s.get("draft") else
-        "- held-out τ table: run `make demo`",
-        "",
         f"Size of `{out}/` when this was written: {demo_bytes / 1e6:.1f} MB (limit 30 MB).",
         "",
         "Rebuild: `python tools/make_demo.py` (all stages) or e.g. `--stages 1,2,3,6 --max-minutes 40`. "
