@@ -7,6 +7,9 @@
   Reopening an output written with other settings is an error unless ``overwrite``: mixing two
   settings in one file would silently produce a data set that no single command can reproduce.
 - An exclusive ``flock`` on the output keeps two jobs from appending to the same file.
+- Multi-process runs (``--coordinator``): process 0 alone opens, locks and writes the output and its
+  sidecar; it broadcasts the set of finished ids (or the error that stops the run) to the others,
+  which skip the same prompts and write nothing. The output need not be on a shared filesystem.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import logging
 import os
 
+from eagle3_jax import distributed
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.serve.inputs import id_key
 from eagle3_jax.serve.settings import describe_difference
@@ -60,6 +64,32 @@ class ResumableOutput:
         self.path = path
         self.fingerprint = fingerprint
         self.done: set[str] = set()
+        self._fd = -1
+        if not distributed.is_multi_process():
+            self._open(overwrite)
+            return
+        # Every process must skip the same prompts (they run one generation together), so the
+        # others take process 0's view of the file, or its error, instead of reading it themselves.
+        if distributed.is_writer():
+            try:
+                self._open(overwrite)
+            except Exception as e:
+                distributed.broadcast_json({"error": str(e)})
+                raise
+            distributed.broadcast_json({"done": sorted(self.done)})
+        else:
+            msg = distributed.broadcast_json()
+            if "error" in msg:
+                raise OutputError(f"{msg['error']}\n(reported by process 0, which writes the output)")
+            self.done = set(msg["done"])
+
+    @property
+    def writes(self) -> bool:
+        """False on the processes of a multi-process run that only follow process 0."""
+        return self._fd >= 0
+
+    def _open(self, overwrite: bool) -> None:
+        path = self.path
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
             raise OutputError(f"--output {path}: directory {parent} does not exist")
@@ -76,6 +106,7 @@ class ResumableOutput:
             self._prepare(overwrite)
         except BaseException:
             os.close(self._fd)
+            self._fd = -1
             raise
 
     # ------------------------------------------------------------------ opening
@@ -149,6 +180,9 @@ class ResumableOutput:
 
     # ------------------------------------------------------------------ writing
     def append(self, record: dict) -> None:
+        if not self.writes:
+            self.done.add(id_key(record["id"]))
+            return
         data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
         view = memoryview(data)
         while view:

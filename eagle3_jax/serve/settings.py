@@ -41,6 +41,14 @@ class ServeSettings:
     skip_bad_lines: bool = False
     # "auto": the checkpoint's torch_dtype (bfloat16 when it names none we support).
     dtype: str = "auto"
+    # Multi-host (see eagle3_jax.distributed): per-process, command line / EAGLE3_* environment only,
+    # never part of the fingerprint (a job may resume on another number of hosts).
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    # Settings that only the command line or the environment may give (not --config).
+    PER_PROCESS = ("coordinator", "num_processes", "process_id")
 
     # Fields that change the generated text; see the module docstring.
     FINGERPRINT = ("max_new_tokens", "temperature", "top_p", "top_k", "max_len", "seed", "emit")
@@ -134,6 +142,11 @@ def read_yaml_config(path: str) -> dict:
     out, unknown = {}, []
     for k, v in data.items():
         key = str(k).replace("-", "_")
+        if key in ServeSettings.PER_PROCESS:
+            raise ConfigError(
+                f"--config {path}: '{k}' differs per process and is read before the config; pass "
+                f"--{key.replace('_', '-')} on the command line (or EAGLE3_{key.upper()} in the environment) and "
+                "remove it from the file")
         (out.__setitem__(key, v) if key in known else unknown.append(str(k)))
     if unknown:
         raise ConfigError(f"--config {path}: unknown keys {unknown}; known keys are {sorted(known)}")

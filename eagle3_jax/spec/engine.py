@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax.distributed import fetch
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import GenerationStats, check_acceptance
 from eagle3_jax.spec.generate import (FINISH_NAMES, RUNNING, Sampling, admit_rows, blank_state, run_rounds)
@@ -116,9 +117,9 @@ class Engine:
                 if all(o is None for o in occupant):
                     break
                 state = run_rounds(*models, state, jnp.int32(self.rounds_per_sync), self.sampling, **self.static)
-                finish, n_out, tokens, rounds, round_tokens, accepted = jax.device_get(
-                    (state.finish_B, state.n_out_B, state.tokens_BN, state.rounds_B, state.round_tokens_B,
-                     state.accepted_BK))
+                finish, n_out, tokens, rounds, round_tokens, accepted = (fetch(x) for x in (
+                    state.finish_B, state.n_out_B, state.tokens_BN, state.rounds_B, state.round_tokens_B,
+                    state.accepted_BK))
                 for b, req in enumerate(occupant):
                     if req is None or finish[b] == RUNNING:
                         continue

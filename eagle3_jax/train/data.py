@@ -20,6 +20,7 @@ computes the same loss (the head is applied to the stored states exactly as onli
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -210,11 +211,26 @@ class TokenizedSource:
             yield ex.ids, ex.loss_mask
 
 
-def make_dataset(source, batch_size: int, seed: int) -> grain.MapDataset:
-    """Deterministic per-epoch shuffle, endless epochs, fixed-size batches."""
+def make_dataset(source, batch_size: int, seed: int, rows: tuple[int, int] | None = None) -> grain.MapDataset:
+    """Deterministic per-epoch shuffle, endless epochs, fixed-size batches.
+
+    The shuffle and batching run over row indices, so every process of a multi-process run walks the
+    same global batches; ``rows=(lo, hi)`` then reads only rows ``lo:hi`` of each (this process's
+    share of the ``data`` axis). The default reads whole batches.
+    """
     if len(source) == 0:
         raise ConfigError("the training data is empty")
-    return grain.MapDataset.source(source).shuffle(seed=seed).repeat(None).batch(batch_size, drop_remainder=True)
+    lo, hi = rows if rows is not None else (0, batch_size)
+    if not 0 <= lo < hi <= batch_size:
+        raise ConfigError(f"rows {lo}:{hi} are not a slice of a {batch_size}-row batch")
+    batches = grain.MapDataset.range(len(source)).shuffle(seed=seed).repeat(None).batch(batch_size,
+                                                                                          drop_remainder=True)
+    return batches.map(functools.partial(_read_rows, source, lo, hi))
+
+
+def _read_rows(source, lo: int, hi: int, indices: np.ndarray) -> dict:
+    rows = [source[int(i)] for i in indices[lo:hi]]
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
 def make_iterator(dataset: grain.MapDataset, prefetch: int = 4):
@@ -333,7 +349,12 @@ def prepare_offline(cfg, progress: bool = True) -> str:
     import eagle3_jax as e3
     from eagle3_jax.api import mesh_context
 
+    from eagle3_jax import distributed
+
     tcfg = cfg.validate()
+    if distributed.is_multi_process():
+        raise ConfigError("mode=prepare runs in a single process (it writes one offline directory); run it without "
+                          "--coordinator / EAGLE3_COORDINATOR, then train with several processes from its output")
     root = cfg.offline_dir
     digest = file_digest(cfg.data)
     meta = offline_meta_for(cfg, tcfg, digest)

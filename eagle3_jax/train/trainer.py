@@ -4,6 +4,12 @@ checkpoints that a restart resumes from, metrics, periodic acceptance eval, Spec
 One optimizer step consumes ``grad_accum`` batches of ``batch_size`` rows; their gradients are
 averaged inside the jitted step (a ``lax.scan``), so the step counter, the schedule and the
 checkpoints count optimizer steps. Rows are sharded over the mesh's ``data`` axis.
+
+With several processes (``eagle3_jax.distributed``) the mesh spans every process's devices; each
+process reads only the rows of each global batch that its devices hold, and the global batch is
+assembled with ``jax.make_array_from_process_local_data``. All processes save and restore the
+orbax checkpoints together (``out_dir`` on a shared filesystem); process 0 alone writes the
+metrics log, the vocab map and the exported draft.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from eagle3_jax import distributed
 from eagle3_jax.api import LoadedDraft, mesh_context, resolve_dtype
 from eagle3_jax.contracts import check_pairing
 from eagle3_jax.errors import ConfigError
@@ -30,7 +37,7 @@ from eagle3_jax.sharding import make_mesh, shard_state
 from eagle3_jax.train import data as data_lib
 from eagle3_jax.train.config import TrainConfig
 from eagle3_jax.train.ttt import target_logits, target_signal, ttt_loss
-from eagle3_jax.train.vocab import VocabMap, load_or_build, token_counts
+from eagle3_jax.train.vocab import VocabMap, build_vocab_map, load_or_build, token_counts
 
 log = logging.getLogger("eagle3_jax")
 
@@ -141,6 +148,7 @@ class Trainer:
         self.aux_ids = cfg.resolved_aux_ids(tcfg)
         self.dcfg = cfg.draft_config(tcfg)
         self.mesh = make_mesh(cfg.mesh) if cfg.mesh is not None else None
+        self._check_process_mesh()
         os.makedirs(cfg.out_dir, exist_ok=True)
         self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
 
@@ -161,8 +169,7 @@ class Trainer:
 
         # ---- vocab map (saved once, reused on resume) and the draft
         V, W = tcfg.vocab_size, self.dcfg.draft_vocab_size
-        self.vocab: VocabMap = load_or_build(os.path.join(cfg.out_dir, "vocab.npz"),
-                                             lambda: token_counts(self.source.iter_tokens(), V), V, W)
+        self.vocab: VocabMap = self._vocab_map(V, W)
         check_pairing(self.dcfg, tcfg, len(self.aux_ids) * tcfg.hidden_size, len(self.aux_ids), self.vocab.d2t, None)
         model = Draft(self.dcfg, len(self.aux_ids), resolve_dtype(cfg.dtype), nnx.Rngs(cfg.seed))
         model.d2t.value = jnp.asarray(self.vocab.d2t, jnp.int32)
@@ -183,7 +190,7 @@ class Trainer:
         self.params, self.opt_state = jax.device_put((self.params, self.opt_state), self._shardings)
 
         # ---- data, checkpoints, resume
-        self.dataset = data_lib.make_dataset(self.source, cfg.batch_size, cfg.seed)
+        self.dataset = data_lib.make_dataset(self.source, cfg.batch_size, cfg.seed, rows=self._local_rows())
         self.data_iter = data_lib.make_iterator(self.dataset, prefetch=2 * cfg.grad_accum)
         self.step = 0
         self.ckpt = ocp.CheckpointManager(
@@ -205,15 +212,60 @@ class Trainer:
 
         return e3.load_target(self.cfg.target, dtype=self.cfg.resolved_target_dtype, mesh=self.mesh)
 
+    def _check_process_mesh(self):
+        if jax.process_count() == 1:
+            return
+        n = jax.device_count()
+        if self.mesh is None or self.mesh.devices.size != n:
+            found = ("no mesh" if self.mesh is None
+                     else f"mesh {dict(self.mesh.shape)} ({self.mesh.devices.size} devices)")
+            raise ConfigError(
+                f"a {jax.process_count()}-process run trains on one mesh over all {n} devices, found {found}; set "
+                f"mesh: data=D,expert=E,tensor=T with D*E*T = {n}")
+
+    def _local_rows(self) -> tuple[int, int]:
+        """The rows [lo, hi) of each batch that this process's devices hold (all of them in one process)."""
+        B = self.cfg.batch_size
+        if self.mesh is None or jax.process_count() == 1:
+            return 0, B
+        shape = (self.cfg.grad_accum, B)
+        rows = set()
+        for index in NamedSharding(self.mesh, P(None, "data")).addressable_devices_indices_map(shape).values():
+            rows.update(range(*index[1].indices(B)))
+        lo, hi = min(rows), max(rows) + 1
+        if len(rows) != hi - lo:
+            raise ConfigError(f"process {jax.process_index()}'s devices hold rows {sorted(rows)} of each batch, not "
+                              "one contiguous block; order the mesh's devices by process (make_mesh does)")
+        return lo, hi
+
+    def _vocab_map(self, V: int, W: int) -> VocabMap:
+        path = os.path.join(self.cfg.out_dir, "vocab.npz")
+        counts = lambda: token_counts(self.source.iter_tokens(), V)  # noqa: E731
+        if distributed.is_writer() or os.path.exists(path):
+            return load_or_build(path, counts, V, W)  # only process 0 ever writes the file
+        # The others build the same map from the same data (or read process 0's file, written atomically).
+        return build_vocab_map(counts(), W)
+
     def _replicated(self, x):
-        return jax.device_put(x, NamedSharding(self.mesh, P())) if self.mesh is not None else x
+        if self.mesh is None:
+            return x
+        sharding = NamedSharding(self.mesh, P())
+        if jax.process_count() == 1:
+            return jax.device_put(x, sharding)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     def _device_batch(self, rows: list[dict]) -> dict:
         batch = {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "index"}
         if self.mesh is None:
             return {k: jnp.asarray(v) for k, v in batch.items()}
         sharding = NamedSharding(self.mesh, P(None, "data"))
-        return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+        if jax.process_count() == 1:
+            return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+        # [grad_accum, this process's rows, ...] -> the global [grad_accum, batch_size, ...] array
+        B = self.cfg.batch_size
+        return {k: jax.make_array_from_process_local_data(sharding, v, (v.shape[0], B) + v.shape[2:])
+                for k, v in batch.items()}
 
     def next_batch(self) -> dict:
         return self._device_batch([next(self.data_iter) for _ in range(self.cfg.grad_accum)])
@@ -233,7 +285,7 @@ class Trainer:
 
         latest = self.ckpt.latest_step()
         if latest is None:
-            if os.path.exists(self.metrics_path):  # a run that died before its first checkpoint
+            if distributed.is_writer() and os.path.exists(self.metrics_path):  # died before its first checkpoint
                 os.remove(self.metrics_path)
             return
         meta = self.ckpt.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
@@ -262,7 +314,7 @@ class Trainer:
 
     def _truncate_metrics(self, step: int):
         """Drops log lines past the checkpoint, so a resumed run's log reads as one uninterrupted run."""
-        if not os.path.exists(self.metrics_path):
+        if not distributed.is_writer() or not os.path.exists(self.metrics_path):
             return
         with open(self.metrics_path) as f:
             keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
@@ -272,6 +324,8 @@ class Trainer:
         os.replace(tmp, self.metrics_path)
 
     def _log(self, record: dict):
+        if not distributed.is_writer():
+            return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -298,7 +352,13 @@ class Trainer:
         import eagle3_jax as e3
 
         path = path or self.cfg.resolved_export_dir
-        e3.save_draft(self.loaded_draft(), path)
+        if not distributed.is_multi_process():
+            e3.save_draft(self.loaded_draft(), path)
+            return path
+        # Every process gathers the full weights (a collective); process 0 writes them.
+        params, rest = (jax.tree.map(distributed.fetch, t) for t in (self.params, self.rest))
+        if distributed.is_writer():
+            e3.save_draft(LoadedDraft(nnx.merge(self.graphdef, params, rest), self.target, self.aux_ids), path)
         return path
 
     # ------------------------------------------------------------------ the loop
@@ -309,7 +369,7 @@ class Trainer:
             self.params, self.opt_state, m = self._step(
                 self.params, self.opt_state, self.rest, self.embed_VD, self.lm_head_DV, tstate, batch,
                 jnp.asarray(lr, jnp.float32))
-        m = jax.device_get(m)
+        m = jax.tree.map(distributed.fetch, m)
         self.step += 1
         return {"step": self.step, "loss": float(m["loss"]),
                 "ploss": [float(x) for x in m["ploss"]], "acc": [float(x) for x in m["acc"]],
@@ -322,7 +382,8 @@ class Trainer:
         cfg = self.cfg
         end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
         last = None
-        bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train", disable=not self.progress)
+        bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train",
+                   disable=not self.progress or not distributed.is_writer())
         rows_per_step = cfg.batch_size * cfg.grad_accum
         try:
             while self.step < end:
@@ -336,7 +397,8 @@ class Trainer:
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
                     ev = self.evaluate()
                     self._log(ev)
-                    bar.write(f"step {self.step}: eval tau {ev['eval_tau']:.3f}")
+                    if distributed.is_writer():
+                        bar.write(f"step {self.step}: eval tau {ev['eval_tau']:.3f}")
                 if self.step % cfg.save_every == 0 or self.step == cfg.total_steps:
                     self._save()
         finally:
