@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from dataclasses import dataclass
 from typing import Sequence

@@ -206,6 +206,8 @@ def stage_export_draft(p: Paths, args) -> None:
         f"{heldout['prompts']} prompts; per position {heldout['accept_rate_per_position']}")
     update_summary(p, "draft_heldout", heldout)
     update_summary(p, "draft_training", draft.training_summary(p.draft_run))
+    with open(os.path.join(REPO, DEMO_TRAIN_CONFIG)) as f:
+        update_summary(p, "draft_config", yaml.safe_load(f))
 
 
 # ====================================================================== README

@@ -8,7 +8,7 @@ from flax import nnx
 
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.models.cache import causal_slot_mask, write_slots
-from eagle3_jax.models.layers import RMSNorm, apply_rope, param, rms_norm
+from eagle3_jax.models.layers import RMSNorm, apply_rope, param
 
 
 def masked_softmax(scores_BTNS: jax.Array, mask_BTS: jax.Array) -> jax.Array:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from eagle3_jax.config import DraftConfig

@@ -20,7 +20,6 @@ over (expert, tensor) combines the partial outputs.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax

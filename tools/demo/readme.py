@@ -68,6 +68,7 @@ def render(s: dict, out: str, demo_bytes: int) -> str:
             "The exported weights are the best held-out checkpoint.",
         ]
     rg, dt, dh = s.get("regenerate", {}), s.get("draft_training", {}), s.get("draft_heldout", {})
+    dc = s.get("draft_config", {})
     lines.append(
         "4. **Regenerate** — `serve.py --emit training --temperature 0 --dtype float32` with the target on "
         + (f"{rg['prompts']} prompts cut from the train files, {rg['new_tokens']} new tokens each, so the draft "
@@ -76,7 +77,8 @@ def render(s: dict, out: str, demo_bytes: int) -> str:
         evals = ", ".join(f"{e['tau']:.2f} (step {e['step']})" for e in dt.get("evals", []))
         lines.append(
             "5. **Draft** — `train.py --config configs/train/demo.yaml` (one decoder layer fusing target layers "
-            "0, 2, 4; training-time test with 7 steps; draft vocab 2048): "
+            f"{dc.get('aux_layer_ids')}; training-time test with {dc.get('ttt_steps')} steps; draft vocab "
+            f"{dc.get('draft_vocab_size')}; batch {dc.get('batch_size')}, lr {dc.get('lr')}, seed {dc.get('seed')}): "
             f"{dt.get('steps')} steps, final TTT loss {_fmt(dt.get('final_loss'))}, training accuracy by TTT step "
             f"{dt.get('final_acc_per_position')}. Held-out greedy τ during training (K = the config's `eval_draft_tokens`): {evals or 'n/a'}.")
     else:
