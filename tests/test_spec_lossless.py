@@ -66,7 +66,8 @@ def test_batch_of_one(tiny_target, trained_draft_dir, prompts):
     assert res.stats.mean_accept_length == pytest.approx(res.stats.round_tokens / res.stats.rounds)
 
 
-@pytest.mark.parametrize("mesh_spec", ["data=1,expert=8,tensor=1", "data=1,expert=4,tensor=2", "data=8,expert=1,tensor=1"])
+@pytest.mark.parametrize("mesh_spec", ["data=1,expert=8,tensor=1", "data=1,expert=4,tensor=2", "data=2,expert=2,tensor=2",
+                                       "data=8,expert=1,tensor=1"])
 def test_spec_on_8_device_mesh_matches_one_device(tiny_target_dir, trained_draft_dir, prompts, settings, reference,
                                                   mesh_spec):
     mesh = e3.make_mesh(mesh_spec)
