@@ -28,6 +28,28 @@ TARGET_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 NESTED_TEXT_MODEL_TYPES = ("kimi_k25",)
 
 
+def read_yaml_mapping(path: str | os.PathLike, where: str | None = None) -> dict:
+    """A YAML file whose top level is a mapping (an empty file is an empty mapping); every
+    settings file (serve, train, demo) is read through here so they fail the same way."""
+    import yaml
+
+    path = os.fspath(path)
+    where = where or path
+    if not os.path.isfile(path):
+        raise ConfigError(f"{where}: the file does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML ({e})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys to values at the top level, found "
+                          f"{type(data).__name__}")
+    return dict(data)
+
+
 def _require(d: Mapping[str, Any], key: str, where: str) -> Any:
     if key not in d or d[key] is None:
         raise ConfigError(f"{where}: field '{key}' is required but missing; add it to config.json")

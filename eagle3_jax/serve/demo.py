@@ -17,8 +17,7 @@ import os
 import time
 from dataclasses import dataclass, fields
 
-import yaml
-
+from eagle3_jax.config import read_yaml_mapping
 from eagle3_jax.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,8 +41,7 @@ class DemoSettings:
         path = os.path.join(demo_dir, "demo.yaml")
         if not os.path.isfile(path):
             return cls()
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
+        raw = read_yaml_mapping(path)
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - names)
         if unknown:

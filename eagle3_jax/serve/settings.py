@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from eagle3_jax.config import read_yaml_mapping
 from eagle3_jax.errors import ConfigError
 
 EMIT_CHOICES = ("text", "training")
@@ -125,19 +126,7 @@ class ServeSettings:
 
 def read_yaml_config(path: str) -> dict:
     """A YAML mapping of the same keys as the command line (dashes or underscores)."""
-    import yaml
-
-    if not os.path.isfile(path):
-        raise ConfigError(f"--config {path}: no such file")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--config {path}: not valid YAML ({e})") from e
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of settings, found {type(data).__name__}")
+    data = read_yaml_mapping(path, where=f"--config {path}")
     known = set(ServeSettings.field_names())
     out, unknown = {}, []
     for k, v in data.items():

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from eagle3_jax.config import DraftConfig, MeshConfig, TargetConfig
+from eagle3_jax.config import DraftConfig, MeshConfig, TargetConfig, read_yaml_mapping
 from eagle3_jax.errors import ConfigError
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -145,18 +145,7 @@ class TrainConfig:
         if path is not None:
             path = os.fspath(path)
             where = path
-            if not os.path.isfile(path):
-                raise ConfigError(f"config file {path} does not exist")
-            with open(path) as f:
-                try:
-                    loaded = yaml.safe_load(f)
-                except yaml.YAMLError as e:
-                    raise ConfigError(f"{path}: not valid YAML ({e})") from None
-            if loaded is None:
-                loaded = {}
-            if not isinstance(loaded, dict):
-                raise ConfigError(f"{path}: expected a mapping of keys to values at the top level")
-            raw = dict(loaded)
+            raw = read_yaml_mapping(path)
             if isinstance(raw.get("draft"), Mapping):
                 raw["draft"] = dict(raw["draft"])
         for item in overrides:
