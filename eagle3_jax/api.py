@@ -359,8 +359,12 @@ class Generator:
             stats=stats)
 
 
-def save_draft(draft: LoadedDraft, path: str | os.PathLike, config_overrides: dict | None = None) -> None:
+def save_draft(draft: LoadedDraft, path: str | os.PathLike, config_overrides: dict | None = None,
+               dtype: str | None = None) -> None:
     """Writes the draft in the SpecForge / SGLang layout (config.json + model.safetensors).
+
+    ``dtype`` ("bfloat16", "float16", "float32") casts the floating-point weights on the way out and
+    is recorded as the config's ``torch_dtype``; None keeps the draft's own dtype.
 
     The config records the aux layer ids actually used, so the wiring travels with the weights.
     Written to a temporary directory and renamed, so a crash never leaves a complete-looking draft.
@@ -384,8 +388,13 @@ def save_draft(draft: LoadedDraft, path: str | os.PathLike, config_overrides: di
         hf.setdefault("eagle_config", {})
         hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(draft.aux_layer_ids)
         hf["eagle_config"].setdefault("use_aux_hidden_state", True)
-        hf.update(config_overrides or {})
         flat = {tuple(p): np.asarray(jax.device_get(v.value)) for p, v in nnx.to_flat_state(draft.state)}
+        if dtype is not None:
+            out_dtype = resolve_dtype(dtype)
+            flat = {k: (v.astype(out_dtype) if np.issubdtype(v.dtype, np.floating) or v.dtype == jnp.bfloat16 else v)
+                    for k, v in flat.items()}
+            hf["torch_dtype"] = dtype
+        hf.update(config_overrides or {})
         with CheckpointWriter(tmp) as writer:
             for name, arr in iter_draft_tensors(cfg, flat, len(draft.aux_layer_ids),
                                                 draft.model.embed_tokens is not None):

@@ -73,6 +73,7 @@ class TrainConfig:
     offline_dir: str | None = None
     mesh: str | None = None
     export_dir: str | None = None
+    export_dtype: str | None = None     # the exported draft's weights; None = dtype
 
     # ------------------------------------------------------------------ derived
     @property
@@ -180,7 +181,7 @@ class TrainConfig:
             raise ConfigError(f"mode '{self.mode}' is not one of {MODES}")
         if self.hidden_source not in HIDDEN_SOURCES:
             raise ConfigError(f"hidden_source '{self.hidden_source}' is not one of {HIDDEN_SOURCES}")
-        for name in ("dtype", "target_dtype"):
+        for name in ("dtype", "target_dtype", "export_dtype"):
             v = getattr(self, name)
             if v is not None and v not in DTYPE_NAMES:
                 raise ConfigError(f"{name} '{v}' is not supported; use one of {DTYPE_NAMES}")

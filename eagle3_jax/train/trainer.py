@@ -353,12 +353,13 @@ class Trainer:
 
         path = path or self.cfg.resolved_export_dir
         if not distributed.is_multi_process():
-            e3.save_draft(self.loaded_draft(), path)
+            e3.save_draft(self.loaded_draft(), path, dtype=self.cfg.export_dtype)
             return path
         # Every process gathers the full weights (a collective); process 0 writes them.
         params, rest = (jax.tree.map(distributed.fetch, t) for t in (self.params, self.rest))
         if distributed.is_writer():
-            e3.save_draft(LoadedDraft(nnx.merge(self.graphdef, params, rest), self.target, self.aux_ids), path)
+            e3.save_draft(LoadedDraft(nnx.merge(self.graphdef, params, rest), self.target, self.aux_ids), path,
+                          dtype=self.cfg.export_dtype)
         return path
 
     # ------------------------------------------------------------------ the loop
