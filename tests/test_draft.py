@@ -52,3 +52,18 @@ def test_save_load_round_trip_preserves_outputs(tiny_target, tmp_path):
     np.testing.assert_array_equal(np.asarray(d.forward(ids, aux).logits), np.asarray(back.forward(ids, aux).logits))
     with pytest.raises(e3.CheckpointError, match="already exists"):
         e3.save_draft(d, tmp_path / "d")
+
+
+def test_save_in_bfloat16_casts_weights_and_keeps_the_vocab_map(tiny_target, tmp_path):
+    d = e3.build_draft(tiny_draft_config(tiny_target.config), tiny_target, seed=6)
+    e3.save_draft(d, tmp_path / "bf16", dtype="bfloat16")
+    reader = CheckpointReader(tmp_path / "bf16")
+    assert str(reader.dtype("fc.weight")) == "bfloat16" and str(reader.dtype("lm_head.weight")) == "bfloat16"
+    assert reader.dtype("d2t") == np.int64 and reader.dtype("t2d") == np.bool_
+    back = e3.load_draft(tmp_path / "bf16", tiny_target)
+    ids = np.random.default_rng(4).integers(0, 256, size=(1, 6))
+    aux = tiny_target.forward(ids, aux_layer_ids=d.aux_layer_ids).aux_hidden
+    # bf16 keeps ~3 significant digits: close to the float32 draft, not equal to it.
+    np.testing.assert_allclose(np.asarray(back.forward(ids, aux).logits), np.asarray(d.forward(ids, aux).logits),
+                               rtol=0.05, atol=0.05)
+    np.testing.assert_array_equal(np.asarray(back.model.d2t[...]), np.asarray(d.model.d2t[...]))
