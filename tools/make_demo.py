@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="demo", help="output folder (default demo)")
     ap.add_argument("--work", default="build/demo_work", help="intermediate files (default build/demo_work)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-minutes", type=float, default=40.0, help="wall-time cap of stage 3's training")
+    ap.add_argument("--max-minutes", type=float, default=55.0, help="wall-time cap of stage 3's training")
     ap.add_argument("--max-steps", type=int, default=100_000, help="step cap of stage 3's training")
     ap.add_argument("--eval-every-seconds", type=float, default=150.0, help="held-out evaluation interval")
     ap.add_argument("--vocab-size", type=int, default=8192)

@@ -132,7 +132,7 @@ def render(s: dict, out: str, demo_bytes: int) -> str:
     lines += [
         f"Size of `{out}/` when this was written: {demo_bytes / 1e6:.1f} MB (limit 30 MB).",
         "",
-        "Rebuild: `python tools/make_demo.py` (all stages) or e.g. `--stages 1,2,3,6 --max-minutes 40`. "
+        "Rebuild: `python tools/make_demo.py` (all stages) or e.g. `--stages 3,4,5,6 --max-minutes 55`. "
         "Reruns give equivalent models, not identical bytes (the training length follows wall time).",
         "",
     ]
