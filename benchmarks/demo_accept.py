@@ -28,15 +28,14 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from _common import REPO, machine, table
 
 import jax
 
-import eagle3_jax as e3
-from eagle3_jax.serve.demo import DemoSettings, read_prompts
-from eagle3_jax.tokenizer import load_tokenizer
+from eagle3_jax.metrics import AcceptanceCollapseWarning, GenerationStats
+from eagle3_jax.serve.demo import DemoPair, batches_of
 
 
 def parse_list(text: str, kind=int) -> list:
@@ -54,53 +53,14 @@ def shown_path(path: str) -> str:
 
 
 # ---------------------------------------------------------------- the demo pair and its prompts
-@dataclass
-class DemoPair:
-    """The demo target + draft, loaded through the public loaders, and the tokenized held-out prompts."""
-
-    demo_dir: str
-    settings: DemoSettings
-    target: e3.LoadedTarget
-    draft: e3.LoadedDraft
-    prompt_ids: list[list[int]]
-    eos: tuple[int, ...]
-
-    @property
-    def prompt_len(self) -> int:
-        """The longest prompt rounded up to 16: pinned for every batch, so all share one compiled program."""
-        return -(-max(len(p) for p in self.prompt_ids) // 16) * 16
-
-    def capacity(self, max_new_tokens: int, k: int) -> int:
-        return self.prompt_len + max_new_tokens + k + 2
-
-    def describe(self) -> str:
-        n_target = sum(x.size for x in jax.tree.leaves(self.target.state))
-        n_draft = sum(x.size for x in jax.tree.leaves(self.draft.state))
-        c = self.target.config
-        return (f"demo pair {shown_path(self.demo_dir)}: target {n_target / 1e6:.1f}M params ({c.num_hidden_layers} "
-                f"layers, {c.n_routed_experts} routed experts top-{c.num_experts_per_tok}, vocab {c.vocab_size}), "
-                f"draft {n_draft / 1e6:.1f}M params (aux layers {list(self.draft.aux_layer_ids)}), "
-                f"{self.settings.dtype}; {len(self.prompt_ids)} held-out prompts, padded to {self.prompt_len} tokens")
-
-
-def load_demo_pair(demo_dir: str, num_prompts: int | None = None) -> DemoPair:
-    """num_prompts=None: every prompt in prompts.jsonl."""
-    settings = DemoSettings.load(demo_dir)
-    target_dir, draft_dir = os.path.join(demo_dir, "target"), os.path.join(demo_dir, "draft")
-    prompts_path = os.path.join(demo_dir, "prompts.jsonl")
-    if num_prompts is None:
-        with open(prompts_path) as f:
-            num_prompts = sum(1 for line in f if line.strip())
-    rows = read_prompts(prompts_path, num_prompts)
-    tok = load_tokenizer(target_dir)
-    target = e3.load_target(target_dir, dtype=settings.dtype)
-    draft = e3.load_draft(draft_dir, target)
-    return DemoPair(demo_dir, settings, target, draft, [tok.encode(r["prompt"]) for r in rows],
-                    tuple(tok.eos_token_ids))
-
-
-def batches_of(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
+def describe(pair: DemoPair) -> str:
+    n_target = sum(x.size for x in jax.tree.leaves(pair.target.state))
+    n_draft = sum(x.size for x in jax.tree.leaves(pair.draft.state))
+    c = pair.target.config
+    return (f"demo pair {shown_path(pair.demo_dir)}: target {n_target / 1e6:.1f}M params ({c.num_hidden_layers} "
+            f"layers, {c.n_routed_experts} routed experts top-{c.num_experts_per_tok}, vocab {c.vocab_size}), "
+            f"draft {n_draft / 1e6:.1f}M params (aux layers {list(pair.draft.aux_layer_ids)}), "
+            f"{pair.settings.dtype}; {len(pair.prompt_ids)} held-out prompts, padded to {pair.prompt_len} tokens")
 
 
 class quiet_watchdog:
@@ -109,7 +69,7 @@ class quiet_watchdog:
     def __enter__(self):
         self._warnings = warnings.catch_warnings()
         self._warnings.__enter__()
-        warnings.simplefilter("ignore", e3.AcceptanceCollapseWarning)
+        warnings.simplefilter("ignore", AcceptanceCollapseWarning)
         self._log = logging.getLogger("eagle3_jax")
         self._level = self._log.level
         self._log.setLevel(logging.ERROR)
@@ -123,50 +83,37 @@ class quiet_watchdog:
 # ---------------------------------------------------------------- measurement
 @dataclass
 class Acceptance:
-    """Acceptance counts of one (K, temperature) over all prompts."""
+    """Acceptance of one (K, temperature) over all prompts."""
 
     k: int
     temperature: float
-    rounds: int = 0
-    round_tokens: int = 0
-    new_tokens: int = 0
-    accepted: list[int] = field(default_factory=list)   # rounds accepting draft positions 1..i
+    stats: GenerationStats
 
     @property
     def tau(self) -> float:
-        return self.round_tokens / self.rounds if self.rounds else float("nan")
+        return self.stats.mean_accept_length
 
     @property
     def rates(self) -> list[float]:
-        return [a / self.rounds if self.rounds else float("nan") for a in self.accepted]
-
-    def add(self, stats) -> None:
-        self.rounds += stats.rounds
-        self.round_tokens += stats.round_tokens
-        self.new_tokens += stats.tokens
-        self.accepted = [a + b for a, b in zip(self.accepted or [0] * self.k, stats.accepted_per_position)]
+        return self.stats.accept_rate_per_position
 
     def as_dict(self) -> dict:
-        return {"k": self.k, "temperature": self.temperature, "tau": self.tau, "rounds": self.rounds,
-                "new_tokens": self.new_tokens, "accept_rate_per_position": self.rates}
+        return {"k": self.k, "temperature": self.temperature, "tau": self.tau, "rounds": self.stats.rounds,
+                "new_tokens": self.stats.tokens, "accept_rate_per_position": self.rates}
 
 
 def measure_acceptance(pair: DemoPair, k: int, temperature: float, batch_size: int, max_new_tokens: int,
                        seed: int) -> Acceptance:
-    gen = e3.Generator(pair.target, pair.draft, num_draft_tokens=k, max_len=pair.capacity(max_new_tokens, k))
-    acc = Acceptance(k, temperature)
     with quiet_watchdog():
-        for i, batch in enumerate(batches_of(pair.prompt_ids, batch_size)):
-            res = gen.generate(batch, max_new_tokens, temperature=temperature, top_p=1.0, top_k=0, seed=seed + i,
-                               eos_token_ids=pair.eos, prompt_len=pair.prompt_len)
-            acc.add(res.stats)
-    return acc
+        _, stats = pair.generate(pair.generator(k, max_new_tokens), batches_of(pair.prompt_ids, batch_size),
+                                 max_new_tokens, temperature=temperature, seed=seed)
+    return Acceptance(k, temperature, stats)
 
 
 # ---------------------------------------------------------------- report
 def acceptance_table(results: list[Acceptance]) -> str:
     max_k = max(r.k for r in results)
-    rows = [[r.k, f"{r.temperature:g}", r.tau, r.rounds] + [r.rates[i] if i < r.k else "-" for i in range(max_k)]
+    rows = [[r.k, f"{r.temperature:g}", r.tau, r.stats.rounds] + [r.rates[i] if i < r.k else "-" for i in range(max_k)]
             for r in results]
     return table(["K", "T", "tau", "rounds"] + [f"pos {i + 1}" for i in range(max_k)], rows)
 
@@ -228,9 +175,9 @@ def main() -> int:
     print(f"# demo_accept  {datetime.date.today()}  machine: {machine()}, jax {jax.__version__} "
           f"({jax.default_backend()}), load average at start {load_average()}")
     print("command: " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]), flush=True)
-    pair = load_demo_pair(args.demo_dir, args.num_prompts)
+    pair = DemoPair.load(args.demo_dir, args.num_prompts)
     batch_size = args.batch_size or pair.settings.batch_size
-    print(pair.describe())
+    print(describe(pair))
     print(f"{args.max_new_tokens} new tokens per prompt, batch {batch_size}, seed {args.seed}", flush=True)
 
     results = []
@@ -244,12 +191,12 @@ def main() -> int:
     print(f"## tau and acceptance rate per draft position (chain drafts), {len(pair.prompt_ids)} held-out prompts, "
           f"{args.max_new_tokens} new tokens; pos i = fraction of rounds accepting draft tokens 1..i")
     print(acceptance_table(results))
-    if args.png and write_png(results, args.png, pair.describe()):
+    if args.png and write_png(results, args.png, describe(pair)):
         print(f"wrote {shown_path(args.png)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": str(datetime.date.today()), "machine": machine(), "backend": jax.default_backend(),
-                       "demo": pair.describe(), "max_new_tokens": args.max_new_tokens, "batch_size": batch_size,
+                       "demo": describe(pair), "max_new_tokens": args.max_new_tokens, "batch_size": batch_size,
                        "seed": args.seed, "results": [r.as_dict() for r in results]}, f, indent=2)
         print(f"wrote {args.json}")
     print(f"load average at end {load_average()}; total {time.perf_counter() - t_start:.0f}s")

@@ -44,12 +44,13 @@ import time
 from dataclasses import asdict, dataclass
 
 from _common import BENCH_TARGET_CONFIG, REPO, machine, table
-from demo_accept import DemoPair, batches_of, load_average, load_demo_pair, parse_list, quiet_watchdog
+from demo_accept import describe, load_average, parse_list, quiet_watchdog
 
 import jax
 
 import eagle3_jax as e3
-from eagle3_jax.serve.demo import DemoSettings
+from eagle3_jax.metrics import GenerationStats
+from eagle3_jax.serve.demo import DemoPair, DemoSettings, batches_of
 from spec_decode import best_of, draft_fn, verify_fn
 
 MODES = ("target-only", "eagle3")
@@ -92,9 +93,7 @@ def measure_batch_size(pair: DemoPair, batch: int, k: int, max_new_tokens: int, 
         print(f"  B={batch}: skipped, fewer than {batch} prompts")
         return None
     batches = batches_of(pair.prompt_ids[:n_prompts], batch)
-    capacity = pair.capacity(max_new_tokens, k)
-    gens = {"target-only": e3.Generator(pair.target, None, max_len=capacity),
-            "eagle3": e3.Generator(pair.target, pair.draft, num_draft_tokens=k, max_len=capacity)}
+    gens = {"target-only": pair.generator(0, max_new_tokens), "eagle3": pair.generator(k, max_new_tokens)}
 
     def call(mode, prompts):
         return gens[mode].generate(prompts, max_new_tokens, eos_token_ids=pair.eos, prompt_len=pair.prompt_len)
@@ -121,7 +120,7 @@ def measure_batch_size(pair: DemoPair, batch: int, k: int, max_new_tokens: int, 
         batch=batch, prompts=n_prompts, new_tokens=sum(len(t) for t in base_tokens),
         new_tokens_eagle3=sum(len(t) for t in spec_tokens),
         seconds_target_only=sum(best["target-only"]), seconds_eagle3=sum(best["eagle3"]),
-        tau=sum(r.stats.round_tokens for r in spec) / sum(r.stats.rounds for r in spec),
+        tau=GenerationStats.combine(r.stats for r in spec).mean_accept_length,
         identical_rows=sum(a == b for a, b in zip(base_tokens, spec_tokens)),
         compile_seconds_target_only=compile_s["target-only"], compile_seconds_eagle3=compile_s["eagle3"])
 
@@ -243,9 +242,9 @@ def parse_args():
 
 
 def run_measured(args, batches: list[int]) -> tuple[list[MeasuredRow], int, str]:
-    pair = load_demo_pair(args.demo_dir, args.num_prompts)
+    pair = DemoPair.load(args.demo_dir, args.num_prompts)
     k = args.k or pair.settings.num_draft_tokens
-    print(pair.describe())
+    print(describe(pair))
     print(f"(a) measured: greedy, K={k}, {args.max_new_tokens} new tokens per prompt, best of {args.repeats} "
           f"interleaved rounds", flush=True)
     rows = []
@@ -256,7 +255,7 @@ def run_measured(args, batches: list[int]) -> tuple[list[MeasuredRow], int, str]
             if row:
                 rows.append(row)
                 print(f"  B={b}: {row.speedup:.2f}x, tau {row.tau:.2f}  [{time.perf_counter() - t0:.0f}s]", flush=True)
-    return rows, k, pair.describe()
+    return rows, k, describe(pair)
 
 
 def run_projection(args, batches: list[int], k: int, tau_at: dict[int, float]) -> tuple[list[ProjectionRow], dict]:

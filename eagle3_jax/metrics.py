@@ -28,6 +28,18 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)
     per_row_accept_length: list[float] = field(default_factory=list)
 
+    @classmethod
+    def combine(cls, parts) -> "GenerationStats":
+        """The totals of several generate() calls (e.g. the batches of one prompt set)."""
+        parts = list(parts)
+        n = max((len(p.accepted_per_position) for p in parts), default=0)
+        return cls(
+            rounds=sum(p.rounds for p in parts), tokens=sum(p.tokens for p in parts),
+            round_tokens=sum(p.round_tokens for p in parts), seconds=sum(p.seconds for p in parts),
+            accepted_per_position=[sum(p.accepted_per_position[i] for p in parts if i < len(p.accepted_per_position))
+                                   for i in range(n)],
+            per_row_accept_length=[x for p in parts for x in p.per_row_accept_length])
+
     @property
     def mean_accept_length(self) -> float:
         """tau = tokens emitted per verify round, including the bonus token (>= 1)."""

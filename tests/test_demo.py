@@ -56,3 +56,16 @@ def test_demo_refuses_batches_of_mixed_size(tmp_path):
     (tmp_path / "demo.yaml").write_text("num_prompts: 3\nbatch_size: 2\n")
     with pytest.raises(ConfigError, match="multiple of batch_size"):
         demo.run(str(tmp_path))
+
+
+def test_generation_stats_combine_sums_batches():
+    from eagle3_jax.metrics import GenerationStats
+
+    a = GenerationStats(rounds=10, tokens=31, round_tokens=30, seconds=1.0, accepted_per_position=[8, 5],
+                        per_row_accept_length=[3.0])
+    b = GenerationStats(rounds=30, tokens=41, round_tokens=40, seconds=3.0, accepted_per_position=[12, 3],
+                        per_row_accept_length=[1.5, 1.0])
+    c = GenerationStats.combine([a, b])
+    assert (c.rounds, c.tokens, c.round_tokens, c.seconds) == (40, 72, 70, 4.0)
+    assert c.accepted_per_position == [20, 8] and c.per_row_accept_length == [3.0, 1.5, 1.0]
+    assert c.mean_accept_length == 70 / 40 and c.accept_rate_per_position == [0.5, 0.2]

@@ -200,8 +200,7 @@ def stage_export_draft(p: Paths, args) -> None:
     with open(os.path.join(p.out, "demo.yaml"), "w") as f:
         f.write("# What `python serve.py` (no arguments) runs; written by tools/make_demo.py stage 6.\n")
         yaml.safe_dump(settings.__dict__, f, sort_keys=False)
-    heldout = draft.heldout_acceptance(p.target, p.draft, p.prompts, args.num_draft_tokens,
-                                       settings.max_new_tokens, settings.batch_size)
+    heldout = draft.heldout_acceptance(p.out, args.num_draft_tokens)
     say(f"draft at {p.draft}: held-out tau {heldout['tau']:.2f} at K={args.num_draft_tokens} over "
         f"{heldout['prompts']} prompts; per position {heldout['accept_rate_per_position']}")
     update_summary(p, "draft_heldout", heldout)

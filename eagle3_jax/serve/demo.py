@@ -54,55 +54,93 @@ def available(demo_dir: str = DEMO_DIR) -> bool:
         ("target", "config.json"), ("draft", "config.json"), ("prompts.jsonl",)))
 
 
-def read_prompts(path: str, n: int) -> list[dict]:
+def read_prompts(path: str, n: int | None = None) -> list[dict]:
+    """The first ``n`` prompt records (all of them when n is None)."""
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    if len(rows) < n:
+    if n is not None and len(rows) < n:
         raise ConfigError(f"{path} has {len(rows)} prompts; the demo needs {n} (demo.yaml num_prompts)")
-    return rows[:n]
+    return rows if n is None else rows[:n]
+
+
+@dataclass
+class DemoPair:
+    """The demo target + draft loaded through the public loaders, and the tokenized held-out prompts."""
+
+    demo_dir: str
+    settings: DemoSettings
+    target: object            # LoadedTarget
+    draft: object             # LoadedDraft
+    tokenizer: object
+    prompts: list[dict]       # {"id", "prompt"} records
+    prompt_ids: list[list[int]]
+
+    @classmethod
+    def load(cls, demo_dir: str = DEMO_DIR, num_prompts: int | None = None) -> "DemoPair":
+        """``num_prompts=None``: every prompt in prompts.jsonl."""
+        import eagle3_jax as e3
+        from eagle3_jax.tokenizer import load_tokenizer
+
+        settings = DemoSettings.load(demo_dir)
+        target_dir, draft_dir = os.path.join(demo_dir, "target"), os.path.join(demo_dir, "draft")
+        prompts = read_prompts(os.path.join(demo_dir, "prompts.jsonl"), num_prompts)
+        tok = load_tokenizer(target_dir)
+        target = e3.load_target(target_dir, dtype=settings.dtype)
+        draft = e3.load_draft(draft_dir, target)
+        return cls(demo_dir, settings, target, draft, tok, prompts, [tok.encode(p["prompt"]) for p in prompts])
+
+    @property
+    def eos(self) -> tuple[int, ...]:
+        return tuple(self.tokenizer.eos_token_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        """The longest prompt rounded up to 16: pinned for every batch, so all share one compiled program."""
+        return -(-max(len(p) for p in self.prompt_ids) // 16) * 16
+
+    def capacity(self, max_new_tokens: int, k: int) -> int:
+        return self.prompt_len + max_new_tokens + k + 2
+
+    def generator(self, k: int, max_new_tokens: int):
+        """Target-only decoding when ``k`` is 0, else EAGLE-3 with ``k`` draft tokens per round."""
+        import eagle3_jax as e3
+
+        return e3.Generator(self.target, self.draft if k else None, num_draft_tokens=k,
+                            max_len=self.capacity(max_new_tokens, k))
+
+    def generate(self, generator, batches: list[list[list[int]]], max_new_tokens: int, temperature: float = 0.0,
+                 seed: int = 0):
+        """Every batch through ``generator`` (batch i sampled with seed + i): the tokens of all rows, in
+        order, and the combined statistics."""
+        from eagle3_jax.metrics import GenerationStats
+
+        tokens, stats = [], []
+        for i, batch in enumerate(batches):
+            res = generator.generate(batch, max_new_tokens, temperature=temperature, seed=seed + i,
+                                     eos_token_ids=self.eos, prompt_len=self.prompt_len)
+            tokens += res.tokens
+            stats.append(res.stats)
+        return tokens, GenerationStats.combine(stats)
+
+
+def batches_of(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 @dataclass
 class ModeRun:
-    name: str
     tokens: list[list[int]]
-    seconds: float
+    stats: object             # GenerationStats over every batch
     compile_seconds: float
-    rounds: int = 0
-    round_tokens: int = 0
-    accepted_per_position: tuple[int, ...] = ()
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds
-
-    @property
-    def tau(self) -> float:
-        return self.round_tokens / self.rounds if self.rounds else float("nan")
 
 
-def run_mode(generator, name: str, batches: list[list[list[int]]], s: DemoSettings, prompt_len: int,
-             eos: tuple[int, ...]) -> ModeRun:
-    def call(batch):
-        return generator.generate(batch, s.max_new_tokens, eos_token_ids=eos, prompt_len=prompt_len)
-
+def run_mode(pair: DemoPair, k: int, batches: list[list[list[int]]]) -> ModeRun:
+    gen = pair.generator(k, pair.settings.max_new_tokens)
     t = time.perf_counter()
-    call(batches[0])   # compiles; its tokens are not counted
+    pair.generate(gen, batches[:1], pair.settings.max_new_tokens)   # compiles; not counted
     compile_s = time.perf_counter() - t
-    run = ModeRun(name, [], 0.0, compile_s, accepted_per_position=(0,) * generator.num_draft_tokens)
-    for batch in batches:
-        res = call(batch)
-        run.tokens += res.tokens
-        run.seconds += res.stats.seconds
-        run.rounds += res.stats.rounds
-        run.round_tokens += res.stats.round_tokens
-        run.accepted_per_position = tuple(a + b for a, b in zip(run.accepted_per_position,
-                                                                res.stats.accepted_per_position))
-    return run
+    tokens, stats = pair.generate(gen, batches, pair.settings.max_new_tokens)
+    return ModeRun(tokens, stats, compile_s)
 
 
 def show_completion(tok, prompt_text: str, tokens: list[int], eos: tuple[int, ...]) -> str:
@@ -118,69 +156,57 @@ def show_completion(tok, prompt_text: str, tokens: list[int], eos: tuple[int, ..
 
 
 def table(base: ModeRun, spec: ModeRun, k: int) -> str:
-    rates = [a / spec.rounds for a in spec.accepted_per_position] if spec.rounds else []
+    b, e = base.stats, spec.stats
     rows = [
         ("", "target-only", f"EAGLE-3 (K={k})"),
-        ("new tokens", f"{base.new_tokens}", f"{spec.new_tokens}"),
-        ("seconds", f"{base.seconds:.2f}", f"{spec.seconds:.2f}"),
-        ("tok/s", f"{base.tokens_per_second:.1f}", f"{spec.tokens_per_second:.1f}"),
-        ("speedup", "1.00x", f"{spec.tokens_per_second / base.tokens_per_second:.2f}x"),
-        ("tau (tokens per target step)", "1.00", f"{spec.tau:.2f}"),
+        ("new tokens", f"{b.tokens}", f"{e.tokens}"),
+        ("seconds", f"{b.seconds:.2f}", f"{e.seconds:.2f}"),
+        ("tok/s", f"{b.tokens_per_second:.1f}", f"{e.tokens_per_second:.1f}"),
+        ("speedup", "1.00x", f"{e.tokens_per_second / b.tokens_per_second:.2f}x"),
+        ("tau (tokens per target step)", "1.00", f"{e.mean_accept_length:.2f}"),
         ("compile (untimed)", f"{base.compile_seconds:.1f} s", f"{spec.compile_seconds:.1f} s"),
     ]
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
-    out = [f"  {a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]
-    out.append("  acceptance by draft position: " + "  ".join(f"{i + 1}:{r:.2f}" for i, r in enumerate(rates)))
+    out = [f"  {a:<{w0}}  {c1:>{w1}}  {c2}" for a, c1, c2 in rows]
+    out.append("  acceptance by draft position: "
+               + "  ".join(f"{i + 1}:{r:.2f}" for i, r in enumerate(e.accept_rate_per_position)))
     return "\n".join(out)
 
 
 def run(demo_dir: str = DEMO_DIR) -> int:
     import jax
 
-    import eagle3_jax as e3
-    from eagle3_jax.tokenizer import load_tokenizer
-
     s = DemoSettings.load(demo_dir)
-    target_dir, draft_dir = os.path.join(demo_dir, "target"), os.path.join(demo_dir, "draft")
-    prompts = read_prompts(os.path.join(demo_dir, "prompts.jsonl"), s.num_prompts)
-    tok = load_tokenizer(target_dir)
-    eos = tuple(tok.eos_token_ids)
-    ids = [tok.encode(p["prompt"]) for p in prompts]
-    max_prompt = max(len(i) for i in ids)
-    prompt_len = -(-max_prompt // 16) * 16
-    max_len = prompt_len + s.max_new_tokens + s.num_draft_tokens + 2
-    batches = [ids[i:i + s.batch_size] for i in range(0, len(ids), s.batch_size)]
-    if len(batches[-1]) != s.batch_size:
+    if s.num_prompts % s.batch_size:
         raise ConfigError(f"{demo_dir}/demo.yaml: num_prompts ({s.num_prompts}) must be a multiple of batch_size "
                           f"({s.batch_size}) so every batch shares one compiled program")
-
-    print(f"eagle3-jax demo: {os.path.relpath(target_dir)} + {os.path.relpath(draft_dir)}, {len(ids)} held-out "
-          f"prompts ({os.path.relpath(demo_dir)}/prompts.jsonl), greedy, {s.max_new_tokens} new tokens each, "
-          f"batch {s.batch_size}, {s.dtype}", flush=True)
     t = time.perf_counter()
-    target = e3.load_target(target_dir, dtype=s.dtype)
-    draft = e3.load_draft(draft_dir, target)
-    n_params = sum(x.size for x in jax.tree.leaves(target.state))
+    pair = DemoPair.load(demo_dir, s.num_prompts)
+    batches = batches_of(pair.prompt_ids, s.batch_size)
+    print(f"eagle3-jax demo: {os.path.relpath(demo_dir)}/target + {os.path.relpath(demo_dir)}/draft, "
+          f"{len(pair.prompt_ids)} held-out prompts ({os.path.relpath(demo_dir)}/prompts.jsonl), greedy, "
+          f"{s.max_new_tokens} new tokens each, batch {s.batch_size}, {s.dtype}", flush=True)
+    n_params = sum(x.size for x in jax.tree.leaves(pair.target.state))
+    c = pair.target.config
     print(f"loaded in {time.perf_counter() - t:.1f}s: target {n_params / 1e6:.1f}M parameters "
-          f"({target.config.n_routed_experts} routed experts top-{target.config.num_experts_per_tok}), draft fuses "
-          f"target layers {list(draft.aux_layer_ids)}", flush=True)
+          f"({c.n_routed_experts} routed experts top-{c.num_experts_per_tok}), draft fuses "
+          f"target layers {list(pair.draft.aux_layer_ids)}", flush=True)
 
-    base = run_mode(e3.Generator(target, None, max_len=max_len), "target-only", batches, s, prompt_len, eos)
-    print(f"target-only: {base.tokens_per_second:.1f} tok/s", flush=True)
-    spec = run_mode(e3.Generator(target, draft, num_draft_tokens=s.num_draft_tokens, max_len=max_len), "eagle3",
-                    batches, s, prompt_len, eos)
-    print(f"EAGLE-3:     {spec.tokens_per_second:.1f} tok/s", flush=True)
+    base = run_mode(pair, 0, batches)
+    print(f"target-only: {base.stats.tokens_per_second:.1f} tok/s", flush=True)
+    spec = run_mode(pair, s.num_draft_tokens, batches)
+    print(f"EAGLE-3:     {spec.stats.tokens_per_second:.1f} tok/s", flush=True)
 
     same = sum(a == b for a, b in zip(base.tokens, spec.tokens))
     print()
-    for p, toks in list(zip(prompts, spec.tokens))[:SHOWN_COMPLETIONS]:
+    for p, toks in list(zip(pair.prompts, spec.tokens))[:SHOWN_COMPLETIONS]:
         print(f"[{p['id']}]")
-        print(show_completion(tok, p["prompt"], toks, eos))
+        print(show_completion(pair.tokenizer, p["prompt"], toks, pair.eos))
         print()
     print(table(base, spec, s.num_draft_tokens))
-    print(f"  identical tokens (greedy is lossless): {same}/{len(ids)} prompts")
-    if same != len(ids):
+    print(f"  identical tokens (greedy is lossless): {same}/{len(pair.prompt_ids)} prompts")
+    if same != len(pair.prompt_ids):
         print("error: speculative decoding changed the output; this is a bug, please report it")
         return 1
     return 0

@@ -73,33 +73,18 @@ def train_draft(config: str, target_dir: str, data: str, run_dir: str, export_di
     return export_dir
 
 
-def heldout_acceptance(target_dir: str, draft_dir: str, prompts: str, k: int, max_new_tokens: int,
-                       batch_size: int) -> dict:
-    """Greedy tau and per-position acceptance of the draft on the held-out prompts, through the
-    public loaders (float32, one device)."""
-    import json
+def heldout_acceptance(demo_dir: str, k: int) -> dict:
+    """Greedy tau and per-position acceptance of the demo draft on every held-out prompt, through the
+    public loaders (``eagle3_jax.serve.demo.DemoPair``: the same loading and batching as the demo)."""
+    from eagle3_jax.serve.demo import DemoPair, batches_of
 
-    import eagle3_jax as e3
-    from eagle3_jax.tokenizer import load_tokenizer
-
-    target = e3.load_target(target_dir, dtype="float32")
-    draft = e3.load_draft(draft_dir, target)
-    tok = load_tokenizer(target_dir)
-    with open(prompts) as f:
-        ids = [tok.encode(json.loads(line)["prompt"]) for line in f if line.strip()]
-    prompt_len = -(-max(len(i) for i in ids) // 16) * 16
-    gen = e3.Generator(target, draft, num_draft_tokens=k, max_len=prompt_len + max_new_tokens + k + 2)
-    rounds = round_tokens = 0
-    accepted = [0] * k
-    for i in range(0, len(ids), batch_size):
-        st = gen.generate(ids[i:i + batch_size], max_new_tokens, eos_token_ids=tuple(tok.eos_token_ids),
-                          prompt_len=prompt_len).stats
-        rounds += st.rounds
-        round_tokens += st.round_tokens
-        accepted = [a + b for a, b in zip(accepted, st.accepted_per_position)]
-    return {"num_draft_tokens": k, "prompts": len(ids), "max_new_tokens": max_new_tokens,
-            "tau": round(round_tokens / rounds, 3),
-            "accept_rate_per_position": [round(a / rounds, 3) for a in accepted]}
+    pair = DemoPair.load(demo_dir)
+    s = pair.settings
+    _, stats = pair.generate(pair.generator(k, s.max_new_tokens), batches_of(pair.prompt_ids, s.batch_size),
+                             s.max_new_tokens)
+    return {"num_draft_tokens": k, "prompts": len(pair.prompt_ids), "max_new_tokens": s.max_new_tokens,
+            "tau": round(stats.mean_accept_length, 3),
+            "accept_rate_per_position": [round(r, 3) for r in stats.accept_rate_per_position]}
 
 
 def training_summary(run_dir: str) -> dict:
