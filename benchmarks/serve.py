@@ -8,7 +8,7 @@ leaves a static batch's rows idle behind one long answer.
 
   static  = ``Generator.generate`` on fixed batches of B prompts in input order (a batch ends when its
             longest answer does);
-  refill  = ``Engine`` (eagle3_jax/spec/engine.py) with B rows: every ``rounds_per_sync`` rounds the
+  refill  = ``Engine`` (eagle3_jax/speculative/engine.py) with B rows: every ``rounds_per_sync`` rounds the
             host hands out finished rows and prefills waiting prompts into them.
 Both run target-only and with an EAGLE-3 draft trained on the corpus (``tests.spec_fixtures``), same
 prompts, greedy; outputs must be identical (checked). Every configuration runs once to compile and
@@ -33,7 +33,7 @@ from _common import BENCH_TARGET_CONFIG, machine, table
 import jax
 
 import eagle3_jax as e3
-from eagle3_jax.spec.engine import Engine, Request
+from eagle3_jax.speculative.engine import Engine, Request
 from tests import spec_fixtures
 
 PROMPT_LENS = (6, 10, 14, 18)   # padded to 16 and 32 tokens

@@ -22,7 +22,7 @@ from eagle3_jax.metrics import GenerationStats, check_acceptance
 from eagle3_jax.models.cache import MLACache
 from eagle3_jax.models.draft import Draft
 from eagle3_jax.models.target import Target
-from eagle3_jax.spec.generate import FINISH_NAMES, Sampling, generate_loop
+from eagle3_jax.speculative.generate import FINISH_NAMES, Sampling, generate_loop
 from eagle3_jax.sharding import make_mesh, shard_state
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}

@@ -1,4 +1,4 @@
-"""Tests for eagle3_jax.spec.accept: greedy/rejection verification and logit filtering.
+"""Tests for eagle3_jax.speculative.accept: greedy/rejection verification and logit filtering.
 
 The statistical tests use fixed seeds and many vectorised draws, with a chi-square
 p-value threshold of 1e-4, so they are deterministic and not flaky; each also asserts
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from eagle3_jax.spec.accept import (
+from eagle3_jax.speculative.accept import (
     filter_logits,
     greedy_accept,
     rejection_accept,

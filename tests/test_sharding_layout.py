@@ -14,7 +14,7 @@ from flax import nnx
 
 import eagle3_jax as e3
 from eagle3_jax.sharding import LOGICAL_AXIS_RULES, logical_to_spec
-from eagle3_jax.spec.generate import Sampling, generate_loop
+from eagle3_jax.speculative.generate import Sampling, generate_loop
 from tests import spec_fixtures
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

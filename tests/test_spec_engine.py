@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import eagle3_jax as e3
-from eagle3_jax.spec.engine import Engine, Request
+from eagle3_jax.speculative.engine import Engine, Request
 
 
 @pytest.fixture(scope="module")

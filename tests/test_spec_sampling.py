@@ -9,7 +9,7 @@ import pytest
 from scipy import stats
 
 import eagle3_jax as e3
-from eagle3_jax.spec.accept import target_probs
+from eagle3_jax.speculative.accept import target_probs
 
 TOP_K, TEMP = 6, 1.0
 

@@ -199,7 +199,7 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
             return 0
         log.info("settings recorded in %s", sidecar_path(s.output))
         requests, by_key = [], {}
-        engine_module = engine_module or importlib.import_module("eagle3_jax.spec.engine")
+        engine_module = engine_module or importlib.import_module("eagle3_jax.speculative.engine")
         for rec in pending:
             ids, error = tokenize(tok, rec)
             if error is None and len(ids) >= s.max_len:

@@ -41,7 +41,7 @@ from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.draft import Draft
 from eagle3_jax.models.target import Target
 from eagle3_jax.sharding import make_mesh, sharding_for, state_shardings
-from eagle3_jax.spec import generate as gen
+from eagle3_jax.speculative import generate as gen
 
 DRAFTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafts")
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,7 +59,7 @@ PROGRAM_DOC = {
 QUANT_DEFAULTS = {4: (2, 32), 8: (4, 128 * 128)}
 
 # Logical axes of the loop state's arrays, as the spec loop lays them out (the cache constraint
-# in spec/generate.py, the draft cache following its K/V projections). Fields not listed are
+# in speculative/generate.py, the draft cache following its K/V projections). Fields not listed are
 # per-row vectors or matrices (batch first) or replicated scalars.
 STATE_AXES = {
     "tcache.latent_LBSC": (None, "batch", "cache_seq", "kv_lora"),

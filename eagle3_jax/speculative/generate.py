@@ -28,7 +28,7 @@ from flax import nnx
 
 from eagle3_jax.models.cache import KVCache, MLACache
 from eagle3_jax.sharding import constrain
-from eagle3_jax.spec.accept import greedy_accept, rejection_accept, sample_from_probs, target_probs
+from eagle3_jax.speculative.accept import greedy_accept, rejection_accept, sample_from_probs, target_probs
 
 RUNNING, FINISH_EOS, FINISH_LENGTH, FINISH_CAPACITY = 0, 1, 2, 3
 FINISH_NAMES = {FINISH_EOS: "eos", FINISH_LENGTH: "length", FINISH_CAPACITY: "max_len"}

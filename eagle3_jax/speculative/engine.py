@@ -20,7 +20,7 @@ import numpy as np
 from eagle3_jax.distributed import fetch
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import GenerationStats, check_acceptance
-from eagle3_jax.spec.generate import (FINISH_NAMES, RUNNING, Sampling, admit_rows, blank_state, run_rounds)
+from eagle3_jax.speculative.generate import (FINISH_NAMES, RUNNING, Sampling, admit_rows, blank_state, run_rounds)
 
 
 @dataclass(frozen=True)
