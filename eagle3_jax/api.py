@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -15,36 +14,15 @@ from flax import nnx
 from eagle3_jax.checkpoint.hf_loader import load_state
 from eagle3_jax.checkpoint.safetensors import CheckpointReader
 from eagle3_jax.checkpoint.target_map import is_ignored_key, target_rules
-from eagle3_jax.config import DraftConfig, TargetConfig
-from eagle3_jax.distributed import fetch
+from eagle3_jax.config import DraftConfig, TargetConfig, resolve_dtype
 from eagle3_jax.errors import CheckpointError, ConfigError
 from eagle3_jax.metrics import GenerationStats, check_acceptance
 from eagle3_jax.models.cache import MLACache
 from eagle3_jax.models.draft import Draft
 from eagle3_jax.models.target import Target
-from eagle3_jax.speculative.generate import FINISH_NAMES, Sampling, generate_loop
-from eagle3_jax.sharding import make_mesh, shard_state
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def resolve_dtype(dtype) -> jnp.dtype:
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ConfigError(f"dtype '{dtype}' is not supported; use one of {sorted(DTYPES)}")
-        return DTYPES[dtype]
-    return jnp.dtype(dtype)
-
-
-def resolve_mesh(mesh):
-    if mesh is None or isinstance(mesh, jax.sharding.Mesh):
-        return mesh
-    return make_mesh(mesh)
-
-
-def mesh_context(mesh):
-    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-
+from eagle3_jax.sharding import mesh_context, resolve_mesh, shard_state
+from eagle3_jax.speculative.generate import generate_loop
+from eagle3_jax.speculative.session import DecodeSession, SamplingSettings
 
 @dataclass
 class ForwardOutput:
@@ -270,48 +248,20 @@ class GenerationResult:
 
 
 class Generator:
-    """Batch generation with an optional EAGLE-3 draft; ``draft=None`` is target-only decoding."""
+    """Batch generation with an optional EAGLE-3 draft; ``draft=None`` is target-only decoding.
+
+    A thin front end over ``DecodeSession``: one call of ``generate`` is one static batch, run as
+    one compiled program (prefill + the whole loop)."""
 
     def __init__(self, target: LoadedTarget, draft: LoadedDraft | None = None, num_draft_tokens: int = 4,
                  max_len: int = 2048, mesh=None):
-        if draft is not None and draft.target is not target:
-            raise ConfigError("the draft was loaded for a different target object; pass target=... to load_draft")
-        if draft is not None and num_draft_tokens < 1:
-            raise ConfigError(f"num_draft_tokens must be >= 1 with a draft, found {num_draft_tokens}")
-        if max_len < 2:
-            raise ConfigError(f"max_len must be >= 2, found {max_len}")
         if mesh is not None and target.mesh is not None and mesh is not target.mesh:
             raise ConfigError("Generator mesh differs from the mesh the target was loaded on; load it with mesh=...")
-        self.target = target
-        self.draft = draft
-        self.num_draft_tokens = num_draft_tokens if draft is not None else 0
+        self.session = DecodeSession(target, draft, num_draft_tokens, max_len)
+        self.target, self.draft = target, draft
+        self.num_draft_tokens = self.session.num_draft_tokens
         self.max_len = max_len
         self.mesh = target.mesh
-
-    def _pad_batch(self, prompts: Sequence[Sequence[int]], prompt_len: int | None = None):
-        if not prompts:
-            raise ConfigError("generate() got no prompts")
-        lens = [len(p) for p in prompts]
-        if min(lens) < 1:
-            raise ConfigError("every prompt needs at least one token")
-        if max(lens) >= self.max_len:
-            raise ConfigError(f"a prompt has {max(lens)} tokens but max_len is {self.max_len}; raise max_len")
-        B = len(prompts)
-        data = self.mesh.shape["data"] if self.mesh is not None else 1
-        B_pad = -(-B // data) * data
-        # Pad prompt length to a multiple of 16 so nearby lengths share one compiled program.
-        T = min(-(-max(lens) // 16) * 16, self.max_len - 1)
-        if prompt_len is not None:
-            if not max(lens) <= prompt_len < self.max_len:
-                raise ConfigError(f"prompt_len={prompt_len} must hold the longest prompt ({max(lens)} tokens) and "
-                                  f"be below max_len={self.max_len}")
-            T = prompt_len
-        ids = np.zeros((B_pad, T), np.int32)
-        lengths = np.ones((B_pad,), np.int32)
-        for b, p in enumerate(prompts):
-            ids[b, :len(p)] = p
-            lengths[b] = len(p)
-        return ids, lengths, B
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, eos_token_ids: Sequence[int] = (),
@@ -324,39 +274,23 @@ class Generator:
         """
         import time
 
-        if max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-            raise ConfigError(
-                f"sampling settings out of range: temperature={temperature} (>= 0), top_p={top_p} (0, 1], "
-                f"top_k={top_k} (>= 0)")
-        ids, lengths, B = self._pad_batch(prompts, prompt_len)
-        eos = np.asarray(list(eos_token_ids) or [-1], np.int32)
-        greedy = temperature == 0.0
-        d = self.draft
+        session = self.session
+        sampling = SamplingSettings(temperature, top_p, top_k, seed, tuple(eos_token_ids))
+        if not prompts:
+            raise ConfigError("generate() got no prompts")
+        program = session.program(len(prompts), max_new_tokens, sampling)
+        ids, lengths, _ = session.pack_prompts(dict(enumerate(prompts)), program.batch_size, prompt_len)
         start = time.perf_counter()
-        with mesh_context(self.mesh):
-            sp = Sampling(jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p), jnp.asarray(eos))
-            out = generate_loop(
-                self.target.graphdef, self.target.state, d.graphdef if d else None, d.state if d else None,
-                jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(seed), sp,
-                num_draft=self.num_draft_tokens, max_new=int(max_new_tokens), capacity=self.max_len,
-                aux_ids=d.aux_layer_ids if d else (), greedy=greedy)
-            tokens, n_out, finish, rounds, round_tokens, accepted_BK = (fetch(x) for x in (
-                out.tokens_BN, out.n_out_B, out.finish_B, out.rounds_B, out.round_tokens_B, out.accepted_BK))
-            accepted = accepted_BK[:B].sum(0)
-        seconds = time.perf_counter() - start
-        stats = GenerationStats(
-            rounds=int(rounds[:B].sum()), tokens=int(n_out[:B].sum()), round_tokens=int(round_tokens[:B].sum()),
-            seconds=seconds,
-            accepted_per_position=[int(a) for a in accepted[: self.num_draft_tokens]],
-            per_row_accept_length=[float(rt / r) if r else float("nan") for rt, r in zip(round_tokens[:B], rounds[:B])])
-        if d is not None:
+        with session.activate():
+            out = generate_loop(*session.models(), jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(seed),
+                                sampling.traced(), program=program)
+            rows = session.row_results(out, range(len(prompts)), program.num_draft_tokens)
+        stats = GenerationStats.combine(r[2] for r in rows)
+        stats.seconds = time.perf_counter() - start
+        session.record(stats)
+        if self.draft is not None:
             check_acceptance(stats, self.num_draft_tokens)
-        return GenerationResult(
-            tokens=[tokens[b, : n_out[b]].tolist() for b in range(B)],
-            finish_reasons=[FINISH_NAMES.get(int(f), "running") for f in finish[:B]],
-            stats=stats)
+        return GenerationResult(tokens=[r[0] for r in rows], finish_reasons=[r[1] for r in rows], stats=stats)
 
 
 def save_draft(draft: LoadedDraft, path: str | os.PathLike, config_overrides: dict | None = None,

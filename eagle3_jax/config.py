@@ -522,3 +522,18 @@ class DraftConfig:
 def _is_llama3_rope(d: Mapping[str, Any]) -> bool:
     src = d.get("rope_parameters") or d.get("rope_scaling") or {}
     return isinstance(src, Mapping) and src.get("rope_type", src.get("type")) == "llama3"
+
+
+# Compute dtypes by the names users write (CLI flags, YAML, checkpoint torch_dtype).
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_dtype(dtype):
+    """A dtype name ("float32", "bfloat16", "float16") or dtype object -> a numpy-compatible dtype."""
+    import jax.numpy as jnp
+
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype '{dtype}' is not supported; use one of {sorted(DTYPES)}")
+        return jnp.dtype(dtype)
+    return jnp.dtype(dtype)

@@ -29,6 +29,10 @@ class GenerationStats:
     per_row_accept_length: list[float] = field(default_factory=list)
 
     @classmethod
+    def empty(cls, num_draft_tokens: int = 0) -> "GenerationStats":
+        return cls(rounds=0, tokens=0, round_tokens=0, seconds=0.0, accepted_per_position=[0] * num_draft_tokens)
+
+    @classmethod
     def combine(cls, parts) -> "GenerationStats":
         """The totals of several generate() calls (e.g. the batches of one prompt set)."""
         parts = list(parts)

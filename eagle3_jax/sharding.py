@@ -8,6 +8,7 @@ editing this table, nothing else.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import jax
@@ -117,3 +118,21 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     spec = logical_to_spec(axes)
     spec = P(*[m if m is None or x.shape[i] % mesh.shape[m] == 0 else None for i, m in enumerate(spec)])
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def resolve_mesh(mesh):
+    """None, a Mesh, or a spec string such as "data=1,expert=8,tensor=1" -> None or a Mesh."""
+    if mesh is None or isinstance(mesh, jax.sharding.Mesh):
+        return mesh
+    return make_mesh(mesh)
+
+
+def mesh_context(mesh):
+    """``with mesh_context(mesh):`` activates the mesh for jitted calls; a no-op without one."""
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
+def data_parallel_size(mesh) -> int:
+    """How many ways the batch is split (rows are padded to a multiple of it)."""
+    axis = LOGICAL_AXIS_RULES["batch"]
+    return mesh.shape[axis] if mesh is not None and axis is not None else 1

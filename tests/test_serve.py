@@ -13,6 +13,7 @@ from eagle3_jax.metrics import WATCHDOG_TAU
 from eagle3_jax.serve import cli
 from eagle3_jax.serve.inputs import read_prompts
 from eagle3_jax.serve.output import ResumableOutput, sidecar_path
+from eagle3_jax.metrics import GenerationStats
 from eagle3_jax.serve.report import RunStats, Watchdog
 from eagle3_jax.tokenizer import load_tokenizer
 from tests.serve_fixtures import (COMMON, REPO, ModelCache, byte_target_dir, expected_text_records, model_dir_with_files,
@@ -300,13 +301,14 @@ def test_yaml_config_supplies_defaults_and_flags_win(tmp_path):
 def test_watchdog_warns_on_collapse_and_is_rate_limited(caplog):
     stats = RunStats(4)
     dog = Watchdog(4, context="out.jsonl", interval=3600)
-    stats.add(40, "length", rounds=10, round_tokens=10, accepted_per_position=[0, 0, 0, 0])
+    stats.add("length", GenerationStats(rounds=10, tokens=40, round_tokens=10, seconds=0.0, accepted_per_position=[0, 0, 0, 0]))
     assert not dog.maybe_check(stats)          # too few rounds to judge
-    stats.add(40, "length", rounds=30, round_tokens=31, accepted_per_position=[1, 0, 0, 0])
+    stats.add("length", GenerationStats(rounds=30, tokens=40, round_tokens=31, seconds=0.0, accepted_per_position=[1, 0, 0, 0]))
     with pytest.warns(e3.AcceptanceCollapseWarning), caplog.at_level(logging.WARNING, logger="eagle3_jax"):
         assert dog.maybe_check(stats)
     assert "ACCEPTANCE COLLAPSE in out.jsonl" in caplog.text
     assert not dog.maybe_check(stats)          # once per interval
     healthy = RunStats(4)
-    healthy.add(100, "eos", rounds=40, round_tokens=100, accepted_per_position=[30, 20, 10, 0])
+    healthy.add("eos", GenerationStats(rounds=40, tokens=100, round_tokens=100, seconds=0.0,
+                                      accepted_per_position=[30, 20, 10, 0]))
     assert not Watchdog(4, "x").maybe_check(healthy)

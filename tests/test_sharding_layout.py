@@ -14,7 +14,7 @@ from flax import nnx
 
 import eagle3_jax as e3
 from eagle3_jax.sharding import LOGICAL_AXIS_RULES, logical_to_spec
-from eagle3_jax.speculative.generate import Sampling, generate_loop
+from eagle3_jax.speculative.generate import DecodeProgram, Sampling, generate_loop
 from tests import spec_fixtures
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -42,7 +42,8 @@ def compiled():
         lengths = jnp.full((B,), T, jnp.int32)
         program = generate_loop.lower(
             target.graphdef, target.state, draft.graphdef, draft.state, ids, lengths, jax.random.key(0), sp,
-            num_draft=K, max_new=8, capacity=CAPACITY, aux_ids=draft.aux_layer_ids, greedy=True).compile()
+            program=DecodeProgram(batch_size=B, max_len=CAPACITY, max_new_tokens=8, num_draft_tokens=K,
+                                  aux_layer_ids=draft.aux_layer_ids, greedy=True)).compile()
     return mesh, target, draft, program
 
 

@@ -84,7 +84,7 @@ def settings_from_argv(argv) -> ServeSettings:
 
 # ---------------------------------------------------------------------- helpers
 def resolve_dtype_name(dtype: str, target_cfg) -> str:
-    from eagle3_jax.api import DTYPES
+    from eagle3_jax.config import DTYPES
 
     if dtype != "auto":
         return dtype
@@ -207,7 +207,7 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
             if error is not None:
                 log.warning("prompt %s (line %d): %s", rec.key, rec.line, error)
                 out.append(result_record(rec, s.emit, "", 0, error, None))
-                stats.add(0, error)
+                stats.add(error)
                 continue
             requests.append(engine_module.Request(key=rec.key, prompt=ids))
             by_key[rec.key] = rec
@@ -226,7 +226,7 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     target, draft = models(s, dtype)
-    k = stats.k
+    k = stats.num_draft_tokens
     engine = engine_module.Engine(
         target, draft=draft, num_draft_tokens=s.num_draft_tokens, max_len=s.max_len, batch_size=s.batch_size,
         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
@@ -237,11 +237,10 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
                                        mininterval=0.5) as bar:
         for fin in engine.run(requests):
             rec = by_key[fin.key]
-            tau = round(fin.round_tokens / fin.rounds, 4) if k and fin.rounds else None
+            tau = round(fin.accept_length, 4) if k and fin.rounds else None
             out.append(result_record(rec, s.emit, generation_text(tok, fin.tokens, fin.finish_reason),
                                      len(fin.tokens), fin.finish_reason, tau))
-            stats.add(len(fin.tokens), fin.finish_reason, fin.rounds, fin.round_tokens,
-                      fin.accepted_per_position if k else ())
+            stats.add(fin.finish_reason, fin.stats)
             stats.tick()
             bar.set_postfix_str(stats.postfix(), refresh=False)
             bar.update(1)

@@ -95,8 +95,10 @@ class DemoPair:
 
     @property
     def prompt_len(self) -> int:
-        """The longest prompt rounded up to 16: pinned for every batch, so all share one compiled program."""
-        return -(-max(len(p) for p in self.prompt_ids) // 16) * 16
+        """The longest prompt's bucket: pinned for every batch, so all share one compiled program."""
+        from eagle3_jax.speculative.session import PROMPT_BUCKET
+
+        return -(-max(len(p) for p in self.prompt_ids) // PROMPT_BUCKET) * PROMPT_BUCKET
 
     def capacity(self, max_new_tokens: int, k: int) -> int:
         return self.prompt_len + max_new_tokens + k + 2

@@ -13,28 +13,24 @@ from eagle3_jax.metrics import WATCHDOG_MIN_ROUNDS, GenerationStats, check_accep
 
 
 class RunStats:
-    """Totals over the prompts finished in this run (what the bar, the table and the JSON show)."""
+    """What the bar, the table and the JSON show: the prompts finished in this run, with their
+    generation totals kept as one ``GenerationStats`` (the same type every front end reports)."""
 
     def __init__(self, num_draft_tokens: int):
-        self.k = num_draft_tokens
+        self.num_draft_tokens = num_draft_tokens
         self.prompts = 0
         self.errors = 0
-        self.tokens = 0
-        self.rounds = 0
-        self.round_tokens = 0
-        self.accepted = [0] * num_draft_tokens
         self.finish = collections.Counter()
+        self.generation = GenerationStats.empty(num_draft_tokens)
         self.started = time.perf_counter()
-        self.seconds = 0.0
 
-    def add(self, num_tokens: int, finish_reason: str, rounds: int = 0, round_tokens: int = 0,
-            accepted_per_position=()) -> None:
+    def add(self, finish_reason: str, stats: GenerationStats | None = None) -> None:
+        """One finished prompt: its finish reason and, unless it failed before generating, its stats."""
         self.prompts += 1
-        self.tokens += num_tokens
-        self.rounds += rounds
-        self.round_tokens += round_tokens
-        for i, a in enumerate(list(accepted_per_position)[: self.k]):
-            self.accepted[i] += int(a)
+        if stats is not None:
+            seconds = self.generation.seconds
+            self.generation = GenerationStats.combine([self.generation, stats])
+            self.generation.seconds = seconds
         if finish_reason.startswith("error"):
             self.errors += 1
             self.finish["error"] += 1
@@ -45,23 +41,35 @@ class RunStats:
         self.started = time.perf_counter()
 
     def tick(self) -> None:
-        self.seconds = time.perf_counter() - self.started
+        self.generation.seconds = time.perf_counter() - self.started
 
-    def as_generation_stats(self) -> GenerationStats:
-        return GenerationStats(rounds=self.rounds, tokens=self.tokens, round_tokens=self.round_tokens,
-                               seconds=self.seconds, accepted_per_position=list(self.accepted))
+    @property
+    def tokens(self) -> int:
+        return self.generation.tokens
+
+    @property
+    def rounds(self) -> int:
+        return self.generation.rounds
+
+    @property
+    def seconds(self) -> float:
+        return self.generation.seconds
 
     @property
     def tau(self) -> float:
-        return self.round_tokens / self.rounds if self.k and self.rounds else float("nan")
+        return self.generation.mean_accept_length if self.num_draft_tokens else float("nan")
+
+    @property
+    def accept_rate_per_position(self) -> list[float]:
+        return self.generation.accept_rate_per_position
 
     @property
     def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+        return self.generation.tokens_per_second
 
     def postfix(self) -> str:
         parts = [f"{self.tokens_per_second:.1f} tok/s"]
-        if self.k:
+        if self.num_draft_tokens:
             parts.append(f"tau {self.tau:.2f}")
         if self.errors:
             parts.append(f"{self.errors} errors")
@@ -72,17 +80,17 @@ class Watchdog:
     """Runs the acceptance check as soon as enough rounds exist, then every ``interval`` seconds."""
 
     def __init__(self, num_draft_tokens: int, context: str, interval: float = 300.0):
-        self.k = num_draft_tokens
+        self.num_draft_tokens = num_draft_tokens
         self.context = context
         self.interval = interval
         self.last = -math.inf
 
     def maybe_check(self, stats: RunStats) -> bool:
         now = time.perf_counter()
-        if not self.k or stats.rounds < WATCHDOG_MIN_ROUNDS or now - self.last < self.interval:
+        if not self.num_draft_tokens or stats.rounds < WATCHDOG_MIN_ROUNDS or now - self.last < self.interval:
             return False
         self.last = now
-        return check_acceptance(stats.as_generation_stats(), self.k, self.context)
+        return check_acceptance(stats.generation, self.num_draft_tokens, self.context)
 
 
 def _fmt(x: float, digits: int = 2) -> str:
@@ -90,7 +98,7 @@ def _fmt(x: float, digits: int = 2) -> str:
 
 
 def summary_table(stats: RunStats, already_done: int, skipped_lines: int) -> str:
-    rate = [a / stats.rounds if stats.rounds else float("nan") for a in stats.accepted]
+    rate = stats.accept_rate_per_position
     rows = [
         ("prompts", f"{stats.prompts} this run ({stats.errors} errors), {already_done} already done"
                     + (f", {skipped_lines} bad lines skipped" if skipped_lines else "")),
@@ -98,9 +106,9 @@ def summary_table(stats: RunStats, already_done: int, skipped_lines: int) -> str
         ("tokens", str(stats.tokens)),
         ("seconds", _fmt(stats.seconds, 1)),
         ("tok/s", _fmt(stats.tokens_per_second, 1)),
-        ("tau", _fmt(stats.tau) if stats.k else "- (no draft)"),
+        ("tau", _fmt(stats.tau) if stats.num_draft_tokens else "- (no draft)"),
     ]
-    if stats.k:
+    if stats.num_draft_tokens:
         rows.append(("accept by position", "  ".join(f"{i + 1}:{_fmt(r)}" for i, r in enumerate(rate))))
     width = max(len(k) for k, _ in rows)
     return "\n".join(["serve summary"] + [f"  {k.ljust(width)}  {v}" for k, v in rows])
@@ -115,7 +123,7 @@ def metrics_dict(stats: RunStats, already_done: int, skipped_lines: int, setting
         "bad_lines_skipped": skipped_lines, "finish_reasons": dict(stats.finish),
         "tokens": stats.tokens, "seconds": stats.seconds, "tokens_per_second": num(stats.tokens_per_second),
         "rounds": stats.rounds, "mean_accept_length": num(stats.tau),
-        "accept_rate_per_position": [a / stats.rounds if stats.rounds else None for a in stats.accepted],
+        "accept_rate_per_position": [num(r) for r in stats.accept_rate_per_position],
         "settings": settings,
     }
 

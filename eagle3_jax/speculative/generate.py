@@ -54,6 +54,23 @@ class LoopState:
     accepted_BK: jax.Array     # per row: rounds in which draft position i was accepted
 
 
+@dataclass(frozen=True)
+class DecodeProgram:
+    """The static description of one compiled decode program (hashable: a jit static argument).
+
+    ``num_draft_tokens`` is K, the draft tokens per round (0: plain target decoding);
+    ``max_len`` the per-row capacity of the caches (prompt + generation); ``aux_layer_ids`` the
+    target layers whose outputs feed the draft.
+    """
+
+    batch_size: int
+    max_len: int
+    max_new_tokens: int
+    num_draft_tokens: int
+    aux_layer_ids: tuple[int, ...]
+    greedy: bool
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Sampling:
@@ -94,26 +111,26 @@ def _emit(state: LoopState, new_BJ, n_new_B, eos_E):
     return tokens_BN, n_out_B, finish_B.astype(jnp.int32), n_B
 
 
-def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, *, num_draft, max_new, capacity,
-             aux_ids, greedy) -> LoopState:
+def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program: DecodeProgram) -> LoopState:
     """Runs the prompts through the target (and the draft) and emits each row's first token."""
-    K = num_draft if draft is not None else 0
+    K = program.num_draft_tokens if draft is not None else 0
+    max_len, max_new_tokens = program.max_len, program.max_new_tokens
     B, T = prompt_BT.shape
     rows_B = jnp.arange(B)
-    tcache = target.init_cache(B, capacity)
+    tcache = target.init_cache(B, max_len)
     tcache = MLACache(constrain(tcache.latent_LBSC, (None, "batch", "cache_seq", "kv_lora")),
                       constrain(tcache.rope_LBSP, (None, "batch", "cache_seq", None)))
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    out = target(prompt_BT, positions_BT, tcache, aux_ids if draft is not None else ())
+    out = target(prompt_BT, positions_BT, tcache, program.aux_layer_ids if draft is not None else ())
     last_hidden_BD = out.hidden_BTD[rows_B, prompt_len_B - 1]
     key, k0 = jax.random.split(key)
-    first_B = _choose(k0, target.logits(last_hidden_BD[:, None])[:, 0], greedy, sp)
+    first_B = _choose(k0, target.logits(last_hidden_BD[:, None])[:, 0], program.greedy, sp)
 
-    max_new_B = jnp.full((B,), max_new, jnp.int32)
-    room_B = capacity - prompt_len_B
+    max_new_B = jnp.full((B,), max_new_tokens, jnp.int32)
+    room_B = max_len - prompt_len_B
     budget_B = jnp.minimum(max_new_B, room_B)
     state = LoopState(
-        tokens_BN=constrain(jnp.zeros((B, max_new), jnp.int32), ("batch", None)),
+        tokens_BN=constrain(jnp.zeros((B, max_new_tokens), jnp.int32), ("batch", None)),
         n_out_B=jnp.zeros((B,), jnp.int32), budget_B=budget_B,
         budget_is_max_new_B=max_new_B <= room_B,
         finish_B=jnp.where(budget_B > 0, RUNNING, FINISH_CAPACITY).astype(jnp.int32),
@@ -128,15 +145,16 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, *, num_d
         shifted_BT = jnp.concatenate([prompt_BT[:, 1:], jnp.zeros((B, 1), prompt_BT.dtype)], axis=1)
         shifted_BT = shifted_BT.at[rows_B, prompt_len_B - 1].set(first_B)
         dstep = draft(shifted_BT, draft.fuse(out.aux_BTX), positions_BT, target.embed_tokens[...],
-                      draft.init_cache(B, capacity))
+                      draft.init_cache(B, max_len))
         state.dcache = dstep.cache
         state.dhidden_BD = dstep.hidden_BTD[rows_B, prompt_len_B - 1]
         state.dlogits_BW = dstep.logits_BTW[rows_B, prompt_len_B - 1]
     return state
 
 
-def _round_fn(target, draft, sp: Sampling, *, num_draft, aux_ids, greedy):
+def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
     """One round of the loop body: speculative with a draft, plain decoding without."""
+    greedy, aux_ids = program.greedy, program.aux_layer_ids
     embed_VD = target.embed_tokens[...]
 
     def draft_pick(key, logits_BW):
@@ -146,7 +164,7 @@ def _round_fn(target, draft, sp: Sampling, *, num_draft, aux_ids, greedy):
         return sample_from_probs(key, q_BW), q_BW
 
     def spec_round(s: LoopState) -> LoopState:
-        K = num_draft
+        K = program.num_draft_tokens
         B = s.last_B.shape[0]
         rows_B = jnp.arange(B)
         key, k_draft, k_accept = jax.random.split(s.key, 3)
@@ -206,39 +224,35 @@ def _round_fn(target, draft, sp: Sampling, *, num_draft, aux_ids, greedy):
             last_B=jnp.where(running_B, next_B, s.last_B), tcache=tout.cache, key=key,
             rounds_B=s.rounds_B + running_B, round_tokens_B=s.round_tokens_B + n_emit_B)
 
-    return spec_round if draft is not None else target_round
+    return spec_round if draft is not None and program.num_draft_tokens > 0 else target_round
 
 
 def _merge_models(tgraph, tstate, dgraph, dstate):
     return nnx.merge(tgraph, tstate), (nnx.merge(dgraph, dstate) if dgraph is not None else None)
 
 
-_STATIC = ("tgraph", "dgraph", "num_draft", "max_new", "capacity", "aux_ids", "greedy")
+_STATIC = ("tgraph", "dgraph", "program")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def generate_loop(tgraph, tstate, dgraph, dstate, prompt_BT, prompt_len_B, key, sp: Sampling,
-                  *, num_draft: int, max_new: int, capacity: int, aux_ids: tuple, greedy: bool) -> LoopState:
+def generate_loop(tgraph, tstate, dgraph, dstate, prompt_BT, prompt_len_B, key, sp: Sampling, *,
+                  program: DecodeProgram) -> LoopState:
     """Prefill + rounds until every row is done, in one program."""
     target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
-    state = _prefill(target, draft, prompt_BT, prompt_len_B, key, sp, num_draft=num_draft, max_new=max_new,
-                     capacity=capacity, aux_ids=aux_ids, greedy=greedy)
-    body = _round_fn(target, draft, sp, num_draft=num_draft, aux_ids=aux_ids, greedy=greedy)
+    state = _prefill(target, draft, prompt_BT, prompt_len_B, key, sp, program)
+    body = _round_fn(target, draft, sp, program)
     return jax.lax.while_loop(lambda s: jnp.any(s.finish_B == RUNNING), body, state)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
 def admit_rows(tgraph, tstate, dgraph, dstate, state: LoopState, admit_B, prompt_BT, prompt_len_B, sp: Sampling,
-               *, num_draft: int, max_new: int, capacity: int, aux_ids: tuple, greedy: bool) -> LoopState:
+               *, program: DecodeProgram) -> LoopState:
     """Prefills new prompts into the rows marked by ``admit_B``; other rows keep their state."""
     target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
     key, k_new = jax.random.split(state.key)
-    fresh = _prefill(target, draft, prompt_BT, prompt_len_B, k_new, sp, num_draft=num_draft, max_new=max_new,
-                     capacity=capacity, aux_ids=aux_ids, greedy=greedy)
+    fresh = _prefill(target, draft, prompt_BT, prompt_len_B, k_new, sp, program)
     fresh.key = key
     return _merge_rows(admit_B, fresh, state)
-
-
 def _merge_rows(mask_B, new: LoopState, old: LoopState) -> LoopState:
     """Row-wise select between two loop states; the target cache keeps layers first, batch second."""
 
@@ -255,10 +269,10 @@ def _merge_rows(mask_B, new: LoopState, old: LoopState) -> LoopState:
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
 def run_rounds(tgraph, tstate, dgraph, dstate, state: LoopState, max_rounds, sp: Sampling,
-               *, num_draft: int, max_new: int, capacity: int, aux_ids: tuple, greedy: bool) -> LoopState:
+               *, program: DecodeProgram) -> LoopState:
     """At most ``max_rounds`` rounds (stops early when no row is running)."""
     target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
-    body = _round_fn(target, draft, sp, num_draft=num_draft, aux_ids=aux_ids, greedy=greedy)
+    body = _round_fn(target, draft, sp, program)
 
     def cond(c):
         s, r = c
@@ -271,11 +285,10 @@ def run_rounds(tgraph, tstate, dgraph, dstate, state: LoopState, max_rounds, sp:
 FINISH_IDLE = 4  # an empty row of a continuous batch
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("batch",))
-def blank_state(tgraph, tstate, dgraph, dstate, batch: int, key, sp: Sampling,
-                *, num_draft: int, max_new: int, capacity: int, aux_ids: tuple, greedy: bool) -> LoopState:
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def blank_state(tgraph, tstate, dgraph, dstate, key, sp: Sampling, *, program: DecodeProgram) -> LoopState:
     """A loop state with every row idle, ready for ``admit_rows``."""
     target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
-    state = _prefill(target, draft, jnp.zeros((batch, 1), jnp.int32), jnp.ones((batch,), jnp.int32), key, sp,
-                     num_draft=num_draft, max_new=max_new, capacity=capacity, aux_ids=aux_ids, greedy=greedy)
-    return dataclasses.replace(state, finish_B=jnp.full((batch,), FINISH_IDLE, jnp.int32))
+    B = program.batch_size
+    state = _prefill(target, draft, jnp.zeros((B, 1), jnp.int32), jnp.ones((B,), jnp.int32), key, sp, program)
+    return dataclasses.replace(state, finish_B=jnp.full((B,), FINISH_IDLE, jnp.int32))

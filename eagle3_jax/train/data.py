@@ -347,7 +347,7 @@ def prepare_offline(cfg, progress: bool = True) -> str:
     from tqdm import tqdm
 
     import eagle3_jax as e3
-    from eagle3_jax.api import mesh_context
+    from eagle3_jax.sharding import mesh_context
 
     from eagle3_jax import distributed
 

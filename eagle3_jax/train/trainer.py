@@ -29,11 +29,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from eagle3_jax import distributed
-from eagle3_jax.api import LoadedDraft, mesh_context, resolve_dtype
+from eagle3_jax.api import LoadedDraft
+from eagle3_jax.config import resolve_dtype
 from eagle3_jax.contracts import check_pairing
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.draft import Draft
-from eagle3_jax.sharding import make_mesh, shard_state
+from eagle3_jax.sharding import make_mesh, mesh_context, shard_state
 from eagle3_jax.train import data as data_lib
 from eagle3_jax.train.config import TrainConfig
 from eagle3_jax.train.ttt import target_logits, target_signal, ttt_loss

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from eagle3_jax.api import resolve_dtype
+from eagle3_jax.config import resolve_dtype
 from eagle3_jax.config import DraftConfig, MeshConfig, TargetConfig
 from eagle3_jax.contracts import check_pairing, resolve_aux_ids
 from eagle3_jax.errors import ConfigError

@@ -1,0 +1,152 @@
+"""One decode session: a target, an optional draft and the settings of the programs they run.
+
+``Generator`` (one static batch) and ``Engine`` (refilled rows) are thin front ends over a
+``DecodeSession``. Everything both need is decided here, once: the sampling ranges, that the draft
+belongs to the target, how a batch is padded to the mesh's data axis, how prompt lengths are
+bucketed (nearby lengths share one compiled program), the mesh context the programs run in, and the
+statistics they report. ``DecodeProgram`` is the frozen, hashable description of one compiled
+program; the jitted functions in ``generate.py`` take it as their single static argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax.distributed import fetch
+from eagle3_jax.errors import ConfigError
+from eagle3_jax.metrics import GenerationStats
+from eagle3_jax.sharding import data_parallel_size, mesh_context
+from eagle3_jax.speculative.generate import FINISH_NAMES, DecodeProgram, LoopState, Sampling
+
+# Prompts are right-padded to a multiple of this, so nearby lengths share one compiled program.
+PROMPT_BUCKET = 16
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """What a user sets; ``traced()`` turns it into the loop's traced ``Sampling`` scalars."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.temperature >= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError(
+                f"sampling settings out of range: temperature={self.temperature} (>= 0), top_p={self.top_p} "
+                f"(0, 1], top_k={self.top_k} (>= 0)")
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def traced(self) -> Sampling:
+        return Sampling(jnp.float32(max(self.temperature, 1e-6)), jnp.int32(self.top_k), jnp.float32(self.top_p),
+                        jnp.asarray(list(self.eos_token_ids) or [-1], jnp.int32))
+
+
+def bucket_prompt_len(longest: int, max_len: int) -> int:
+    """The padded prompt length: the longest prompt rounded up to ``PROMPT_BUCKET``, below max_len."""
+    return min(-(-longest // PROMPT_BUCKET) * PROMPT_BUCKET, max_len - 1)
+
+
+class DecodeSession:
+    """A target and an optional draft, validated once, with the mesh and statistics their programs share."""
+
+    def __init__(self, target, draft=None, num_draft_tokens: int = 4, max_len: int = 2048):
+        if draft is not None and draft.target is not target:
+            raise ConfigError("the draft was loaded for a different target object; pass target=... to load_draft")
+        if draft is not None and num_draft_tokens < 1:
+            raise ConfigError(f"num_draft_tokens must be >= 1 with a draft, found {num_draft_tokens}")
+        if max_len < 2:
+            raise ConfigError(f"max_len must be >= 2, found {max_len}")
+        self.target = target
+        self.draft = draft
+        self.num_draft_tokens = num_draft_tokens if draft is not None else 0
+        self.max_len = max_len
+        self.mesh = target.mesh
+        self.stats = GenerationStats.empty(self.num_draft_tokens)
+
+    # ---------------------------------------------------------------- settings
+    def activate(self):
+        """The mesh context every program of this session runs in."""
+        return mesh_context(self.mesh)
+
+    def padded_batch(self, rows: int) -> int:
+        """``rows`` rounded up to a multiple of the mesh's data axis."""
+        if rows < 1:
+            raise ConfigError(f"batch_size must be >= 1, found {rows}")
+        data = data_parallel_size(self.mesh)
+        return -(-rows // data) * data
+
+    def program(self, batch_size: int, max_new_tokens: int, sampling: SamplingSettings,
+                num_draft_tokens: int | None = None) -> DecodeProgram:
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
+        return DecodeProgram(
+            batch_size=self.padded_batch(batch_size), max_len=self.max_len, max_new_tokens=int(max_new_tokens),
+            num_draft_tokens=self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
+            aux_layer_ids=self.draft.aux_layer_ids if self.draft is not None else (), greedy=sampling.greedy)
+
+    def models(self) -> tuple:
+        """(target graphdef, target state, draft graphdef, draft state): the loop's leading arguments."""
+        d = self.draft
+        return (self.target.graphdef, self.target.state, d.graphdef if d else None, d.state if d else None)
+
+    # ---------------------------------------------------------------- prompts
+    def check_prompt(self, prompt: Sequence[int], name: str = "a prompt") -> None:
+        if not 1 <= len(prompt) < self.max_len:
+            raise ConfigError(f"{name} has {len(prompt)} tokens; it must have between 1 and max_len - 1 = "
+                              f"{self.max_len - 1} (raise max_len)")
+
+    def pack_prompts(self, prompts: dict[int, Sequence[int]], batch_size: int, prompt_len: int | None = None):
+        """Prompts by row -> right-padded ids [batch_size, T], lengths [B] and the rows given [B].
+
+        T is the longest prompt's bucket, or ``prompt_len`` when given (batches that pin one
+        prompt_len share one compiled program)."""
+        if not prompts:
+            raise ConfigError("no prompts to generate for")
+        for row, p in prompts.items():
+            self.check_prompt(p, f"prompt {row}")
+        longest = max(len(p) for p in prompts.values())
+        T = bucket_prompt_len(longest, self.max_len)
+        if prompt_len is not None:
+            if not longest <= prompt_len < self.max_len:
+                raise ConfigError(f"prompt_len={prompt_len} must hold the longest prompt ({longest} tokens) and "
+                                  f"be below max_len={self.max_len}")
+            T = prompt_len
+        ids = np.zeros((batch_size, T), np.int32)
+        lengths = np.ones((batch_size,), np.int32)
+        given = np.zeros((batch_size,), bool)
+        for row, p in prompts.items():
+            ids[row, :len(p)] = p
+            lengths[row] = len(p)
+            given[row] = True
+        return ids, lengths, given
+
+    # ---------------------------------------------------------------- results
+    def row_results(self, state: LoopState, rows: Sequence[int], num_draft_tokens: int):
+        """Per-row results of a loop state, fetched to the host: a list of
+        (tokens, finish reason, GenerationStats of that row) for each row in ``rows``."""
+        tokens, n_out, finish, rounds, round_tokens, accepted = (fetch(x) for x in (
+            state.tokens_BN, state.n_out_B, state.finish_B, state.rounds_B, state.round_tokens_B,
+            state.accepted_BK))
+        out = []
+        for b in rows:
+            stats = GenerationStats(
+                rounds=int(rounds[b]), tokens=int(n_out[b]), round_tokens=int(round_tokens[b]), seconds=0.0,
+                accepted_per_position=[int(a) for a in accepted[b, :num_draft_tokens]],
+                per_row_accept_length=[float(round_tokens[b] / rounds[b]) if rounds[b] else float("nan")])
+            out.append((tokens[b, : n_out[b]].tolist(), FINISH_NAMES.get(int(finish[b]), "error"), stats))
+        return out
+
+    def record(self, stats: GenerationStats) -> None:
+        """Adds one finished piece of work to the session's totals."""
+        self.stats = GenerationStats.combine([self.stats, stats])
