@@ -10,13 +10,10 @@ Expert compute. Every kernel has one signature (``ExpertKernel``) and is chosen 
 result up to float summation order:
   * ``blocked``: assignments (token, expert) sorted by expert, then a loop over fixed-size row blocks
     of the *non-empty* experts only; each block is a [b, D] x [D, F] matmul with that expert's
-    weights. Work = O(assignments + experts hit), never O(all experts). When there are no more
-    assignments than experts (decode), it runs ``gathered`` instead: the loop would make about one
-    trip per assignment, each copying one expert's weights. Not reverse-differentiable (a
-    dynamic-length loop); on GPU every trip is a kernel launch plus a host-visible predicate.
-  * ``gathered``: no sort and no loop: every assignment's expert weights are gathered
-    (``w_EDF[expert_ids]``) and applied as one batched matmul. Reads k expert matrices per token,
-    so it suits small token counts only. Differentiable.
+    weights. Work = O(assignments + experts hit), never O(all experts). Not reverse-differentiable
+    (a dynamic-length loop); on GPU every trip is a kernel launch plus a host-visible predicate.
+    (Gathering every assignment's expert weights at once, ``w_EDF[expert_ids]``, instead of the
+    loop at decode sizes was measured 10x slower on CPU: benchmarks/moe_dispatch.py.)
   * ``ragged``: tokens sorted by expert through ``jax.lax.ragged_dot``, a grouped matmul (native on
     TPU and GPU). Differentiable. On the CPU backend XLA lowers it to O(tokens x all experts)
     (measured in benchmarks/moe_dispatch.py), so it is not the CPU default.
@@ -99,25 +96,9 @@ def block_rows(num_assignments: int, num_experts: int) -> int:
     return int(min(256, 2 ** math.ceil(math.log2(mean_rows))))
 
 
-def experts_gathered(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert):
-    E = w_gate_EDF.shape[0]
-    local_MK = idx_MK - first_expert
-    is_local_MK = (local_MK >= 0) & (local_MK < E)
-    e_MK = jnp.where(is_local_MK, local_MK, 0)
-    w_MK = jnp.where(is_local_MK, weights_MK, 0.0)
-    g_MKF = jnp.einsum("md,mkdf->mkf", x_MD, w_gate_EDF[e_MK])
-    u_MKF = jnp.einsum("md,mkdf->mkf", x_MD, w_up_EDF[e_MK])
-    y_MKD = jnp.einsum("mkf,mkfd->mkd", jax.nn.silu(g_MKF) * u_MKF, w_down_EFD[e_MK])
-    return jnp.einsum("mkd,mk->md", y_MKD, w_MK.astype(y_MKD.dtype))
-
-
 def experts_blocked(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert):
     E = w_gate_EDF.shape[0]
     M, K = idx_MK.shape
-    if M * K <= E:
-        # About one loop trip per assignment, each copying one expert's weights: gathering the
-        # k experts of every token at once reads the same weights without the loop.
-        return experts_gathered(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert)
     token_A, weight_A, counts_E = sort_assignments(idx_MK, weights_MK, first_expert, E)
     b = block_rows(M * K, E)
     starts_E = jnp.cumsum(counts_E) - counts_E
@@ -189,7 +170,6 @@ def experts_padded_blocks(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down
 # name -> kernel; ``moe_kernel=`` picks one. New kernels (e.g. for quantized experts) add an entry.
 EXPERT_KERNELS: dict[str, ExpertKernel] = {
     "blocked": experts_blocked,
-    "gathered": experts_gathered,
     "ragged": experts_ragged,
     "padded_blocks": experts_padded_blocks,
 }
