@@ -112,9 +112,8 @@ def profile_step(target: e3.LoadedTarget, B: int, T: int, n_new: int, repeats: i
     pos_B1 = lengths_B[:, None]
     state = {"cache": cache}
 
-    def call_only():  # the jitted _target_call, arguments already device arrays
-        logits, _, state["cache"] = target._call(target.graphdef, target.state, tok_B1, pos_B1,
-                                                 state["cache"], ())
+    def call_only():  # the jitted model call at explicit positions, arguments already device arrays
+        logits, _, state["cache"] = target.extend_at(tok_B1, pos_B1, state["cache"])
         return logits
 
     def full_step():  # what ours_python_loop does per token
@@ -138,7 +137,7 @@ def profile_step(target: e3.LoadedTarget, B: int, T: int, n_new: int, repeats: i
         return logits
 
     rows = []
-    for name, fn in [("extend + argmax (py-loop step)", full_step), ("LoadedTarget._call only", call_only),
+    for name, fn in [("extend + argmax (py-loop step)", full_step), ("LoadedTarget.extend_at only", call_only),
                      ("jit(step), nnx.State arg", pure_step), ("jit(step), flat leaves arg", leaves_step)]:
         rows.append([f"B={B}", name, 1e3 * time_calls(fn, repeats=repeats, warmup=2, min_time=1.0)])
     return rows

@@ -9,6 +9,7 @@ editing this table, nothing else.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Sequence
 
 import jax
@@ -19,23 +20,49 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from eagle3_jax.config import MESH_AXES, MeshConfig
 from eagle3_jax.errors import ConfigError
 
+log = logging.getLogger("eagle3_jax")
+
+# The mesh axes by role; code outside this module names them through these constants (or through
+# ``mesh_axis(logical)``), never as string literals, so the table below stays the one place to edit.
+DATA_AXIS, EXPERT_AXIS, TENSOR_AXIS = MESH_AXES
+
 # logical axis -> mesh axis (None = replicated)
 LOGICAL_AXIS_RULES: dict[str, str | None] = {
-    "batch": "data",        # rows of a generation batch / training batch
+    "batch": DATA_AXIS,     # rows of a generation batch / training batch
     "seq": None,            # token positions
     "cache_seq": None,      # KV-cache slots
     "embed": None,          # model width (hidden size)
-    "vocab": "tensor",      # embedding rows and lm_head columns
-    "heads": "tensor",      # attention heads
+    "vocab": TENSOR_AXIS,   # embedding rows and lm_head columns
+    "heads": TENSOR_AXIS,   # attention heads
     "head_dim": None,
     "q_lora": None,         # MLA query latent
     "kv_lora": None,        # MLA key/value latent (the cached one)
-    "mlp": "tensor",        # dense MLP width (also shared experts)
-    "expert": "expert",     # routed experts
-    "moe_mlp": "tensor",    # routed expert width
+    "mlp": TENSOR_AXIS,     # dense MLP width (also shared experts)
+    "expert": EXPERT_AXIS,  # routed experts
+    "moe_mlp": TENSOR_AXIS, # routed expert width
     "aux": None,            # concatenated aux hidden states
-    "draft_vocab": "tensor",
+    "draft_vocab": TENSOR_AXIS,
 }
+
+
+def mesh_axis(logical: str) -> str | None:
+    """The mesh axis the table maps a logical axis onto (None: replicated)."""
+    if logical not in LOGICAL_AXIS_RULES:
+        raise ConfigError(f"logical axis '{logical}' has no rule; add it to LOGICAL_AXIS_RULES in sharding.py")
+    return LOGICAL_AXIS_RULES[logical]
+
+
+def axis_size(mesh: "jax.sharding.Mesh | None", logical: str) -> int:
+    """How many ways the mesh splits a logical axis (1 without a mesh or when it is replicated)."""
+    m = mesh_axis(logical)
+    if mesh is None or m is None:
+        return 1
+    return int(mesh.shape[m])
+
+
+def data_parallel_size(mesh: "jax.sharding.Mesh | None") -> int:
+    """Ways the batch rows are split (the mesh axis of logical ``batch``); 1 without a mesh."""
+    return axis_size(mesh, "batch")
 
 
 def make_mesh(spec: "str | MeshConfig | None" = None, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
@@ -58,22 +85,25 @@ def make_mesh(spec: "str | MeshConfig | None" = None, devices: Sequence[Any] | N
 
 
 def logical_to_spec(axes: Sequence[str | None] | None) -> P:
+    """PartitionSpec for logical axis names.
+
+    Raises ConfigError when two logical axes of one array map onto the same mesh axis: a mesh axis
+    can split only one dimension, and quietly replicating the second one would hide a table (or
+    annotation) mistake behind a memory blow-up.
+    """
     if axes is None:
         return P()
-    mesh_axes = []
-    used = set()
+    mesh_axes: list[str | None] = []
+    owner: dict[str, str] = {}
     for a in axes:
-        if a is None:
-            mesh_axes.append(None)
-            continue
-        if a not in LOGICAL_AXIS_RULES:
-            raise ConfigError(f"logical axis '{a}' has no rule; add it to LOGICAL_AXIS_RULES in sharding.py")
-        m = LOGICAL_AXIS_RULES[a]
-        # A mesh axis may shard only one dimension of an array.
-        if m is not None and m in used:
-            m = None
+        m = None if a is None else mesh_axis(a)
         if m is not None:
-            used.add(m)
+            if m in owner:
+                raise ConfigError(
+                    f"logical axes '{owner[m]}' and '{a}' of one array (axes {tuple(axes)}) both map to mesh "
+                    f"axis '{m}'; a mesh axis can split only one dimension. Map one of them to another mesh "
+                    "axis (or None) in LOGICAL_AXIS_RULES, or annotate the array differently")
+            owner[m] = a
         mesh_axes.append(m)
     return P(*mesh_axes)
 
@@ -82,16 +112,35 @@ def named_sharding(mesh: jax.sharding.Mesh, axes: Sequence[str | None] | None) -
     return NamedSharding(mesh, logical_to_spec(axes))
 
 
-def _fits(mesh: jax.sharding.Mesh, spec: P, shape: Sequence[int]) -> P:
-    """Drops mesh axes that do not divide a dimension (small test models on big meshes)."""
+_fallbacks_logged: set = set()
+
+
+def _fits(mesh_shape: dict, spec: P, shape: Sequence[int], axes: Sequence[str | None] | None) -> P:
+    """Replicates dimensions that their mesh axis does not divide, logging each case once.
+
+    This is the intended fallback for small models on big meshes (a 4-head test model on a tensor
+    axis of 8, a batch of 1 on a data axis of 2); XLA cannot split an uneven dimension without
+    padding, which this code does not do. The log line names the facts so a full-size run that
+    hits it (and pays the replicated memory) is visible.
+    """
+    axes = tuple(axes or ())
     out = []
-    for dim, m in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        out.append(m if m is None or dim % mesh.shape[m] == 0 else None)
+    for i, (dim, m) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):
+        if m is not None and dim % mesh_shape[m]:
+            logical = axes[i] if i < len(axes) else None
+            key = (logical, dim, m, tuple(mesh_shape.items()))
+            if key not in _fallbacks_logged:
+                _fallbacks_logged.add(key)
+                log.warning("logical axis '%s' of size %d is not divisible by mesh axis '%s' of size %d "
+                            "(mesh %s); replicating that dimension", logical, dim, m, mesh_shape[m],
+                            dict(mesh_shape))
+            m = None
+        out.append(m)
     return P(*out)
 
 
 def sharding_for(mesh: jax.sharding.Mesh, axes: Sequence[str | None] | None, shape: Sequence[int]) -> NamedSharding:
-    return NamedSharding(mesh, _fits(mesh, logical_to_spec(axes), shape))
+    return NamedSharding(mesh, _fits(dict(mesh.shape), logical_to_spec(axes), shape, axes))
 
 
 def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:
@@ -115,8 +164,7 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         return x
-    spec = logical_to_spec(axes)
-    spec = P(*[m if m is None or x.shape[i] % mesh.shape[m] == 0 else None for i, m in enumerate(spec)])
+    spec = _fits(dict(mesh.shape), logical_to_spec(axes), x.shape, axes)
     return jax.lax.with_sharding_constraint(x, spec)
 
 
@@ -131,8 +179,3 @@ def mesh_context(mesh):
     """``with mesh_context(mesh):`` activates the mesh for jitted calls; a no-op without one."""
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
-
-def data_parallel_size(mesh) -> int:
-    """How many ways the batch is split (rows are padded to a multiple of it)."""
-    axis = LOGICAL_AXIS_RULES["batch"]
-    return mesh.shape[axis] if mesh is not None and axis is not None else 1

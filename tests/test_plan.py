@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import eagle3_jax as e3
 from eagle3_jax.models.target import Target
 from eagle3_jax.sharding import shard_state
-from tools.plan import core
+from tools.plan import report, serve
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs/models/tiny_deepseek_v3.json")
@@ -25,9 +25,9 @@ B, S, K, PROMPT = 4, 32, 2, 8
 
 @pytest.fixture(scope="module")
 def plan():
-    settings = core.PlanSettings(model=TINY, mesh=MESH, batch=B, max_len=S, num_draft=K, prompt_len=PROMPT,
+    settings = serve.PlanSettings(model=TINY, mesh=MESH, batch=B, max_len=S, num_draft_tokens=K, prompt_len=PROMPT,
                                  dtype="float32", compile_dtype="float32", expert_bits=(32, 4), programs=("decode",))
-    return core.plan(settings)
+    return serve.plan(settings)
 
 
 def test_sharded_leaves_split_evenly(plan):
@@ -92,33 +92,33 @@ def test_compiled_arguments_are_params_plus_state(plan):
 
 
 def test_report_has_one_row_per_expert_width(plan):
-    text = core.format_plan(plan, hbm=core.parse_bytes("1GB"))
+    text = report.format_plan(plan, hbm=serve.parse_bytes("1GB"))
     rows = [line for line in text.splitlines() if line.startswith("|") and "---" not in line]
     assert len(rows) == 3 and "int4 experts" in rows[2] and "decode yes" in rows[1]
 
 
 def test_parse_bytes():
-    assert core.parse_bytes("141GB") == 141 * 10**9
-    assert core.parse_bytes("96GiB") == 96 * 2**30
-    assert core.parse_bytes("80e9") == 80 * 10**9
-    assert core.parse_bytes("1000") == 1000
+    assert serve.parse_bytes("141GB") == 141 * 10**9
+    assert serve.parse_bytes("96GiB") == 96 * 2**30
+    assert serve.parse_bytes("80e9") == 80 * 10**9
+    assert serve.parse_bytes("1000") == 1000
     with pytest.raises(e3.ConfigError):
-        core.parse_bytes("lots")
+        serve.parse_bytes("lots")
 
 
 def test_drafts_chosen_by_target_shape():
     kimi = e3.TargetConfig.from_path(REPO / "configs/models/kimi_k25.json")
-    draft, source = core.choose_draft(kimi)
+    draft, source = serve.choose_draft(kimi)
     assert source.endswith("kimi_k25_eagle3.json") and draft.aux_layer_ids == (2, 30, 58)
-    ds, source = core.choose_draft(e3.TargetConfig.from_path(REPO / "configs/models/deepseek_v3.json"))
+    ds, source = serve.choose_draft(e3.TargetConfig.from_path(REPO / "configs/models/deepseek_v3.json"))
     assert source.endswith("deepseek_v3_eagle3.json") and (ds.num_key_value_heads, ds.head_dim) == (8, 128)
-    tiny, source = core.choose_draft(e3.TargetConfig.from_path(TINY))
+    tiny, source = serve.choose_draft(e3.TargetConfig.from_path(TINY))
     assert source.startswith("derived") and tiny.hidden_size == 64
 
 
 def test_bad_mesh_is_refused():
     with pytest.raises(e3.ConfigError, match="do not split"):
-        core.plan(core.PlanSettings(model=TINY, mesh="data=1,expert=3,tensor=1", programs=()))
+        serve.plan(serve.PlanSettings(model=TINY, mesh="data=1,expert=3,tensor=1", programs=()))
 
 
 def test_cli_accounting_only():
@@ -135,7 +135,7 @@ def test_cli_accounting_only():
 def test_train_step_plan_offline():
     """The Trainer's jitted step, planned from disk-fed states: AdamW holds two moments per draft
     parameter, and the donated parameters and moments come back in place."""
-    p = core.plan(core.PlanSettings(model=TINY, mesh=MESH, batch=B, max_len=S, prompt_len=PROMPT, dtype="float32",
+    p = serve.plan(serve.PlanSettings(model=TINY, mesh=MESH, batch=B, max_len=S, prompt_len=PROMPT, dtype="float32",
                                     compile_dtype="float32", programs=(), train=True, train_batch=2, train_len=16,
                                     ttt_steps=2, hidden_source="offline"))
     t = p.train

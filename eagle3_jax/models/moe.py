@@ -5,17 +5,28 @@ for *choosing* experts only; experts are chosen within the ``topk_group`` best g
 scored by the sum of its two best biased scores); the weights are the unbiased scores of the chosen
 experts, normalized when ``norm_topk_prob``, times ``routed_scaling_factor``.
 
-Expert compute. Assignments (token, expert) are sorted by expert so each expert's tokens are
-contiguous. Two kernels, same result:
-  * ``blocked``: a loop over fixed-size row blocks of the *non-empty* experts only; each block is a
-    [b, D] x [D, F] matmul with that expert's weights. Work = O(assignments + experts hit), never
-    O(all experts), on every backend. Not reverse-differentiable (a dynamic-length loop).
-  * ``ragged``: ``jax.lax.ragged_dot`` (a native grouped matmul on TPU). Differentiable. On the
-    CPU backend it currently costs O(tokens x all experts) (measured in benchmarks/moe_dispatch.py),
-    so it is not the CPU default.
-With a mesh, experts are sharded over the ``expert`` axis and expert width over ``tensor``: inside
-``jax.shard_map`` each device runs only its local experts on the tokens routed to them, and a psum
-over (expert, tensor) combines the partial outputs.
+Expert compute. Every kernel has one signature (``ExpertKernel``) and is chosen by name from
+``EXPERT_KERNELS`` (the ``moe_kernel`` argument of ``Target``/``load_target``); all give the same
+result up to float summation order:
+  * ``blocked``: assignments (token, expert) sorted by expert, then a loop over fixed-size row blocks
+    of the *non-empty* experts only; each block is a [b, D] x [D, F] matmul with that expert's
+    weights. Work = O(assignments + experts hit), never O(all experts). Not reverse-differentiable
+    (a dynamic-length loop); on GPU every trip is a kernel launch plus a host-visible predicate.
+    (Gathering every assignment's expert weights at once, ``w_EDF[expert_ids]``, instead of the
+    loop at decode sizes was measured 10x slower on CPU: benchmarks/moe_dispatch.py.)
+  * ``ragged``: tokens sorted by expert through ``jax.lax.ragged_dot``, a grouped matmul (native on
+    TPU and GPU). Differentiable. On the CPU backend XLA lowers it to O(tokens x all experts)
+    (measured in benchmarks/moe_dispatch.py), so it is not the CPU default.
+  * ``padded_blocks``: ``blocked`` with a static trip count: each expert's run padded to whole
+    blocks, and the most blocks any routing can need, ceil(A / b) + E, computed as one batched
+    matmul against per-block gathered weights. Cost about (A + E b) rows. Differentiable, so it is
+    the cheap training kernel on CPU.
+With a mesh, experts are sharded over the expert mesh axis and expert width over the tensor axis
+(the table in ``sharding.py``): inside ``jax.shard_map`` each device runs only its local experts on
+the tokens routed to them, and a psum combines the partial outputs.
+
+Routing statistics: ``capture_routes(fn)`` returns the expert ids every MoE layer chose during
+``fn(model, ...)`` (sown as ``nnx.Intermediate`` ``expert_ids`` while recording is on).
 """
 
 from __future__ import annotations
@@ -27,8 +38,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from typing import Callable
+
 from eagle3_jax.config import TargetConfig
+from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.layers import SwiGLU, param
+from eagle3_jax.sharding import mesh_axis
+
+# (x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert) -> y_MD. Experts
+# outside [first_expert, first_expert + E) are someone else's (another device's) and contribute 0.
+ExpertKernel = Callable[..., jax.Array]
 
 
 def route(x_MD: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array, cfg: TargetConfig):
@@ -55,8 +74,11 @@ def route(x_MD: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array, cfg: Targe
     return idx_MK.astype(jnp.int32), weights_MK * cfg.routed_scaling_factor
 
 
-def _sort_assignments(idx_MK, weights_MK, first_expert, num_local):
-    """Sorts assignments by local expert; non-local ones go last (key = num_local)."""
+def sort_assignments(idx_MK, weights_MK, first_expert, num_local):
+    """(token per sorted assignment, its weight, rows per local expert), sorted by local expert.
+
+    Non-local assignments go last (key = num_local) with weight 0.
+    """
     M, K = idx_MK.shape
     local_A = idx_MK.reshape(-1) - first_expert
     is_local_A = (local_A >= 0) & (local_A < num_local)
@@ -77,7 +99,7 @@ def block_rows(num_assignments: int, num_experts: int) -> int:
 def experts_blocked(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert):
     E = w_gate_EDF.shape[0]
     M, K = idx_MK.shape
-    token_A, weight_A, counts_E = _sort_assignments(idx_MK, weights_MK, first_expert, E)
+    token_A, weight_A, counts_E = sort_assignments(idx_MK, weights_MK, first_expert, E)
     b = block_rows(M * K, E)
     starts_E = jnp.cumsum(counts_E) - counts_E
     blocks_E = (counts_E + b - 1) // b
@@ -103,7 +125,7 @@ def experts_blocked(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, 
 
 def experts_ragged(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert):
     E = w_gate_EDF.shape[0]
-    token_A, weight_A, counts_E = _sort_assignments(idx_MK, weights_MK, first_expert, E)
+    token_A, weight_A, counts_E = sort_assignments(idx_MK, weights_MK, first_expert, E)
     x_AD = x_MD[token_A]
     # Rows past sum(counts) (non-local assignments) belong to no group: ragged_dot leaves them 0.
     g_AF = jax.lax.ragged_dot(x_AD, w_gate_EDF, counts_E)
@@ -113,19 +135,71 @@ def experts_ragged(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, f
     return jnp.zeros_like(x_MD).at[token_A].add(y_AD)
 
 
-EXPERT_KERNELS = {"blocked": experts_blocked, "ragged": experts_ragged}
+PADDED_BLOCK_ROWS = 128
 
 
-def default_kernel() -> str:
-    return "ragged" if jax.default_backend() == "tpu" else "blocked"
+def experts_padded_blocks(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert):
+    E = w_gate_EDF.shape[0]
+    M, K = idx_MK.shape
+    A = M * K
+    b = min(PADDED_BLOCK_ROWS, block_rows(A, 1))
+    n_blocks = -(-A // b) + E  # the most any routing can need: every expert's last block partial
+    token_A, weight_A, counts_E = sort_assignments(idx_MK, weights_MK, first_expert, E)
+    starts_E = jnp.cumsum(counts_E) - counts_E
+    blocks_E = (counts_E + b - 1) // b
+    block_end_E = jnp.cumsum(blocks_E)
+    block_start_E = block_end_E - blocks_E
+
+    j_J = jnp.arange(n_blocks, dtype=jnp.int32)
+    used_J = j_J < block_end_E[-1]
+    e_J = jnp.minimum(jnp.searchsorted(block_end_E, j_J, side="right"), E - 1)
+    row_JB = (j_J - block_start_E[e_J])[:, None] * b + jnp.arange(b, dtype=jnp.int32)[None, :]
+    valid_JB = used_J[:, None] & (row_JB < counts_E[e_J][:, None])
+    a_JB = jnp.where(valid_JB, starts_E[e_J][:, None] + row_JB, 0)
+    tok_JB = token_A[a_JB]
+    w_JB = jnp.where(valid_JB, weight_A[a_JB], 0.0)  # padding rows add 0
+
+    x_JBD = x_MD[tok_JB]
+    g_JBF = jnp.einsum("jbd,jdf->jbf", x_JBD, w_gate_EDF[e_J])
+    u_JBF = jnp.einsum("jbd,jdf->jbf", x_JBD, w_up_EDF[e_J])
+    y_JBD = jnp.einsum("jbf,jfd->jbd", jax.nn.silu(g_JBF) * u_JBF, w_down_EFD[e_J])
+    y_JBD = y_JBD * w_JB[..., None].astype(y_JBD.dtype)
+    return jnp.zeros_like(x_MD).at[tok_JB.reshape(-1)].add(y_JBD.reshape(-1, x_MD.shape[-1]))
+
+
+# name -> kernel; ``moe_kernel=`` picks one. New kernels (e.g. for quantized experts) add an entry.
+EXPERT_KERNELS: dict[str, ExpertKernel] = {
+    "blocked": experts_blocked,
+    "ragged": experts_ragged,
+    "padded_blocks": experts_padded_blocks,
+}
+
+
+def default_kernel(backend: str | None = None) -> str:
+    """``ragged`` (grouped matmul) on TPU and GPU; ``blocked`` on CPU, where ragged_dot is dense.
+
+    On GPU ``blocked`` would be launch-bound: one loop trip per expert block, each a few small
+    kernels plus a trip-count predicate read back by the host.
+    """
+    backend = backend or jax.default_backend()
+    return "blocked" if backend == "cpu" else "ragged"
+
+
+def get_kernel(name: str) -> ExpertKernel:
+    if name not in EXPERT_KERNELS:
+        raise ConfigError(f"unknown moe kernel '{name}'; choose one of {', '.join(EXPERT_KERNELS)}")
+    return EXPERT_KERNELS[name]
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs | None, mesh=None, kernel: str | None = None):
+    def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs | None, mesh=None, kernel: str | None = None,
+                 record_routes: bool = False):
         D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         self.cfg = cfg
         self.mesh = mesh
         self.kernel = kernel or default_kernel()
+        get_kernel(self.kernel)  # fail at construction, not at the first trace
+        self.record_routes = record_routes
         # The router stays float32 whatever the model dtype, as in the reference checkpoints.
         self.gate = param(rngs, (D, E), ("embed", None), jnp.float32)
         self.e_score_correction_bias = param(None, (E,), (None,), jnp.float32, init="zeros")
@@ -140,10 +214,12 @@ class MoE(nnx.Module):
         B, T, D = x_BTD.shape
         x_MD = x_BTD.reshape(B * T, D)
         idx_MK, weights_MK = route(x_MD, self.gate[...], self.e_score_correction_bias[...], self.cfg)
-        kernel = EXPERT_KERNELS[self.kernel]
+        if self.record_routes:
+            self.sow(nnx.Intermediate, "expert_ids", idx_MK)
+        kernel = get_kernel(self.kernel)
         ws = (self.w_gate[...], self.w_up[...], self.w_down[...])
         mesh = self.mesh
-        if mesh is None or (mesh.shape["expert"] == 1 and mesh.shape["tensor"] == 1):
+        if mesh is None or (mesh.shape[mesh_axis("expert")] == 1 and mesh.shape[mesh_axis("moe_mlp")] == 1):
             y_MD = kernel(x_MD, idx_MK, weights_MK, *ws, 0)
         else:
             y_MD = self._sharded(kernel, x_MD, idx_MK, weights_MK, ws)
@@ -154,26 +230,58 @@ class MoE(nnx.Module):
 
     def _sharded(self, kernel, x_MD, idx_MK, weights_MK, ws):
         mesh = self.mesh
+        exp_ax, ten_ax, row_ax = mesh_axis("expert"), mesh_axis("moe_mlp"), mesh_axis("batch")
         E = self.cfg.n_routed_experts
-        n_exp, n_ten = mesh.shape["expert"], mesh.shape["tensor"]
+        n_exp, n_ten = mesh.shape[exp_ax], mesh.shape[ten_ax]
         if E % n_exp:
-            raise ValueError(f"{E} routed experts cannot be split over an expert axis of {n_exp}")
+            raise ConfigError(f"{E} routed experts cannot be split over mesh axis '{exp_ax}' of size {n_exp} "
+                              f"(mesh {dict(mesh.shape)}); pick an expert-axis size that divides {E}")
         F = self.cfg.moe_intermediate_size
-        ten = "tensor" if F % n_ten == 0 else None
-        rows = "data" if x_MD.shape[0] % mesh.shape["data"] == 0 else None
+        # Uneven splits replicate, as sharding.py does for parameters (small models on big meshes).
+        ten = ten_ax if F % n_ten == 0 else None
+        rows = row_ax if x_MD.shape[0] % mesh.shape[row_ax] == 0 else None
         local_experts = E // n_exp
 
         def local(x_MD, idx_MK, w_MK, wg, wu, wd):
-            first = jax.lax.axis_index("expert") * local_experts
+            first = jax.lax.axis_index(exp_ax) * local_experts
             y = kernel(x_MD, idx_MK, w_MK, wg, wu, wd, first)
-            return jax.lax.psum(y, ("expert", "tensor") if ten else "expert")
+            return jax.lax.psum(y, (exp_ax, ten_ax) if ten else exp_ax)
 
         fn = jax.shard_map(
             local,
             mesh=mesh,
             in_specs=(P(rows, None), P(rows, None), P(rows, None),
-                      P("expert", None, ten), P("expert", None, ten), P("expert", ten, None)),
+                      P(exp_ax, None, ten), P(exp_ax, None, ten), P(exp_ax, ten, None)),
             out_specs=P(rows, None),
             check_vma=False,
         )
         return fn(x_MD, idx_MK, weights_MK, *ws)
+
+
+def set_route_recording(model: nnx.Module, on: bool = True) -> None:
+    """Makes every MoE layer of ``model`` sow (or stop sowing) its chosen expert ids per call."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, MoE):
+            module.record_routes = on
+
+
+def capture_routes(fn: Callable) -> Callable:
+    """Wraps ``fn(model, *args)`` to return ``(result, expert ids)`` of that call.
+
+    The expert ids are one [M, K] int32 array per MoE call, by ascending layer index (the order of
+    ``nnx.to_flat_state``). Recording is switched on only for the call, so a model used elsewhere
+    (serving) never sows.
+    """
+    captured = nnx.capture(fn, nnx.Intermediate)
+
+    def wrapped(model, *args, **kwargs):
+        set_route_recording(model, True)
+        try:
+            result, sown = captured(model, *args, **kwargs)
+        finally:
+            set_route_recording(model, False)
+        routes = [ids for path, var in nnx.to_flat_state(sown) if path[-1] == "expert_ids"
+                  for ids in var.get_value()]
+        return result, routes
+
+    return wrapped

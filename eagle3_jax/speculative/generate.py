@@ -71,6 +71,19 @@ class DecodeProgram:
     greedy: bool
 
 
+# Logical axes of LoopState's sharded arrays by field path (the target cache as constrained in this
+# module, the draft cache following its K/V projections). Fields not listed are per-row vectors or
+# matrices (batch first) or replicated scalars. Planning tools lay the state out from this table.
+LOOP_STATE_AXES = {
+    "tcache.latent_LBSC": (None, "batch", "cache_seq", "kv_lora"),
+    "tcache.rope_LBSP": (None, "batch", "cache_seq", None),
+    "dcache.k_BSGH": ("batch", "cache_seq", "heads", "head_dim"),
+    "dcache.v_BSGH": ("batch", "cache_seq", "heads", "head_dim"),
+    "dhidden_BD": ("batch", "embed"),
+    "dlogits_BW": ("batch", "draft_vocab"),
+}
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Sampling:

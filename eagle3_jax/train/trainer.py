@@ -34,7 +34,7 @@ from eagle3_jax.config import resolve_dtype
 from eagle3_jax.contracts import check_pairing
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.draft import Draft
-from eagle3_jax.sharding import make_mesh, mesh_context, shard_state
+from eagle3_jax.sharding import DATA_AXIS, make_mesh, mesh_context, shard_state
 from eagle3_jax.train import data as data_lib
 from eagle3_jax.train.config import TrainConfig
 from eagle3_jax.train.ttt import target_logits, target_signal, ttt_loss
@@ -231,7 +231,7 @@ class Trainer:
             return 0, B
         shape = (self.cfg.grad_accum, B)
         rows = set()
-        for index in NamedSharding(self.mesh, P(None, "data")).addressable_devices_indices_map(shape).values():
+        for index in NamedSharding(self.mesh, P(None, DATA_AXIS)).addressable_devices_indices_map(shape).values():
             rows.update(range(*index[1].indices(B)))
         lo, hi = min(rows), max(rows) + 1
         if len(rows) != hi - lo:
@@ -260,7 +260,7 @@ class Trainer:
         batch = {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "index"}
         if self.mesh is None:
             return {k: jnp.asarray(v) for k, v in batch.items()}
-        sharding = NamedSharding(self.mesh, P(None, "data"))
+        sharding = NamedSharding(self.mesh, P(None, DATA_AXIS))
         if jax.process_count() == 1:
             return {k: jax.device_put(v, sharding) for k, v in batch.items()}
         # [grad_accum, this process's rows, ...] -> the global [grad_accum, batch_size, ...] array

@@ -2,8 +2,8 @@
 
 The model is the product's own ``Target`` (MLA with a q LoRA, a dense first layer, then MoE layers
 with a sigmoid router, a correction bias, group-limited top-2 routing and a shared expert), trained
-with optax AdamW. Its routed experts run through a differentiable kernel: ``padded_blocks`` (see
-``kernel.py``; exact, ~4x cheaper than ``ragged`` on CPU) by default, or the product's ``ragged``.
+with optax AdamW. Its routed experts run through a differentiable kernel of ``eagle3_jax.models.moe``:
+``padded_blocks`` (exact, ~4x cheaper than ``ragged`` on CPU) by default, or ``ragged``.
 
 Load balancing follows DeepSeek-V3's auxiliary-loss-free method: after every step each MoE
 layer's ``e_score_correction_bias`` moves by ``bias_update_rate`` towards balance (up for experts
@@ -19,7 +19,6 @@ annealed instead of being cut off at a high learning rate.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -28,7 +27,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tools.demo import kernel
 
 # The target's shape. Sized for a 2-core CPU: ~10M parameters, most of them in the 8 routed experts
 # and the 8k-vocabulary embedding and head.
@@ -105,33 +103,6 @@ class TrainSettings:
     moe_kernel: str = "padded_blocks"
 
 
-# ---------------------------------------------------------------------- routing statistics
-@contextlib.contextmanager
-def recording_routes():
-    """Collects the expert ids every MoE layer picks while a forward pass is traced.
-
-    ``eagle3_jax.models.moe`` exposes no routing statistics, and the bias update needs the
-    per-expert token counts of the same forward pass the gradient comes from; wrapping the
-    module's ``route`` while tracing gets them without a second pass. The list is filled in
-    call order, i.e. by ascending layer index.
-    """
-    from eagle3_jax.models import moe
-
-    original = moe.route
-    picked: list = []
-
-    def route(x_MD, w_router_DE, bias_E, cfg):
-        idx_MK, weights_MK = original(x_MD, w_router_DE, bias_E, cfg)
-        picked.append(idx_MK)
-        return idx_MK, weights_MK
-
-    moe.route = route
-    try:
-        yield picked
-    finally:
-        moe.route = original
-
-
 # ---------------------------------------------------------------------- params on disk
 def flat_arrays(*states) -> dict:
     """nnx states -> {path tuple: numpy array}."""
@@ -205,9 +176,9 @@ def train(hf_config: dict, train_stream: np.ndarray, heldout_stream: np.ndarray,
     import optax
     from flax import nnx
 
+    from eagle3_jax.models import moe
+
     t_start = time.perf_counter()
-    if s.moe_kernel == kernel.NAME:
-        kernel.register()
     cfg, model = build_target(hf_config, s.seed, s.moe_kernel)
     graphdef, bias, params = nnx.split(model, nnx.PathContains("e_score_correction_bias"), nnx.Param)
     bias_layers = [path[1] for path, _ in nnx.to_flat_state(bias)]
@@ -233,8 +204,8 @@ def train(hf_config: dict, train_stream: np.ndarray, heldout_stream: np.ndarray,
         x_BT, y_BT = ids_BT1[:, :-1], ids_BT1[:, 1:]
         B, T = x_BT.shape
         positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        with recording_routes() as picked:
-            out = m(x_BT, positions_BT, m.init_cache(B, T))
+        # The bias update needs the per-expert token counts of this same forward pass.
+        out, picked = moe.capture_routes(lambda m: m(x_BT, positions_BT, m.init_cache(B, T)))(m)
         logits_BTV = m.logits(out.hidden_BTD)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, y_BT).mean()
         loads_LE = jnp.stack([jnp.bincount(idx.reshape(-1), length=E) for idx in picked])

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="weights and caches")
     p.add_argument("--compile-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="dtype the programs are compiled in to measure temporaries (XLA:CPU computes 2-byte dots "
-                        "and scatters through float32 copies, which float32 avoids; see tools/plan/core.py)")
+                        "and scatters through float32 copies, which float32 avoids; see tools/plan/serve.py)")
     p.add_argument("--expert-bits", default=None,
                    help="comma list of routed-expert widths to report, e.g. 16,4 (4: INT4 + bf16 group scales as "
                         "Kimi-K2.5's checkpoint stores them; 8: FP8 + f32 block scales as DeepSeek-V3's); "
@@ -81,27 +81,27 @@ def main(argv=None) -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"
 
     from eagle3_jax.errors import Eagle3Error
-    from tools.plan import core
+    from tools.plan import report, serve
 
     start = time.perf_counter()
     try:
         bits = tuple(int(b) for b in args.expert_bits.split(",")) if args.expert_bits else (
             {"bfloat16": 16, "float16": 16, "float32": 32}[args.dtype],)
-        hbm = core.parse_bytes(args.hbm) if args.hbm else None
+        hbm = serve.parse_bytes(args.hbm) if args.hbm else None
         for mesh in meshes:
-            settings = core.PlanSettings(
+            settings = serve.PlanSettings(
                 model=args.model, mesh=mesh, batch=args.batch, max_len=args.max_len,
-                num_draft=args.num_draft_tokens, prompt_len=args.prompt_len, max_new=args.max_new,
+                num_draft_tokens=args.num_draft_tokens, prompt_len=args.prompt_len, max_new_tokens=args.max_new,
                 dtype=args.dtype, compile_dtype=args.compile_dtype, expert_bits=bits, draft=args.draft,
                 programs=tuple(p.strip() for p in args.programs.split(",") if p.strip()),
                 greedy=not args.sampled, moe_kernel=args.moe_kernel, train=args.train,
                 train_batch=args.train_batch, train_len=args.train_len, train_accum=args.grad_accum,
                 ttt_steps=args.ttt_steps, train_dtype=args.train_dtype, hidden_source=args.hidden_source)
-            result = core.plan(settings, log=lambda msg: print(f"[plan] {msg}", file=sys.stderr, flush=True))
+            result = serve.plan(settings, log=lambda msg: print(f"[plan] {msg}", file=sys.stderr, flush=True))
             if mesh is meshes[0]:
-                print("\n".join(core.format_header(result)) + "\n")
-            print("\n".join(core.format_mesh(result, hbm)) + "\n", flush=True)
-        print("\n".join(core.format_notes(result)))
+                print("\n".join(report.format_header(result)) + "\n")
+            print("\n".join(report.format_mesh(result, hbm)) + "\n", flush=True)
+        print("\n".join(report.format_notes(result)))
     except (Eagle3Error, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,6 @@
-"""The memory plan: abstract models on a mesh, compiled serving programs, bytes per device.
+"""The serving memory plan: abstract models on a mesh, compiled serving programs, bytes per device.
+
+The draft training step is planned in ``train.py`` and everything is printed by ``report.py``.
 
 What is computed and what is measured:
   * parameter and cache bytes per device are exact: every array's global shape and dtype, and the
@@ -26,7 +28,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +44,7 @@ from eagle3_jax.models.draft import Draft
 from eagle3_jax.models.target import Target
 from eagle3_jax.sharding import make_mesh, sharding_for, state_shardings
 from eagle3_jax.speculative import generate as gen
-
+from eagle3_jax.speculative.generate import LOOP_STATE_AXES
 DRAFTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafts")
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The draft vocabulary SpecForge-trained drafts use; a derived draft takes it (or the whole vocab if smaller).
@@ -58,19 +60,6 @@ PROGRAM_DOC = {
 # group of 32 inputs. DeepSeek-V3: FP8 e4m3 with one float32 scale per 128x128 block.
 QUANT_DEFAULTS = {4: (2, 32), 8: (4, 128 * 128)}
 
-# Logical axes of the loop state's arrays, as the spec loop lays them out (the cache constraint
-# in speculative/generate.py, the draft cache following its K/V projections). Fields not listed are
-# per-row vectors or matrices (batch first) or replicated scalars.
-STATE_AXES = {
-    "tcache.latent_LBSC": (None, "batch", "cache_seq", "kv_lora"),
-    "tcache.rope_LBSP": (None, "batch", "cache_seq", None),
-    "dcache.k_BSGH": ("batch", "cache_seq", "heads", "head_dim"),
-    "dcache.v_BSGH": ("batch", "cache_seq", "heads", "head_dim"),
-    "dhidden_BD": ("batch", "embed"),
-    "dlogits_BW": ("batch", "draft_vocab"),
-}
-
-
 # ---------------------------------------------------------------------- settings and results
 @dataclass(frozen=True)
 class PlanSettings:
@@ -78,9 +67,9 @@ class PlanSettings:
     mesh: str
     batch: int = 32
     max_len: int = 8192
-    num_draft: int = 4
+    num_draft_tokens: int = 4
     prompt_len: int = 1024
-    max_new: int | None = None          # default: max_len - prompt_len
+    max_new_tokens: int | None = None         # default: max_len - prompt_len
     dtype: str = "bfloat16"
     compile_dtype: str = "float32"
     expert_bits: tuple[int, ...] = (16,)
@@ -248,7 +237,7 @@ def choose_draft(target: TargetConfig, path: str | None = None) -> tuple[DraftCo
     return derived, "derived from the target (hidden, intermediate and heads of the target; no published shape matches)"
 
 
-def _itemsize(dtype) -> int:
+def itemsize(dtype) -> int:
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         return 8  # a threefry key is two uint32 words
     return jnp.dtype(dtype).itemsize
@@ -272,7 +261,7 @@ def _leaves(abstract_state, axes_by_path, prefix="") -> list[Leaf]:
 def _leaf(path, sds, routed_expert=False) -> Leaf:
     is_key = jax.dtypes.issubdtype(sds.dtype, jax.dtypes.prng_key)
     return Leaf(path=path, shape=tuple(sds.shape), dtype="key" if is_key else str(jnp.dtype(sds.dtype)),
-                itemsize=_itemsize(sds.dtype), spec=tuple(sds.sharding.spec),
+                itemsize=itemsize(sds.dtype), spec=tuple(sds.sharding.spec),
                 shard_shape=tuple(sds.sharding.shard_shape(sds.shape)), routed_expert=routed_expert)
 
 
@@ -285,7 +274,7 @@ def abstract_state(mesh, batch: int, shapes: Any) -> Any:
 
     def one(path, s):
         name = jax.tree_util.keystr(path).lstrip(".")
-        axes = STATE_AXES.get(name)
+        axes = LOOP_STATE_AXES.get(name)
         if axes is None and s.ndim and s.shape[0] == batch:
             axes = ("batch",) + (None,) * (s.ndim - 1)
         if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
@@ -300,7 +289,7 @@ def sampling_args(mesh) -> gen.Sampling:
                         _sds(mesh, (1,), jnp.int32, (None,)))
 
 
-def _compile(name, fn, args, kwargs) -> ProgramMemory:
+def compile_program(name, fn, args, kwargs) -> ProgramMemory:
     t0 = time.perf_counter()
     lowered = fn.lower(*args, **kwargs)
     t1 = time.perf_counter()
@@ -324,8 +313,8 @@ def check_settings(s: PlanSettings, cfg: TargetConfig, mesh_cfg: MeshConfig) -> 
         raise ConfigError(f"batch {s.batch} does not split over data={mesh_cfg.data}; use a multiple of it")
     if not 1 <= s.prompt_len < s.max_len:
         raise ConfigError(f"prompt_len {s.prompt_len} must lie in [1, max_len={s.max_len})")
-    if s.num_draft < 1:
-        raise ConfigError(f"num_draft_tokens must be >= 1, found {s.num_draft}")
+    if s.num_draft_tokens < 1:
+        raise ConfigError(f"num_draft_tokens must be >= 1, found {s.num_draft_tokens}")
     unknown = [p for p in s.programs if p not in PROGRAMS]
     if unknown:
         raise ConfigError(f"unknown program(s) {unknown}; choose from {list(PROGRAMS)}")
@@ -344,9 +333,10 @@ def plan(s: PlanSettings, log=None) -> Plan:
     check_pairing(dcfg, cfg, len(aux_ids) * cfg.hidden_size, len(aux_ids), None, None)
     planned = jnp.dtype(resolve_dtype(s.dtype))
     compiled = jnp.dtype(resolve_dtype(s.compile_dtype))
-    B, S, K = s.batch, s.max_len, s.num_draft
-    max_new = s.max_new if s.max_new is not None else S - s.prompt_len
-    static = dict(num_draft=K, max_new=max_new, capacity=S, aux_ids=aux_ids, greedy=s.greedy)
+    B, S, K = s.batch, s.max_len, s.num_draft_tokens
+    max_new_tokens = s.max_new_tokens if s.max_new_tokens is not None else S - s.prompt_len
+    static = dict(program=gen.DecodeProgram(batch_size=B, max_len=S, max_new_tokens=max_new_tokens,
+                                            num_draft_tokens=K, aux_layer_ids=aux_ids, greedy=s.greedy))
     key = jax.eval_shape(lambda: jax.random.key(0))
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, P()))
     sp = sampling_args(mesh)
@@ -358,7 +348,7 @@ def plan(s: PlanSettings, log=None) -> Plan:
 
     def loop_state(t, d, dtype):
         t0 = time.perf_counter()
-        shapes = gen.blank_state.eval_shape(t[0], t[1], d[0], d[1], B, key, sp, **static)
+        shapes = gen.blank_state.eval_shape(t[0], t[1], d[0], d[1], key, sp, **static)
         log(f"traced the loop state ({dtype}) in {time.perf_counter() - t0:.1f} s")
         return abstract_state(mesh, B, shapes)
 
@@ -387,244 +377,11 @@ def plan(s: PlanSettings, log=None) -> Plan:
             else:
                 fn, args = gen.generate_loop, (tg, ts, dg, ds, prompt, rows, key, sp)
             log(f"compiling {name} ({PROGRAM_DOC[name]}) ...")
-            mem = _compile(name, fn, args, static)
+            mem = compile_program(name, fn, args, static)
             log(f"  lowered in {mem.lower_s:.1f} s, compiled in {mem.compile_s:.1f} s")
             result.programs[name] = mem
         if s.train:
+            from tools.plan.train import plan_train  # train.py builds on this module
+
             result.train = plan_train(s, cfg, dcfg, aux_ids, mesh, (tg, ts), planned, compiled, log)
     return result
-
-
-@dataclass
-class TrainMemory:
-    """Bytes per device of one draft training step (planned dtypes), and the compiled step's memory."""
-
-    frozen_target: int      # online: the target's parameters (the step runs it); offline: 0
-    head: int               # offline: the target's embedding and lm_head, passed separately
-    draft_params: int
-    optimizer: int
-    batch: int
-    program: ProgramMemory
-
-    def totals(self, temp_ratio: float) -> tuple[int, int]:
-        resident = self.frozen_target + self.head + self.draft_params + self.optimizer + self.batch
-        extra = max(0, self.program.output - self.program.alias)
-        return resident + extra + self.program.temp, resident + extra + int(self.program.temp * temp_ratio)
-
-
-def _pure_abstract(state, mesh):
-    """An nnx.State of abstract values -> a plain dict of ShapeDtypeStructs with the table's shardings."""
-    shardings = nnx.to_pure_dict(state_shardings(state, mesh))
-    return jax.tree.map(lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh),
-                        nnx.to_pure_dict(state), shardings)
-
-
-def _device_bytes(tree) -> int:
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * _itemsize(x.dtype) for x in jax.tree.leaves(tree))
-
-
-def plan_train(s: PlanSettings, cfg: TargetConfig, dcfg: DraftConfig, aux_ids, mesh, target_models, planned,
-               compiled, log) -> TrainMemory:
-    """Lowers and compiles eagle3_jax.train.trainer.train_step on abstract arguments laid out as the
-    Trainer lays them out (rows on ``data``, the draft by the table, the head replicated offline)."""
-    import optax
-
-    from eagle3_jax.train import trainer
-    from eagle3_jax.train.config import TrainConfig
-
-    if s.hidden_source not in ("online", "offline"):
-        raise ConfigError(f"hidden_source must be online or offline, found {s.hidden_source!r}")
-    data = mesh.shape["data"]
-    if s.train_batch % data:
-        raise ConfigError(f"train batch {s.train_batch} does not split over data={data}; use a multiple of it")
-    dtype = jnp.dtype(resolve_dtype(s.train_dtype))
-    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: Draft(dcfg, len(aux_ids), dtype, None)), nnx.Param, ...)
-    params, rest = _pure_abstract(params, mesh), _pure_abstract(rest, mesh)
-    defaults = TrainConfig(target=s.model)
-    opt_spec = trainer.OptimizerSpec.from_config(defaults)
-    opt = opt_spec.build()
-    shapes = jax.eval_shape(opt.init, params)
-    replicated = NamedSharding(mesh, P())
-    opt_state = optax.tree_map_params(
-        opt, lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding), shapes, params,
-        transform_non_params=lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated))
-
-    tgraph, tstate = target_models
-    V, D, T, A, R = cfg.vocab_size, cfg.hidden_size, s.train_len, s.train_accum, s.train_batch
-    rows = NamedSharding(mesh, P(None, "data"))
-    batch = {"ids": jax.ShapeDtypeStruct((A, R, T), jnp.int32, sharding=rows),
-             "loss_mask": jax.ShapeDtypeStruct((A, R, T), jnp.bool_, sharding=rows)}
-    tdtype = tstate["embed_tokens"].value.dtype
-    if s.hidden_source == "online":
-        embed = tstate["embed_tokens"].value
-        if "lm_head" not in tstate:
-            raise ConfigError("planning the training step of a target with a tied embedding is not supported")
-        head = tstate["lm_head"].value
-        frozen, head_bytes = sum(
-            math.prod(x.sharding.shard_shape(x.shape)) * planned.itemsize if x.dtype == compiled else
-            _device_bytes(x) for x in jax.tree.leaves(tstate)), 0
-    else:
-        embed = jax.ShapeDtypeStruct((V, D), tdtype, sharding=replicated)
-        head = jax.ShapeDtypeStruct((D, V), tdtype, sharding=replicated)
-        X = len(aux_ids) * D
-        batch["aux"] = jax.ShapeDtypeStruct((A, R, T, X), tdtype, sharding=rows)
-        batch["hidden"] = jax.ShapeDtypeStruct((A, R, T, D), tdtype, sharding=rows)
-        tgraph, tstate = None, None
-        frozen, head_bytes = 0, 2 * V * D * planned.itemsize
-    batch_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * (planned.itemsize if x.dtype == compiled
-                      else _itemsize(x.dtype)) for x in batch.values())
-    lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
-    # The Trainer's own jitted step: new params and moments pinned to the shardings they came in with.
-    leaves, tree = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, (params, opt_state)))
-    step = trainer.compiled_step(graphdef, tgraph, opt_spec, tuple(aux_ids), s.ttt_steps, defaults.loss_decay,
-                                 tuple(leaves), tree)
-    log(f"compiling train ({s.hidden_source} draft training step: {s.train_accum} x {s.train_batch} rows x "
-        f"{s.train_len} tokens, TTT {s.ttt_steps} steps) ...")
-    mem = _compile("train", step, (params, opt_state, rest, embed, head, tstate, batch, lr), {})
-    log(f"  lowered in {mem.lower_s:.1f} s, compiled in {mem.compile_s:.1f} s")
-    return TrainMemory(frozen_target=frozen, head=head_bytes, draft_params=_device_bytes(params) + _device_bytes(rest),
-                       optimizer=_device_bytes(opt_state), batch=batch_bytes, program=mem)
-
-
-# ---------------------------------------------------------------------- report
-UNITS = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1))
-
-
-def _unit(n: float) -> tuple[str, float]:
-    return next((u for u in UNITS if n >= u[1]), UNITS[-1])
-
-
-def _count(n: float) -> str:
-    for name, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:,.2f} {name}"
-    return str(int(n))
-
-
-def describe_target(cfg: TargetConfig) -> str:
-    return (f"{cfg.num_hidden_layers} layers ({cfg.first_k_dense_replace} dense), {cfg.n_routed_experts} experts "
-            f"top-{cfg.num_experts_per_tok} + {cfg.n_shared_experts} shared, hidden {cfg.hidden_size}, "
-            f"{cfg.num_attention_heads} heads, MLA latent {cfg.kv_lora_rank}+{cfg.qk_rope_head_dim}, "
-            f"vocab {cfg.vocab_size}")
-
-
-def describe_draft(d: DraftConfig) -> str:
-    return (f"hidden {d.hidden_size}, intermediate {d.intermediate_size}, {d.num_attention_heads} heads / "
-            f"{d.num_key_value_heads} kv x {d.head_dim}, draft vocab {d.draft_vocab_size}")
-
-
-def bits_label(plan: Plan, bits: int | None) -> str:
-    if bits is None or bits >= 16:
-        return plan.settings.dtype
-    per, n = plan.scale_layout(bits)
-    kind = {4: "int4", 8: "fp8"}.get(bits, f"{bits}-bit")
-    return f"{kind} experts (+{'bf16' if per == 2 else 'f32'} scale / {n})"
-
-
-def _scale(plan: Plan):
-    unit, scale = _unit(plan.param_bytes())
-    return unit, (lambda n: f"{n / scale:,.1f}")
-
-
-def format_header(plan: Plan) -> list[str]:
-    """What is planned: the model, the draft, the workload (the same for every mesh of a run)."""
-    s = plan.settings
-    total_params = sum(leaf.total_bytes for leaf in plan.target_params)
-    return [
-        f"# plan  model: {s.model}: {describe_target(plan.target)}",
-        f"#   target: {_count(sum(math.prod(leaf.shape) for leaf in plan.target_params))} parameters, "
-        f"{_count(total_params)}B in {s.dtype}; draft: "
-        f"{_count(sum(math.prod(leaf.shape) for leaf in plan.draft_params))} parameters",
-        f"# draft: {plan.draft_source}: {describe_draft(plan.draft)}, aux layers {list(plan.aux_ids)}",
-        f"# batch {s.batch}, max_len {s.max_len}, K={s.num_draft} draft tokens, prompt block {s.prompt_len}, "
-        f"{'greedy' if s.greedy else 'sampled'}; weights {s.dtype}; compiled in {s.compile_dtype} on "
-        f"{jax.devices()[0].platform.upper()}, moe kernel '{s.moe_kernel}'",
-    ] + [f"#   {name}: {PROGRAM_DOC[name]}" for name in plan.programs]
-
-
-def format_mesh(plan: Plan, hbm: int | None = None) -> list[str]:
-    """One mesh: its line and the table (one row per expert width), then the training step if planned."""
-    mesh = ",".join(f"{k}={v}" for k, v in plan.mesh_shape.items())
-    unit, _gb = _scale(plan)
-    times = ", ".join(f"{n} {m.lower_s:.0f}+{m.compile_s:.0f} s" for n, m in plan.programs.items())
-    lines = [f"# mesh {mesh} ({plan.devices} devices): bytes per device in {unit}"
-             + (f", HBM {_gb(hbm)} {unit}" if hbm else "") + (f"; lower+compile {times}" if times else "")]
-    progs = list(plan.programs)
-    head = ["experts", "params", "of which experts", "target cache", "draft cache", "other state"]
-    for name in progs:
-        head += [f"{name} temp (f32 / x{plan.temp_ratio:g})" if plan.temp_ratio < 1 else f"{name} temp",
-                 f"{name} peak"]
-    if hbm:
-        head.append("fits")
-    rows = []
-    for bits in plan.settings.expert_bits:
-        b = None if bits >= 16 else bits
-        row = [bits_label(plan, b), _gb(plan.param_bytes(b)), _gb(plan.routed_expert_bytes(b)),
-               _gb(plan.state_bytes("tcache")), _gb(plan.state_bytes("dcache")),
-               _gb(plan.state_bytes() - plan.state_bytes("tcache") - plan.state_bytes("dcache"))]
-        verdicts = []
-        for name in progs:
-            mem = plan.programs[name]
-            hi, lo = plan.totals(name, b)
-            if plan.temp_ratio < 1:
-                row += [f"{_gb(mem.temp)} / {_gb(mem.temp * plan.temp_ratio)}", f"{_gb(hi)} / {_gb(lo)}"]
-            else:
-                row += [_gb(mem.temp), _gb(hi)]
-            if hbm:
-                verdicts.append(f"{name} " + ("yes" if hi <= hbm else "if bf16 temps" if lo <= hbm else "no"))
-        if hbm and not progs:  # accounting only: what stays resident, before any program runs
-            verdicts.append("params+state " + ("yes" if plan.param_bytes(b) + plan.state_bytes() <= hbm else "no"))
-        if hbm:
-            row.append(", ".join(verdicts))
-        rows.append(row)
-    lines += _table(head, rows)
-    if plan.train is not None:
-        lines += [""] + format_train(plan, hbm)
-    return lines
-
-
-def format_notes(plan: Plan) -> list[str]:
-    notes = []
-    if any(b < 16 for b in plan.settings.expert_bits):
-        notes.append("quantized expert rows are computed from the shapes (packed weights + scales, as the public "
-                     "checkpoints store them); this runtime dequantizes experts to the model dtype when loading, so "
-                     "today's footprint is the model-dtype row")
-    if plan.temp_ratio < 1:
-        notes.append("temp and peak: upper / lower estimate (float32 compile, and that scaled to the 2-byte dtype)")
-    notes.append("peak = params + loop state (caches, tokens) + temporaries; runtime reserves, collective "
-                 "buffers and fragmentation are not included")
-    return [f"# {n}" for n in notes]
-
-
-def format_plan(plan: Plan, hbm: int | None = None) -> str:
-    return "\n".join(format_header(plan) + [""] + format_mesh(plan, hbm) + [""] + format_notes(plan))
-
-
-def format_train(plan: Plan, hbm: int | None) -> list[str]:
-    s, t = plan.settings, plan.train
-    # The draft trains in train_dtype: with float32 weights its TTT activations are float32 too,
-    # so only a narrower train dtype makes the float32 compile an overestimate.
-    size = lambda name: jnp.dtype(resolve_dtype(name)).itemsize  # noqa: E731
-    ratio = min(1.0, size(s.train_dtype) / size(s.compile_dtype))
-    hi, lo = t.totals(ratio)
-    unit, scale = _unit(hi)
-    _gb = lambda n: f"{n / scale:,.1f}"  # noqa: E731
-    lines = [f"# train: eagle3_jax.train.trainer.train_step, hidden states {s.hidden_source}, {s.train_accum} x "
-             f"{s.train_batch} rows x {s.train_len} tokens, TTT {s.ttt_steps} steps, draft + AdamW in "
-             f"{s.train_dtype}; lowered {t.program.lower_s:.0f} s, compiled {t.program.compile_s:.0f} s; {unit}"]
-    head = ["frozen target", "target head", "draft params", "AdamW state", "batch", "temp", "peak"]
-    row = [_gb(t.frozen_target), _gb(t.head), _gb(t.draft_params), _gb(t.optimizer), _gb(t.batch)]
-    if ratio < 1:
-        row += [f"{_gb(t.program.temp)} / {_gb(t.program.temp * ratio)}", f"{_gb(hi)} / {_gb(lo)}"]
-    else:
-        row += [_gb(t.program.temp), _gb(hi)]
-    if hbm:
-        head.append("fits")
-        row.append("yes" if hi <= hbm else "if bf16 temps" if lo <= hbm else "no")
-    return lines + _table(head, [row])
-
-
-def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    return [fmt(head), "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"] + [fmt(r) for r in rows]

@@ -1,0 +1,156 @@
+"""The plan as text: header, per-device table per mesh, notes, and the training step's table."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax.api import resolve_dtype
+from eagle3_jax.config import DraftConfig, TargetConfig
+from tools.plan.serve import PROGRAM_DOC, Plan
+
+
+UNITS = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1))
+
+
+def _unit(n: float) -> tuple[str, float]:
+    return next((u for u in UNITS if n >= u[1]), UNITS[-1])
+
+
+def _count(n: float) -> str:
+    for name, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:,.2f} {name}"
+    return str(int(n))
+
+
+def describe_target(cfg: TargetConfig) -> str:
+    return (f"{cfg.num_hidden_layers} layers ({cfg.first_k_dense_replace} dense), {cfg.n_routed_experts} experts "
+            f"top-{cfg.num_experts_per_tok} + {cfg.n_shared_experts} shared, hidden {cfg.hidden_size}, "
+            f"{cfg.num_attention_heads} heads, MLA latent {cfg.kv_lora_rank}+{cfg.qk_rope_head_dim}, "
+            f"vocab {cfg.vocab_size}")
+
+
+def describe_draft(d: DraftConfig) -> str:
+    return (f"hidden {d.hidden_size}, intermediate {d.intermediate_size}, {d.num_attention_heads} heads / "
+            f"{d.num_key_value_heads} kv x {d.head_dim}, draft vocab {d.draft_vocab_size}")
+
+
+def bits_label(plan: Plan, bits: int | None) -> str:
+    if bits is None or bits >= 16:
+        return plan.settings.dtype
+    per, n = plan.scale_layout(bits)
+    kind = {4: "int4", 8: "fp8"}.get(bits, f"{bits}-bit")
+    return f"{kind} experts (+{'bf16' if per == 2 else 'f32'} scale / {n})"
+
+
+def _scale(plan: Plan):
+    unit, scale = _unit(plan.param_bytes())
+    return unit, (lambda n: f"{n / scale:,.1f}")
+
+
+def format_header(plan: Plan) -> list[str]:
+    """What is planned: the model, the draft, the workload (the same for every mesh of a run)."""
+    s = plan.settings
+    total_params = sum(leaf.total_bytes for leaf in plan.target_params)
+    return [
+        f"# plan  model: {s.model}: {describe_target(plan.target)}",
+        f"#   target: {_count(sum(math.prod(leaf.shape) for leaf in plan.target_params))} parameters, "
+        f"{_count(total_params)}B in {s.dtype}; draft: "
+        f"{_count(sum(math.prod(leaf.shape) for leaf in plan.draft_params))} parameters",
+        f"# draft: {plan.draft_source}: {describe_draft(plan.draft)}, aux layers {list(plan.aux_ids)}",
+        f"# batch {s.batch}, max_len {s.max_len}, K={s.num_draft_tokens} draft tokens, prompt block {s.prompt_len}, "
+        f"{'greedy' if s.greedy else 'sampled'}; weights {s.dtype}; compiled in {s.compile_dtype} on "
+        f"{jax.devices()[0].platform.upper()}, moe kernel '{s.moe_kernel}'",
+    ] + [f"#   {name}: {PROGRAM_DOC[name]}" for name in plan.programs]
+
+
+def format_mesh(plan: Plan, hbm: int | None = None) -> list[str]:
+    """One mesh: its line and the table (one row per expert width), then the training step if planned."""
+    mesh = ",".join(f"{k}={v}" for k, v in plan.mesh_shape.items())
+    unit, _gb = _scale(plan)
+    times = ", ".join(f"{n} {m.lower_s:.0f}+{m.compile_s:.0f} s" for n, m in plan.programs.items())
+    lines = [f"# mesh {mesh} ({plan.devices} devices): bytes per device in {unit}"
+             + (f", HBM {_gb(hbm)} {unit}" if hbm else "") + (f"; lower+compile {times}" if times else "")]
+    progs = list(plan.programs)
+    head = ["experts", "params", "of which experts", "target cache", "draft cache", "other state"]
+    for name in progs:
+        head += [f"{name} temp (f32 / x{plan.temp_ratio:g})" if plan.temp_ratio < 1 else f"{name} temp",
+                 f"{name} peak"]
+    if hbm:
+        head.append("fits")
+    rows = []
+    for bits in plan.settings.expert_bits:
+        b = None if bits >= 16 else bits
+        row = [bits_label(plan, b), _gb(plan.param_bytes(b)), _gb(plan.routed_expert_bytes(b)),
+               _gb(plan.state_bytes("tcache")), _gb(plan.state_bytes("dcache")),
+               _gb(plan.state_bytes() - plan.state_bytes("tcache") - plan.state_bytes("dcache"))]
+        verdicts = []
+        for name in progs:
+            mem = plan.programs[name]
+            hi, lo = plan.totals(name, b)
+            if plan.temp_ratio < 1:
+                row += [f"{_gb(mem.temp)} / {_gb(mem.temp * plan.temp_ratio)}", f"{_gb(hi)} / {_gb(lo)}"]
+            else:
+                row += [_gb(mem.temp), _gb(hi)]
+            if hbm:
+                verdicts.append(f"{name} " + ("yes" if hi <= hbm else "if bf16 temps" if lo <= hbm else "no"))
+        if hbm and not progs:  # accounting only: what stays resident, before any program runs
+            verdicts.append("params+state " + ("yes" if plan.param_bytes(b) + plan.state_bytes() <= hbm else "no"))
+        if hbm:
+            row.append(", ".join(verdicts))
+        rows.append(row)
+    lines += _table(head, rows)
+    if plan.train is not None:
+        lines += [""] + format_train(plan, hbm)
+    return lines
+
+
+def format_notes(plan: Plan) -> list[str]:
+    notes = []
+    if any(b < 16 for b in plan.settings.expert_bits):
+        notes.append("quantized expert rows are computed from the shapes (packed weights + scales, as the public "
+                     "checkpoints store them); this runtime dequantizes experts to the model dtype when loading, so "
+                     "today's footprint is the model-dtype row")
+    if plan.temp_ratio < 1:
+        notes.append("temp and peak: upper / lower estimate (float32 compile, and that scaled to the 2-byte dtype)")
+    notes.append("peak = params + loop state (caches, tokens) + temporaries; runtime reserves, collective "
+                 "buffers and fragmentation are not included")
+    return [f"# {n}" for n in notes]
+
+
+def format_plan(plan: Plan, hbm: int | None = None) -> str:
+    return "\n".join(format_header(plan) + [""] + format_mesh(plan, hbm) + [""] + format_notes(plan))
+
+
+def format_train(plan: Plan, hbm: int | None) -> list[str]:
+    s, t = plan.settings, plan.train
+    # The draft trains in train_dtype: with float32 weights its TTT activations are float32 too,
+    # so only a narrower train dtype makes the float32 compile an overestimate.
+    size = lambda name: jnp.dtype(resolve_dtype(name)).itemsize  # noqa: E731
+    ratio = min(1.0, size(s.train_dtype) / size(s.compile_dtype))
+    hi, lo = t.totals(ratio)
+    unit, scale = _unit(hi)
+    _gb = lambda n: f"{n / scale:,.1f}"  # noqa: E731
+    lines = [f"# train: eagle3_jax.train.trainer.train_step, hidden states {s.hidden_source}, {s.train_accum} x "
+             f"{s.train_batch} rows x {s.train_len} tokens, TTT {s.ttt_steps} steps, draft + AdamW in "
+             f"{s.train_dtype}; lowered {t.program.lower_s:.0f} s, compiled {t.program.compile_s:.0f} s; {unit}"]
+    head = ["frozen target", "target head", "draft params", "AdamW state", "batch", "temp", "peak"]
+    row = [_gb(t.frozen_target), _gb(t.head), _gb(t.draft_params), _gb(t.optimizer), _gb(t.batch)]
+    if ratio < 1:
+        row += [f"{_gb(t.program.temp)} / {_gb(t.program.temp * ratio)}", f"{_gb(hi)} / {_gb(lo)}"]
+    else:
+        row += [_gb(t.program.temp), _gb(hi)]
+    if hbm:
+        head.append("fits")
+        row.append("yes" if hi <= hbm else "if bf16 temps" if lo <= hbm else "no")
+    return lines + _table(head, [row])
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return [fmt(head), "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"] + [fmt(r) for r in rows]
