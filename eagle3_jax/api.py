@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from eagle3_jax.checkpoint.hf_loader import load_state
-from eagle3_jax.checkpoint.safetensors import CheckpointReader
+from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 from eagle3_jax.checkpoint.target_map import is_ignored_key, target_rules
 from eagle3_jax.config import DraftConfig, TargetConfig
 from eagle3_jax.distributed import fetch
@@ -374,7 +374,7 @@ def save_draft(draft: LoadedDraft, path: str | os.PathLike, config_overrides: di
     import tempfile
 
     from eagle3_jax.checkpoint.draft_map import iter_draft_tensors
-    from eagle3_jax.checkpoint.safetensors import CheckpointWriter
+    from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
 
     path = os.fspath(path)
     if os.path.exists(path):
