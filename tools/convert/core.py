@@ -37,11 +37,12 @@ from eagle3_jax.checkpoint import quant, store
 from eagle3_jax.checkpoint.hf_loader import check_keys
 from eagle3_jax.checkpoint.staging import staged_dir, write_json_atomic
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
+from eagle3_jax.checkpoint.draft_io import read_draft_layout
 from eagle3_jax.checkpoint.safetensors_format import DTYPES, INDEX_FILE_NAME, dtype_code, parse_size
 from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
 from eagle3_jax.errors import CheckpointError, ConfigError
 from eagle3_jax.sharding import make_mesh, sharding_for
-from tools.convert.models import DRAFT, TARGET, ModelSpec, detect_kind, draft_spec, draft_wiring, target_spec
+from tools.convert.models import DRAFT, TARGET, ModelSpec, detect_kind, draft_spec, target_spec
 
 log = logging.getLogger("tools.convert")
 
@@ -124,7 +125,8 @@ def hf_spec(src: Path, reader: CheckpointReader, dtype=jnp.float32) -> ModelSpec
         return target_spec(hf, arch, dtype, where)
     from eagle3_jax.config import DraftConfig
 
-    return draft_spec(hf, arch, draft_wiring(DraftConfig.from_hf_dict(hf, where), reader, str(src)), dtype, where)
+    wiring = read_draft_layout(src, reader).wiring(DraftConfig.from_hf_dict(hf, where).target_hidden_size)
+    return draft_spec(hf, arch, wiring, dtype, where)
 
 
 def jax_spec(src: Path, meta: dict, dtype=jnp.float32) -> ModelSpec:
