@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from eagle3_jax.checkpoint.safetensors_format import INDEX_FILE_NAME, SINGLE_FILE_NAME
+from eagle3_jax.checkpoint.safetensors_format import INDEX_FILE_NAME, SINGLE_FILE_NAME, PathLike
 from eagle3_jax.checkpoint.safetensors_reader import SafetensorsFile
 from eagle3_jax.errors import CheckpointError
-
-PathLike = Union[str, "os.PathLike[str]"]
 
 
 class CheckpointReader:

@@ -13,8 +13,8 @@ The header maps each tensor name to ``{"dtype": "F32", "shape": [..],
 buffer, plus an optional ``"__metadata__": {str: str}`` entry.  Tensor data is
 little-endian and C-contiguous.  As the format specification requires, the
 buffer must be entirely covered by the tensors: no holes, no overlaps, nothing
-after the last tensor.  This reader enforces all of that, so a file it accepts
-is a file the official implementation accepts too.
+after the last tensor.  :func:`read_header` enforces all of that, so a file our
+readers accept is a file the official implementation accepts too.
 
 The readers (:mod:`safetensors_reader`, :mod:`checkpoint_reader`) and the writer
 (:mod:`safetensors_writer`) share these definitions.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ import ml_dtypes
 import numpy as np
 
 from eagle3_jax.errors import CheckpointError
+
+PathLike = Union[str, "os.PathLike[str]"]
 
 SINGLE_FILE_NAME = "model.safetensors"
 INDEX_FILE_NAME = "model.safetensors.index.json"

@@ -17,14 +17,12 @@ import difflib
 import os
 import threading
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple, Union
+from typing import Dict, Iterator, List, Tuple
 
 import numpy as np
 
-from eagle3_jax.checkpoint.safetensors_format import FIX, TensorInfo, read_header, readinto_exact
+from eagle3_jax.checkpoint.safetensors_format import FIX, PathLike, TensorInfo, read_header, readinto_exact
 from eagle3_jax.errors import CheckpointError
-
-PathLike = Union[str, "os.PathLike[str]"]
 
 
 class SafetensorsFile:

@@ -2,11 +2,11 @@
 
 Why not the ``safetensors`` package's writer: it does write our BF16 and F8 arrays (ml_dtypes
 bfloat16 / float8_e4m3fn) with the right codes, but ``safetensors.numpy.save_file`` takes every
-tensor of a file in one dict, so writing a shard needs the whole shard in host memory (5 GB by default, and
-the converter would have to hold that on top of the parameters in flight); it also reorders tensors
-by dtype size and name. This writer appends each tensor to disk as it arrives and rolls over to a
-new shard at a size limit. Its files are byte-identical to the package's for the same tensors in
-the package's order (tests/test_safetensors_io.py checks this, BF16 and F8 included).
+tensor of a file in one dict, so a shard needs all its tensors in host memory at once (5 GB by
+default, on top of the parameters the converter has in flight), and it reorders tensors by dtype
+size and name. This writer appends each tensor to disk as it arrives and rolls over to a new shard
+at a size limit. Its files are byte-identical to the package's for the same tensors added in the
+package's order (tests/test_safetensors_io.py checks this, BF16 and F8 included).
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
-from eagle3_jax.checkpoint.safetensors_format import (DTYPES, INDEX_FILE_NAME, SINGLE_FILE_NAME, dtype_code,
-                                                      parse_size, shard_file_name)
+from eagle3_jax.checkpoint.safetensors_format import (DTYPES, INDEX_FILE_NAME, SINGLE_FILE_NAME, PathLike,
+                                                      dtype_code, parse_size, shard_file_name)
 from eagle3_jax.checkpoint.staging import write_json_atomic
 from eagle3_jax.errors import CheckpointError
-
-PathLike = Union[str, "os.PathLike[str]"]
 
 _COPY_CHUNK = 64 * 2**20
 
