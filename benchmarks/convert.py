@@ -48,7 +48,7 @@ for p in sorted(Path(sys.argv[1]).glob("*.safetensors")):
 
 READER_READ = r"""
 import sys
-from eagle3_jax.checkpoint.safetensors import CheckpointReader
+from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 with CheckpointReader(sys.argv[1]) as r:
     for name, _ in r.iter_tensors():
         pass
@@ -87,7 +87,7 @@ def build_checkpoint(path: Path, config: dict, max_shard: str) -> tuple[int, int
     Returns (total bytes, largest tensor bytes, largest parameter bytes)."""
     import jax.numpy as jnp
 
-    from eagle3_jax.checkpoint.safetensors import CheckpointWriter
+    from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
     from eagle3_jax.checkpoint.target_map import target_rules
     from eagle3_jax.config import TargetConfig
     from tools.convert.models import target_spec
@@ -112,7 +112,7 @@ def build_checkpoint(path: Path, config: dict, max_shard: str) -> tuple[int, int
 
 
 def same_tensors(a: Path, b: Path) -> bool:
-    from eagle3_jax.checkpoint.safetensors import CheckpointReader
+    from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 
     ra, rb = CheckpointReader(a), CheckpointReader(b)
     if set(ra.keys()) != set(rb.keys()):

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from eagle3_jax.checkpoint.hf_loader import load_state
-from eagle3_jax.checkpoint.safetensors import CheckpointReader
+from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 from eagle3_jax.checkpoint.target_map import is_ignored_key, target_rules
 from eagle3_jax.config import DraftConfig, TargetConfig, resolve_dtype
 from eagle3_jax.errors import CheckpointError, ConfigError
@@ -194,30 +194,16 @@ def load_draft(path: str | os.PathLike, target: LoadedTarget, dtype=None) -> Loa
     the target vocab, a shared embedding has the draft's width.
     """
     from eagle3_jax.checkpoint import store
+    from eagle3_jax.checkpoint.draft_io import read_draft_layout
     from eagle3_jax.checkpoint.draft_map import draft_rules
 
     path = os.fspath(path)
     cfg = DraftConfig.from_path(path)
     dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
-    if store.is_jax_checkpoint(path):  # converted by tools.convert: the same facts from its metadata
-        reader, stored = None, store.read_meta(path)["params"]
-        fc_in = stored["fc"]["shape"][0]
-        own_embedding = "embed_tokens" in stored
-        d2t = store.restore_arrays(path, ["d2t"])["d2t"] if "d2t" in stored else None
-        embed_width = stored["embed_tokens"]["shape"][1] if own_embedding else None
-        maps = tuple(m for m in ("d2t", "t2d") if m in stored)
-    else:
-        reader = CheckpointReader(path)
-        if "fc.weight" not in reader:
-            raise CheckpointError(
-                f"{path}: no fc.weight: this is not an EAGLE-3 draft (EAGLE-3 fuses the target's aux states with fc). "
-                "An EAGLE-1/2 draft cannot be served as EAGLE-3")
-        fc_out, fc_in = reader.shape("fc.weight")
-        own_embedding = "embed_tokens.weight" in reader
-        d2t = reader.read("d2t") if "d2t" in reader else None
-        embed_width = reader.shape("embed_tokens.weight")[1] if own_embedding else None
-        maps = tuple(m for m in ("d2t", "t2d") if m in reader)
-    ids = _check_and_wire(cfg, target, fc_in, d2t, embed_width)
+    reader = None if store.is_jax_checkpoint(path) else CheckpointReader(path)
+    layout = read_draft_layout(path, reader)
+    own_embedding, maps, d2t = layout.own_embedding, layout.vocab_maps, layout.d2t()
+    ids = _check_and_wire(cfg, target, layout.fc_in, d2t, layout.embed_width)
     if "d2t" not in maps and cfg.draft_vocab_size != cfg.vocab_size:
         raise CheckpointError(
             f"{path}: draft_vocab_size={cfg.draft_vocab_size} < vocab_size={cfg.vocab_size} but the checkpoint has no "
@@ -301,41 +287,11 @@ def save_draft(draft: LoadedDraft, path: str | os.PathLike, config_overrides: di
     is recorded as the config's ``torch_dtype``; None keeps the draft's own dtype.
 
     The config records the aux layer ids actually used, so the wiring travels with the weights.
-    Written to a temporary directory and renamed, so a crash never leaves a complete-looking draft.
+    Staged beside ``path`` and renamed when complete, so a crash never leaves a complete-looking draft.
     """
-    import json
-    import shutil
-    import tempfile
+    from eagle3_jax.checkpoint.draft_io import write_draft
 
-    from eagle3_jax.checkpoint.draft_map import iter_draft_tensors
-    from eagle3_jax.checkpoint.safetensors import CheckpointWriter
-
-    path = os.fspath(path)
-    if os.path.exists(path):
-        raise CheckpointError(f"{path} already exists; remove it or choose another output directory")
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
-    try:
-        cfg = draft.config
-        hf = cfg.to_hf_dict()
-        hf.setdefault("eagle_config", {})
-        hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(draft.aux_layer_ids)
-        hf["eagle_config"].setdefault("use_aux_hidden_state", True)
-        flat = {tuple(p): np.asarray(jax.device_get(v.value)) for p, v in nnx.to_flat_state(draft.state)}
-        if dtype is not None:
-            out_dtype = resolve_dtype(dtype)
-            flat = {k: (v.astype(out_dtype) if np.issubdtype(v.dtype, np.floating) or v.dtype == jnp.bfloat16 else v)
-                    for k, v in flat.items()}
-            hf["torch_dtype"] = dtype
-        hf.update(config_overrides or {})
-        with CheckpointWriter(tmp) as writer:
-            for name, arr in iter_draft_tensors(cfg, flat, len(draft.aux_layer_ids),
-                                                draft.model.embed_tokens is not None):
-                writer.add(name, arr)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf, f, indent=2)
-        os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    flat = {tuple(p): np.asarray(jax.device_get(v.value)) for p, v in nnx.to_flat_state(draft.state)}
+    write_draft(path, draft.config, flat, draft.aux_layer_ids, draft.model.embed_tokens is not None,
+                out_dtype=resolve_dtype(dtype) if dtype is not None else None, dtype_name=dtype,
+                config_overrides=config_overrides)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import eagle3_jax as e3
-from eagle3_jax.checkpoint.safetensors import CheckpointReader, CheckpointWriter
+from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
+from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
 
 
 def _variant(src, dst, config_changes=None, tensor_changes=None):

@@ -21,7 +21,8 @@ from flax import nnx
 
 import eagle3_jax as e3
 from eagle3_jax.checkpoint import quant, store
-from eagle3_jax.checkpoint.safetensors import CheckpointReader, CheckpointWriter
+from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
+from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
 from eagle3_jax.errors import CheckpointError
 from tools.convert import core
 from tools.convert.__main__ import main as cli_main

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import eagle3_jax as e3
-from eagle3_jax.checkpoint.safetensors import CheckpointReader
+from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 from tests.spec_fixtures import tiny_draft_config
 
 

@@ -1,4 +1,4 @@
-"""Tests for the streaming safetensors reader/writer (eagle3_jax.checkpoint.safetensors)."""
+"""Tests for the streaming safetensors reader/writer (eagle3_jax.checkpoint.safetensors_{format,reader,writer}, checkpoint_reader)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,10 @@ import pytest
 import safetensors
 import safetensors.numpy as st_np
 
-from eagle3_jax.checkpoint.safetensors import (
-    DTYPES,
-    INDEX_FILE_NAME,
-    SINGLE_FILE_NAME,
-    CheckpointReader,
-    CheckpointWriter,
-    SafetensorsFile,
-    dtype_code,
-    parse_size,
-)
+from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
+from eagle3_jax.checkpoint.safetensors_format import DTYPES, INDEX_FILE_NAME, SINGLE_FILE_NAME, dtype_code, parse_size
+from eagle3_jax.checkpoint.safetensors_reader import SafetensorsFile
+from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
 from eagle3_jax.errors import CheckpointError
 
 
@@ -186,6 +180,25 @@ def test_byte_identical_rewrite_of_official_file(tmp_path):
         for k in f.keys():
             w.add(k, f.read(k))
     assert (out2 / SINGLE_FILE_NAME).read_bytes() == src.read_bytes()
+
+
+def test_byte_identical_to_the_official_writer_with_fp8(tmp_path):
+    """The official numpy writer handles ml_dtypes F8 too; ours must match it byte for byte."""
+    tensors = {
+        "w.fp8": _sample(ml_dtypes.float8_e4m3fn, (4, 8)),
+        "w.e5m2": _sample(ml_dtypes.float8_e5m2, (3,)),
+        "w.scale_inv": _sample(np.float32, (1, 2)),
+        "w.bf16": _sample(ml_dtypes.bfloat16, (2, 3)),
+    }
+    src = tmp_path / "official.safetensors"
+    st_np.save_file(tensors, str(src), metadata={"format": "pt"})
+    out = tmp_path / "ours"
+    with SafetensorsFile(src) as f, CheckpointWriter(out, metadata=f.metadata) as w:
+        assert {k: f.dtype_code(k) for k in f.keys()} == {
+            "w.scale_inv": "F32", "w.bf16": "BF16", "w.e5m2": "F8_E5M2", "w.fp8": "F8_E4M3"}
+        for k in f.keys():
+            w.add(k, f.read(k))
+    assert (out / SINGLE_FILE_NAME).read_bytes() == src.read_bytes()
 
 
 def test_header_is_8_byte_aligned(tmp_path):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax.checkpoint.safetensors import CheckpointReader
+from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 from eagle3_jax.errors import CheckpointError
 from eagle3_jax.sharding import sharding_for
 

@@ -32,7 +32,6 @@ mesh, one part at a time passes through host memory onto the default device.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -42,6 +41,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from eagle3_jax.checkpoint.staging import write_json_atomic
 from eagle3_jax.errors import CheckpointError
 from eagle3_jax.sharding import state_shardings
 
@@ -97,16 +97,6 @@ def read_meta(path) -> dict:
             f"{p}: format_version {meta.get('format_version')} is not the {FORMAT_VERSION} this version "
             "reads; convert the original checkpoint again with this version")
     return meta
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _checkpointer():

@@ -20,6 +20,7 @@ import logging
 import os
 
 from eagle3_jax import distributed
+from eagle3_jax.checkpoint.staging import write_json_atomic
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.serve.inputs import id_key
 from eagle3_jax.serve.settings import describe_difference
@@ -36,25 +37,6 @@ class OutputError(Eagle3Error, ValueError):
 
 def sidecar_path(output: str) -> str:
     return output + SIDECAR_SUFFIX
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json_atomic(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path)
 
 
 class ResumableOutput:
@@ -129,7 +111,7 @@ class ResumableOutput:
                     + "\nrerun with the original settings to resume, pass --overwrite to start over, or choose "
                     "another --output")
         else:
-            _write_json_atomic(meta_path, {"version": SIDECAR_VERSION, "generation": self.fingerprint})
+            write_json_atomic(meta_path, {"version": SIDECAR_VERSION, "generation": self.fingerprint}, sort_keys=True)
 
     def _read_sidecar(self, meta_path: str) -> dict:
         if not os.path.isfile(meta_path):

@@ -4,11 +4,10 @@ the final table and the ``--metrics`` JSON."""
 from __future__ import annotations
 
 import collections
-import json
 import math
-import os
 import time
 
+from eagle3_jax.checkpoint.staging import write_json_atomic
 from eagle3_jax.metrics import WATCHDOG_MIN_ROUNDS, GenerationStats, check_acceptance
 
 
@@ -129,8 +128,4 @@ def metrics_dict(stats: RunStats, already_done: int, skipped_lines: int, setting
 
 
 def write_metrics(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, data)

@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -35,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle3_jax.checkpoint.staging import staged_dir, write_json_atomic
 from eagle3_jax.errors import ConfigError
 
 log = logging.getLogger("eagle3_jax")
@@ -375,40 +375,35 @@ def prepare_offline(cfg, progress: bool = True) -> str:
     N, T, D, V = len(examples), cfg.max_len, tcfg.hidden_size, tcfg.vocab_size
     X = len(aux_ids) * D
     dtype = np.dtype(jnp.dtype(target.dtype))
-    tmp = root.rstrip("/") + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    arrays = {
-        "ids": _create(tmp, "ids", (N, T), np.int32, (1, T)),
-        "loss_mask": _create(tmp, "loss_mask", (N, T), np.bool_, (1, T)),
-        "aux": _create(tmp, "aux", (N, T, X), dtype, (1, T, X)),
-        "hidden": _create(tmp, "hidden", (N, T, D), dtype, (1, T, D)),
-    }
-    embed_VD, lm_head_DV = target_head(target.model)
-    _create(tmp, "embed", (V, D), dtype, (min(V, 4096), D)).write(np.asarray(jax.device_get(embed_VD))).result()
-    _create(tmp, "lm_head", (D, V), dtype, (D, min(V, 4096))).write(np.asarray(jax.device_get(lm_head_DV))).result()
+    # root is absent or empty (checked above), so replacing it loses nothing.
+    with staged_dir(root, overwrite=True) as tmp:
+        arrays = {
+            "ids": _create(tmp, "ids", (N, T), np.int32, (1, T)),
+            "loss_mask": _create(tmp, "loss_mask", (N, T), np.bool_, (1, T)),
+            "aux": _create(tmp, "aux", (N, T, X), dtype, (1, T, X)),
+            "hidden": _create(tmp, "hidden", (N, T, D), dtype, (1, T, D)),
+        }
+        embed_VD, lm_head_DV = target_head(target.model)
+        _create(tmp, "embed", (V, D), dtype, (min(V, 4096), D)).write(np.asarray(jax.device_get(embed_VD))).result()
+        _create(tmp, "lm_head", (D, V), dtype, (D, min(V, 4096))).write(np.asarray(jax.device_get(lm_head_DV))).result()
 
-    features = jax.jit(target_features, static_argnums=(0, 3))
-    source = TokenizedSource(examples, T)
-    B = cfg.batch_size
-    with mesh_context(target.mesh):
-        for start in tqdm(range(0, N, B), desc="prepare", disable=not progress):
-            rows = [source[i] for i in range(start, min(start + B, N))]
-            ids = np.stack([r["ids"] for r in rows])
-            mask = np.stack([r["loss_mask"] for r in rows])
-            pad = B - len(rows)  # keep one compiled shape
-            ids_in = np.concatenate([ids, np.zeros((pad, T), np.int32)]) if pad else ids
-            aux, hidden = jax.device_get(features(target.graphdef, target.state, jnp.asarray(ids_in), aux_ids))
-            stop = start + len(rows)
-            arrays["ids"][start:stop].write(ids).result()
-            arrays["loss_mask"][start:stop].write(mask).result()
-            arrays["aux"][start:stop].write(np.asarray(aux[:len(rows)])).result()
-            arrays["hidden"][start:stop].write(np.asarray(hidden[:len(rows)])).result()
-    meta.update({"complete": True, "num_examples": N, "dtype": dtype.name, "target": os.path.abspath(cfg.target),
-                 "data": os.path.abspath(cfg.data)})
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=2)
-    if os.path.isdir(root):
-        os.rmdir(root)  # empty (checked above)
-    os.rename(tmp, root)
+        features = jax.jit(target_features, static_argnums=(0, 3))
+        source = TokenizedSource(examples, T)
+        B = cfg.batch_size
+        with mesh_context(target.mesh):
+            for start in tqdm(range(0, N, B), desc="prepare", disable=not progress):
+                rows = [source[i] for i in range(start, min(start + B, N))]
+                ids = np.stack([r["ids"] for r in rows])
+                mask = np.stack([r["loss_mask"] for r in rows])
+                pad = B - len(rows)  # keep one compiled shape
+                ids_in = np.concatenate([ids, np.zeros((pad, T), np.int32)]) if pad else ids
+                aux, hidden = jax.device_get(features(target.graphdef, target.state, jnp.asarray(ids_in), aux_ids))
+                stop = start + len(rows)
+                arrays["ids"][start:stop].write(ids).result()
+                arrays["loss_mask"][start:stop].write(mask).result()
+                arrays["aux"][start:stop].write(np.asarray(aux[:len(rows)])).result()
+                arrays["hidden"][start:stop].write(np.asarray(hidden[:len(rows)])).result()
+        meta.update({"complete": True, "num_examples": N, "dtype": dtype.name, "target": os.path.abspath(cfg.target),
+                     "data": os.path.abspath(cfg.data)})
+        write_json_atomic(os.path.join(tmp, "meta.json"), meta)
     return root

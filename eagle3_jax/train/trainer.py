@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from eagle3_jax import distributed
 from eagle3_jax.api import LoadedDraft
+from eagle3_jax.checkpoint.staging import atomic_file
 from eagle3_jax.config import resolve_dtype
 from eagle3_jax.contracts import check_pairing
 from eagle3_jax.errors import ConfigError
@@ -319,10 +320,8 @@ class Trainer:
             return
         with open(self.metrics_path) as f:
             keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-        tmp = self.metrics_path + ".tmp"
-        with open(tmp, "w") as f:
+        with atomic_file(self.metrics_path) as f:
             f.writelines(keep)
-        os.replace(tmp, self.metrics_path)
 
     def _log(self, record: dict):
         if not distributed.is_writer():

@@ -14,6 +14,7 @@ from typing import Iterable
 
 import numpy as np
 
+from eagle3_jax.checkpoint.staging import atomic_file
 from eagle3_jax.errors import ConfigError
 
 
@@ -69,9 +70,8 @@ def build_vocab_map(counts: np.ndarray, draft_vocab_size: int) -> VocabMap:
 def save_vocab(path: str | os.PathLike, vocab: VocabMap) -> None:
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp.npz"
-    np.savez(tmp, d2t=vocab.d2t, t2d=vocab.t2d, counts=vocab.counts)
-    os.replace(tmp, path)
+    with atomic_file(path, "wb") as f:
+        np.savez(f, d2t=vocab.d2t, t2d=vocab.t2d, counts=vocab.counts)
 
 
 def load_vocab(path: str | os.PathLike) -> VocabMap:

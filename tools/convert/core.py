@@ -3,8 +3,9 @@
 Both directions stream one parameter at a time through the rule tables in
 ``eagle3_jax.checkpoint.{target,draft}_map`` (the tables the loaders use), so peak host memory is
 bounded by the orbax parts in flight (two, see store.DEFAULT_PART_BYTES) or, for big models, by
-about three of the largest parameter (one layer's stacked experts), never by the model. Output is written into ``DST.tmp-XXXX`` beside DST and renamed when complete; a run that
-fails or is killed leaves no directory at DST.
+about three of the largest parameter (one layer's stacked experts), never by the model. Output is
+written into ``DST.tmp-XXXX`` beside DST and renamed when complete (``staging.staged_dir``); a run
+that fails or is killed leaves no directory at DST.
 
 Byte-identical round trip: to-jax without ``--dtype`` keeps every parameter in its source dtype
 and records the dtype of each on-disk tensor that differs from its parameter's (e.g. an fp32
@@ -17,19 +18,16 @@ the exported config.json loses its quantization_config accordingly.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -37,11 +35,14 @@ import numpy as np
 
 from eagle3_jax.checkpoint import quant, store
 from eagle3_jax.checkpoint.hf_loader import check_keys
-from eagle3_jax.checkpoint.safetensors import (DTYPES, INDEX_FILE_NAME, CheckpointReader, CheckpointWriter,
-                                               dtype_code, parse_size)
+from eagle3_jax.checkpoint.staging import staged_dir, write_json_atomic
+from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
+from eagle3_jax.checkpoint.draft_io import read_draft_layout
+from eagle3_jax.checkpoint.safetensors_format import DTYPES, INDEX_FILE_NAME, dtype_code, parse_size
+from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
 from eagle3_jax.errors import CheckpointError, ConfigError
 from eagle3_jax.sharding import make_mesh, sharding_for
-from tools.convert.models import DRAFT, TARGET, ModelSpec, detect_kind, draft_spec, draft_wiring, target_spec
+from tools.convert.models import DRAFT, TARGET, ModelSpec, detect_kind, draft_spec, target_spec
 
 log = logging.getLogger("tools.convert")
 
@@ -63,10 +64,6 @@ def read_json(path: Path) -> dict:
         raise ConfigError(f"no {Path(path).name} in {Path(path).parent}; point at a checkpoint directory") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
 
 def _is_float(dtype) -> bool:
@@ -119,38 +116,6 @@ def _progress(total: int, desc: str):
                 file=sys.stderr, dynamic_ncols=True)
 
 
-@contextlib.contextmanager
-def staging(dst: Path, overwrite: bool) -> Iterator[Path]:
-    """A fresh ``DST.tmp-XXXX`` beside DST, renamed to DST on success and removed on failure.
-
-    With ``overwrite`` an existing DST is swapped out only after the new one is complete.
-    """
-    dst = Path(dst)
-    if (dst.exists() or dst.is_symlink()) and not overwrite:
-        raise CheckpointError(f"{dst} already exists; choose another output directory or pass --overwrite")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".tmp-", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 is for the staging name, not the result
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if dst.exists() or dst.is_symlink():
-        old = Path(tempfile.mkdtemp(prefix=dst.name + ".old-", dir=dst.parent))
-        os.rmdir(old)
-        os.rename(dst, old)
-        os.rename(tmp, dst)
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink()
-    else:
-        os.rename(tmp, dst)
-
-
 # ---------------------------------------------------------------------- reading an HF directory
 def hf_spec(src: Path, reader: CheckpointReader, dtype=jnp.float32) -> ModelSpec:
     hf = read_json(src / "config.json")
@@ -160,7 +125,8 @@ def hf_spec(src: Path, reader: CheckpointReader, dtype=jnp.float32) -> ModelSpec
         return target_spec(hf, arch, dtype, where)
     from eagle3_jax.config import DraftConfig
 
-    return draft_spec(hf, arch, draft_wiring(DraftConfig.from_hf_dict(hf, where), reader, str(src)), dtype, where)
+    wiring = read_draft_layout(src, reader).wiring(DraftConfig.from_hf_dict(hf, where).target_hidden_size)
+    return draft_spec(hf, arch, wiring, dtype, where)
 
 
 def jax_spec(src: Path, meta: dict, dtype=jnp.float32) -> ModelSpec:
@@ -260,7 +226,7 @@ def to_jax(src, dst, dtype: str | None = None, mesh: str | None = None, overwrit
         raise ConfigError(f"--dtype {dtype!r} is not supported; use one of {sorted(DTYPE_NAMES)}")
     part_bytes = parse_size(part_size)
     the_mesh = make_mesh(mesh) if mesh else None
-    with staging(dst, overwrite) as tmp, CheckpointReader(src) as reader:
+    with staged_dir(dst, overwrite) as tmp, CheckpointReader(src) as reader:
         spec = hf_spec(src, reader, DTYPE_NAMES[dtype] if dtype else jnp.float32)
         scheme = quant.QuantScheme.from_hf_config(spec.hf_config, str(src / "config.json"))
         plan = preflight(reader, spec, str(src))
@@ -306,7 +272,8 @@ def to_jax(src, dst, dtype: str | None = None, mesh: str | None = None, overwrit
                     "source_bytes": plan["bytes"],
                 },
             }
-            _write_json(tmp / "config.json", spec.hf_config)
+            # The file itself, not a re-serialization: to-hf hands it back byte for byte.
+            shutil.copyfile(src / "config.json", tmp / "config.json")
             meta["extras"] = _copy_extras(src, tmp)
             if bar is not None:
                 bar.close()
@@ -318,17 +285,19 @@ def to_jax(src, dst, dtype: str | None = None, mesh: str | None = None, overwrit
 
 
 # ---------------------------------------------------------------------- to-hf
-def _exported_config(hf: dict, meta: dict) -> dict:
-    """The config.json to write back; a dequantized checkpoint no longer has a quantization_config."""
+def _export_config(src: Path, dst: Path, meta: dict) -> None:
+    """Writes the config.json to export: the stored file unchanged (so a round trip is byte-identical),
+    except that a dequantized checkpoint no longer has a quantization_config."""
     if not meta["hf"].get("dequantized"):
-        return hf
-    hf = json.loads(json.dumps(hf))
+        shutil.copyfile(src, dst)
+        return
+    hf = read_json(src)
     for d in (hf, hf.get("text_config") or {}):
         d.pop("quantization_config", None)
         for key in ("torch_dtype", "dtype"):
             if key in d:
                 d[key] = "bfloat16"
-    return hf
+    write_json_atomic(dst, hf, fsync=False)
 
 
 def to_hf(src, dst, max_shard_size="5GB", overwrite: bool = False, progress: bool = True) -> list[Path]:
@@ -345,7 +314,7 @@ def to_hf(src, dst, max_shard_size="5GB", overwrite: bool = False, progress: boo
     prefix = meta["hf"]["weight_prefix"]
     hf_dtypes = meta["hf"]["dtypes"]
     total = sum(math.prod(e["shape"]) * jnp.dtype(e["dtype"]).itemsize for e in stored.values())
-    with staging(dst, overwrite) as tmp:
+    with staged_dir(dst, overwrite) as tmp:
         bar = _progress(total, f"to-hf {src.name}") if progress else None
         done = 0
         with CheckpointWriter(tmp, max_shard_bytes=parse_size(max_shard_size)) as writer:
@@ -362,7 +331,7 @@ def to_hf(src, dst, max_shard_size="5GB", overwrite: bool = False, progress: boo
                 del value
                 done += 1
                 _pause_hook(done)
-        _write_json(tmp / "config.json", _exported_config(read_json(src / "config.json"), meta))
+        _export_config(src / "config.json", tmp / "config.json", meta)
         for name in meta.get("extras", []):
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)

@@ -13,7 +13,7 @@ from flax import nnx
 from eagle3_jax.checkpoint.draft_map import draft_rules
 from eagle3_jax.checkpoint.target_map import is_ignored_key, target_rules
 from eagle3_jax.config import DRAFT_ARCHITECTURES, TARGET_ARCHITECTURES, TARGET_MODEL_TYPES, DraftConfig, TargetConfig
-from eagle3_jax.errors import CheckpointError, ConfigError
+from eagle3_jax.errors import ConfigError
 
 TARGET, DRAFT = "target", "draft"
 
@@ -66,20 +66,6 @@ def target_spec(hf: dict, architecture: str, dtype=jnp.float32, where: str = "co
     cfg = TargetConfig.from_hf_dict(hf, where)
     return ModelSpec(TARGET, architecture, cfg, target_rules(cfg), cfg.weight_prefix,
                      lambda k: is_ignored_key(cfg, k), _flat(lambda: Target(cfg, dtype, None)))
-
-
-def draft_wiring(cfg: DraftConfig, reader, where: str) -> dict:
-    """What the draft's tensors say about its wiring: aux count (from fc), own embedding, vocab maps."""
-    if "fc.weight" not in reader:
-        raise CheckpointError(f"{where}: no fc.weight, so this is not an EAGLE-3 draft (EAGLE-3 fuses the target's "
-                              "aux hidden states with fc); EAGLE-1/2 drafts are not supported")
-    fc_out, fc_in = reader.shape("fc.weight")
-    if fc_in % cfg.target_hidden_size:
-        raise CheckpointError(
-            f"{where}: fc.weight is [{fc_out}, {fc_in}] but {fc_in} is not a multiple of target_hidden_size="
-            f"{cfg.target_hidden_size}; fc must take n_aux x target hidden inputs. Fix target_hidden_size in config.json")
-    return {"n_aux": fc_in // cfg.target_hidden_size, "own_embedding": "embed_tokens.weight" in reader,
-            "vocab_maps": [m for m in ("d2t", "t2d") if m in reader]}
 
 
 def draft_spec(hf: dict, architecture: str, wiring: dict, dtype=jnp.float32,

@@ -25,7 +25,7 @@ MAX_LOGIT_DIFF = 1e-2
 def export_target(hf_config: dict, flat: dict, tokenizer_dir: str, out_dir: str) -> list[str]:
     """Writes config.json, generation_config.json, model.safetensors and the tokenizer files to
     ``out_dir`` (replaced whole, via a temporary sibling, so a crash never leaves half a model)."""
-    from eagle3_jax.checkpoint.safetensors import CheckpointWriter
+    from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
     from eagle3_jax.checkpoint.target_map import iter_hf_tensors
     from eagle3_jax.config import TargetConfig
 

@@ -1,0 +1,253 @@
+"""Streams tensors into a Hugging Face safetensors checkpoint directory (:class:`CheckpointWriter`).
+
+Why not the ``safetensors`` package's writer: it does write our BF16 and F8 arrays (ml_dtypes
+bfloat16 / float8_e4m3fn) with the right codes, but ``safetensors.numpy.save_file`` takes every
+tensor of a file in one dict, so a shard needs all its tensors in host memory at once (5 GB by
+default, on top of the parameters the converter has in flight), and it reorders tensors by dtype
+size and name. This writer appends each tensor to disk as it arrives and rolls over to a new shard
+at a size limit. Its files are byte-identical to the package's for the same tensors added in the
+package's order (tests/test_safetensors_io.py checks this, BF16 and F8 included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+import numpy as np
+
+from eagle3_jax.checkpoint.safetensors_format import (DTYPES, INDEX_FILE_NAME, SINGLE_FILE_NAME, PathLike,
+                                                      dtype_code, parse_size, shard_file_name)
+from eagle3_jax.checkpoint.staging import write_json_atomic
+from eagle3_jax.errors import CheckpointError
+
+_COPY_CHUNK = 64 * 2**20
+
+
+class CheckpointWriter:
+    """Stream tensors into a Hugging Face safetensors checkpoint directory.
+
+    ``add(name, array)`` appends the tensor's bytes to a temporary data file for
+    the current shard right away, so peak memory is about one tensor (plus one
+    contiguous little-endian copy if the input is not already one).  When the
+    next tensor would push the shard's data past ``max_shard_bytes``, the shard
+    is finished: its header is written to a temporary shard file followed by the
+    data, copied in 64 MiB chunks, and the data file is deleted.  A tensor
+    larger than the limit gets a shard of its own.  Disk overhead is therefore
+    one shard's worth of temporary space.
+
+    ``close()`` renames the shards to ``model-00001-of-0000N.safetensors`` (or
+    ``model.safetensors`` when there is only one) and, when sharded, writes
+    ``model.safetensors.index.json`` with ``{"metadata": {"total_size": ...},
+    "weight_map": {...}}`` last, so an index on disk means the shards are
+    complete.  Leaving a ``with`` block by an exception deletes the temporary
+    files and writes nothing.
+
+    Layout of each file, matching the official ``safetensors`` writer:
+
+    * header JSON is compact (``","`` and ``":"`` separators, non-ASCII kept as
+      UTF-8), ``"__metadata__"`` first, then tensors in data order, each as
+      ``{"dtype", "shape", "data_offsets"}``;
+    * the header is right-padded with spaces to a multiple of 8 bytes, so the
+      data buffer starts 8-byte aligned;
+    * tensors are stored back to back (no padding, as the format requires) in
+      the order they were added.  The official writer instead sorts tensors by
+      dtype size (largest first), then by name, which keeps every tensor
+      naturally aligned; this writer cannot reorder a stream, so add large-dtype
+      tensors first if alignment matters.  Adding tensors in the official order
+      with the same metadata reproduces an officially written file byte for byte.
+
+    ``metadata``: ``None`` (default) writes ``{"format": "pt"}`` (what
+    transformers expects); ``{}`` writes no ``__metadata__``; any other dict of
+    str -> str is written as given to every shard's header.
+    """
+
+    def __init__(
+        self,
+        directory: PathLike,
+        max_shard_bytes: Union[int, str] = 5 * 2**30,
+        metadata: Optional[Mapping[str, str]] = None,
+        overwrite: bool = False,
+    ):
+        self.directory = Path(directory)
+        self.max_shard_bytes = parse_size(max_shard_bytes)
+        if self.max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes!r}")
+        if metadata is None:
+            metadata = {"format": "pt"}
+        if not isinstance(metadata, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+        ):
+            raise CheckpointError(
+                f"metadata must map str to str (the safetensors format stores only strings), "
+                f"got {metadata!r}; convert the values with str() or json.dumps()"
+            )
+        self.metadata: Dict[str, str] = dict(metadata)
+        self.overwrite = overwrite
+        self.directory.mkdir(parents=True, exist_ok=True)
+        existing = self._existing_checkpoint_files()
+        if existing and not overwrite:
+            raise CheckpointError(
+                f"{self.directory}: already holds a checkpoint ({', '.join(p.name for p in existing[:5])}); "
+                "write to an empty directory or pass overwrite=True"
+            )
+        self._names: set = set()
+        # finished shards: (temp path, [(name, nbytes)])
+        self._done: List[Tuple[Path, List[Tuple[str, int]]]] = []
+        self._cur: List[Tuple[str, str, Tuple[int, ...], int, int]] = []  # name, code, shape, begin, end
+        self._cur_bytes = 0
+        self._data_fh = None
+        self._data_path: Optional[Path] = None
+        self._closed = False
+        self._written: List[Path] = []
+        self._tag = f".eagle3-tmp-{os.getpid()}-{id(self):x}"
+
+    def _existing_checkpoint_files(self) -> List[Path]:
+        pat = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+        out = []
+        for p in sorted(self.directory.iterdir()):
+            if p.name in (SINGLE_FILE_NAME, INDEX_FILE_NAME) or pat.fullmatch(p.name):
+                out.append(p)
+        return out
+
+    # ------------------------------------------------------------------ adding
+    def add(self, name: str, array: Any) -> None:
+        """Write one tensor now.  ``array`` is anything ``np.asarray`` accepts."""
+        if self._closed:
+            raise CheckpointError(f"{self.directory}: add({name!r}) after close(); open a new writer")
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"tensor names must be non-empty strings, got {name!r}")
+        if name == "__metadata__":
+            raise CheckpointError("'__metadata__' is reserved by the safetensors format; rename the tensor")
+        if name in self._names:
+            raise CheckpointError(
+                f"{self.directory}: tensor {name!r} was already added; each name may be written "
+                "once, so check the caller for a duplicated or mis-renamed parameter"
+            )
+        arr = np.asarray(array)
+        try:
+            code = dtype_code(arr.dtype)
+        except CheckpointError as e:
+            raise CheckpointError(f"tensor {name!r}: {e}") from None
+        dt = DTYPES[code]
+        shape = tuple(int(d) for d in arr.shape)
+        if arr.dtype != dt:  # big-endian input
+            arr = arr.astype(dt)
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        nbytes = arr.nbytes
+        if self._cur and self._cur_bytes + nbytes > self.max_shard_bytes:
+            self._finish_shard()
+        if self._data_fh is None:
+            self._data_path = self.directory / f"{self._tag}-{len(self._done) + 1:05d}.data"
+            self._data_fh = open(self._data_path, "wb")
+        if nbytes:
+            self._data_fh.write(memoryview(arr.reshape(-1).view(np.uint8)))
+        begin = self._cur_bytes
+        self._cur_bytes += nbytes
+        self._cur.append((name, code, shape, begin, self._cur_bytes))
+        self._names.add(name)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    # ------------------------------------------------------------------ shards
+    def _header_bytes(self) -> bytes:
+        header: Dict[str, Any] = {}
+        if self.metadata:
+            header["__metadata__"] = self.metadata
+        for name, code, shape, begin, end in self._cur:
+            header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [begin, end]}
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        return raw + b" " * (-len(raw) % 8)
+
+    def _finish_shard(self) -> None:
+        if self._data_fh is None:
+            self._data_path = self.directory / f"{self._tag}-{len(self._done) + 1:05d}.data"
+            open(self._data_path, "wb").close()
+        else:
+            self._data_fh.close()
+            self._data_fh = None
+        header = self._header_bytes()
+        shard_path = self.directory / f"{self._tag}-{len(self._done) + 1:05d}.safetensors"
+        with open(shard_path, "wb") as out, open(self._data_path, "rb") as src:
+            out.write(struct.pack("<Q", len(header)))
+            out.write(header)
+            shutil.copyfileobj(src, out, _COPY_CHUNK)
+            out.flush()
+            os.fsync(out.fileno())
+        os.unlink(self._data_path)
+        self._data_path = None
+        self._done.append((shard_path, [(c[0], c[4] - c[3]) for c in self._cur]))
+        self._cur = []
+        self._cur_bytes = 0
+
+    def close(self) -> List[Path]:
+        """Finish the last shard, name the files, write the index; return the paths written."""
+        if self._closed:
+            return list(self._written)
+        try:
+            if self._cur or not self._done:
+                self._finish_shard()
+            total = len(self._done)
+            if self.overwrite:
+                for p in self._existing_checkpoint_files():
+                    p.unlink()
+            weight_map: Dict[str, str] = {}
+            total_size = 0
+            for i, (tmp, entries) in enumerate(self._done, start=1):
+                final = self.directory / (SINGLE_FILE_NAME if total == 1 else shard_file_name(i, total))
+                os.replace(tmp, final)
+                self._written.append(final)
+                for name, nb in entries:
+                    weight_map[name] = final.name
+                    total_size += nb
+            if total > 1:
+                index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+                final = self.directory / INDEX_FILE_NAME
+                write_json_atomic(final, index)
+                self._written.append(final)
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        return list(self._written)
+
+    @property
+    def files(self) -> List[Path]:
+        """Paths written by close() (empty before)."""
+        return list(self._written)
+
+    def abort(self) -> None:
+        """Delete temporary files and write nothing further."""
+        self._closed = True
+        if self._data_fh is not None:
+            self._data_fh.close()
+            self._data_fh = None
+        for p in list(self.directory.glob(f"{self._tag}*")):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+        self._done = []
+        self._cur = []
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        else:
+            self.close()
+
+    def __repr__(self) -> str:
+        return f"CheckpointWriter({str(self.directory)!r}, {len(self)} tensors)"
