@@ -13,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 import eagle3_jax as e3
 from eagle3_jax.errors import ConfigError
-from eagle3_jax.train import TrainConfig, data as data_lib, run
+from eagle3_jax.train import TrainConfig, data as data_lib, pipeline as pipeline_lib, run
 from eagle3_jax.train.trainer import Trainer
 from tests import spec_fixtures
 
@@ -237,9 +237,9 @@ def test_chat_text_and_token_records(tiny_target_dir, tmp_path):
 
 def test_pipeline_is_deterministic_per_epoch_and_resumable():
     examples = [data_lib.Example(np.arange(3, 3 + n, dtype=np.int32), np.ones(n, bool)) for n in range(3, 13)]
-    source = data_lib.TokenizedSource(examples, max_len=12)
-    ds = data_lib.make_dataset(source, batch_size=4, seed=7)
-    it = data_lib.make_iterator(ds)
+    source = pipeline_lib.TokenizedSource(examples, max_len=12)
+    ds = pipeline_lib.make_dataset(source, batch_size=4, seed=7)
+    it = pipeline_lib.make_iterator(ds)
     batches = [next(it) for _ in range(5)]  # 20 rows: two epochs of 10
     order = np.concatenate([b["index"] for b in batches])
     assert sorted(order[:10]) == list(range(10)) and sorted(order[10:20]) == list(range(10))
@@ -249,13 +249,13 @@ def test_pipeline_is_deterministic_per_epoch_and_resumable():
     n = len(examples[row].ids)
     assert batches[0]["loss_mask"][0].sum() == n and not batches[0]["ids"][0, n:].any()  # right-padded
 
-    again = data_lib.make_iterator(data_lib.make_dataset(source, batch_size=4, seed=7))
+    again = pipeline_lib.make_iterator(pipeline_lib.make_dataset(source, batch_size=4, seed=7))
     for _ in range(2):
         next(again)
     state = again.get_state()
-    fresh = data_lib.make_iterator(data_lib.make_dataset(source, batch_size=4, seed=7))
+    fresh = pipeline_lib.make_iterator(pipeline_lib.make_dataset(source, batch_size=4, seed=7))
     fresh.set_state(json.loads(json.dumps(state)))
     for b in batches[2:]:
         np.testing.assert_array_equal(next(fresh)["index"], b["index"])
-    other = data_lib.make_iterator(data_lib.make_dataset(source, batch_size=4, seed=8))
+    other = pipeline_lib.make_iterator(pipeline_lib.make_dataset(source, batch_size=4, seed=8))
     assert list(next(other)["index"]) != list(batches[0]["index"])

@@ -70,6 +70,7 @@ class TrainConfig:
     target_dtype: str | None = None
     seed: int = 0
     save_every: int = 500
+    log_every: int = 50        # a log line every N steps when there is no progress bar
     keep: int = 3
     eval_every: int = 0
     eval_prompts: str | None = None
@@ -147,7 +148,7 @@ class TrainConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> TargetConfig:
         """Every check that needs no model: files, ranges, and the target's config.json. Returns it."""
-        positive = ("max_len", "batch_size", "grad_accum", "ttt_steps", "total_steps", "save_every", "keep",
+        positive = ("max_len", "batch_size", "grad_accum", "ttt_steps", "total_steps", "save_every", "log_every", "keep",
                     "eval_new_tokens", "eval_draft_tokens")
         for name in positive:
             if getattr(self, name) < 1:
