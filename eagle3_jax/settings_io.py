@@ -197,7 +197,8 @@ def describe_defaults(cls, indent: str = "  ") -> str:
         else:
             default = "(required)"
         if dataclasses.is_dataclass(default):
-            default = "{" + ", ".join(f"{k}: {v}" for k, v in dataclasses.asdict(default).items()) + "}"
+            default = "{" + ", ".join(f"{k}: {'null' if v is None else v}"
+                                      for k, v in dataclasses.asdict(default).items()) + "}"
         elif isinstance(default, tuple):
             default = list(default)
         lines.append(f"{indent}{f.name}: {'null' if default is None else default}")

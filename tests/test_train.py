@@ -2,6 +2,7 @@
 Generator, exact kill-and-resume, online == offline hidden states, and the data pipeline."""
 
 import json
+import logging
 import os
 import shutil
 
@@ -120,13 +121,19 @@ def test_training_raises_held_out_acceptance(predictable_target_dir, predictable
     assert tau_random < 1.2 and tau_trained > tau_random + 0.8, (tau_random, tau_trained)
 
 
-def test_kill_and_resume_equals_uninterrupted(predictable_target_dir, corpus, tmp_path):
+def test_kill_and_resume_equals_uninterrupted(predictable_target_dir, corpus, tmp_path, caplog):
     data = corpus[0]
     small = dict(total_steps=6, save_every=2, keep=2)
 
-    straight = Trainer(_config(predictable_target_dir, data, tmp_path / "a", **small), progress=False)
-    straight.train()
-    straight.close()
+    with caplog.at_level(logging.INFO, logger="eagle3_jax"):
+        straight = Trainer(_config(predictable_target_dir, data, tmp_path / "a", log_every=2, **small),
+                           progress=False)
+        straight.train()
+        straight.close()
+    # without a progress bar: the phases with their timings, then a line every log_every steps
+    for text in ("training records from", "loaded target", "step 1 took", "compiling the training step",
+                 "step 2/6  loss", "tok/s  ETA", "step 6/6", "exported the draft to"):
+        assert text in caplog.text, text
 
     cfg = _config(predictable_target_dir, data, tmp_path / "b", **small)
     first = Trainer(cfg, progress=False)
@@ -153,6 +160,14 @@ def test_kill_and_resume_equals_uninterrupted(predictable_target_dir, corpus, tm
     again.close()
     with pytest.raises(ConfigError, match="batch_size: 4 -> 8"):
         Trainer(_config(predictable_target_dir, data, tmp_path / "b", **dict(small, batch_size=8)), progress=False)
+    # Changing any other setting of a finished run would silently train nothing: refused, with the fix.
+    with pytest.raises(ConfigError, match=r"holds a finished run \(step 6\) trained with other settings "
+                                          r"\(lr: 0.003 -> 0.001\).*Use a new out_dir.*raise total_steps above 6"):
+        Trainer(_config(predictable_target_dir, data, tmp_path / "b", **dict(small, lr=1e-3)), progress=False)
+    longer = Trainer(_config(predictable_target_dir, data, tmp_path / "b", **dict(small, total_steps=8)),
+                     progress=False)   # continuing past the end is fine (a warning names the change)
+    assert longer.step == 6
+    longer.close()
 
 
 def test_online_and_offline_hidden_states_give_the_same_loss(predictable_target_dir, corpus, tmp_path):
