@@ -38,6 +38,7 @@ from eagle3_jax.models.draft import Draft
 from eagle3_jax.sharding import make_mesh, shard_state
 from eagle3_jax.train import data as data_lib, offline as offline_lib, pipeline as pipeline_lib
 from eagle3_jax.train.config import TrainConfig
+from eagle3_jax.train.progress import StepReport, info as _info
 from eagle3_jax.train.ttt import target_logits, target_signal, ttt_loss
 from eagle3_jax.train.vocab import VocabMap, build_vocab_map, load_or_build, token_counts
 
@@ -47,20 +48,6 @@ log = logging.getLogger("eagle3_jax")
 # the data order, or what a step means.
 RESUME_INVARIANTS = ("draft", "aux_layer_ids", "draft_vocab_size", "max_len", "batch_size", "grad_accum",
                      "seed", "dtype", "hidden_source", "ttt_steps")
-
-
-def _info(msg: str, *args) -> None:
-    """A progress line on stderr, from process 0 only (every process runs the same loop)."""
-    if distributed.is_writer():
-        log.info(msg, *args)
-
-
-def _duration(seconds: float) -> str:
-    if seconds != seconds:   # NaN: no steady-state step timed yet
-        return "?"
-    m, s = divmod(int(round(seconds)), 60)
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
 @dataclass(frozen=True)
@@ -414,9 +401,9 @@ class Trainer:
         bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train",
                    disable=not self.progress or not distributed.is_writer())
         rows_per_step = cfg.batch_size * cfg.grad_accum
-        first, steady_start, steady_time = self.step + 1, self.step + 1, 0.0
+        report = StepReport(self.step + 1, end, cfg.total_steps, cfg.log_every, plain=bar.disable)
         if self.step < end:
-            _info("training steps %d..%d of %d (%d rows x %d tokens a step)", first, end, cfg.total_steps,
+            _info("training steps %d..%d of %d (%d rows x %d tokens a step)", self.step + 1, end, cfg.total_steps,
                   rows_per_step, cfg.max_len)
         try:
             # log lines print above the bar instead of through it
@@ -428,17 +415,7 @@ class Trainer:
                     last["tokens_per_s"] = rows_per_step * cfg.max_len / max(elapsed, 1e-9)
                     self._log(last)
                     bar.update(1)
-                    if self.step == first:   # the first step compiles the training step; later ones reuse it
-                        _info("step %d took %.1fs (compiling the training step)", self.step, elapsed)
-                        steady_start = self.step + 1
-                    else:
-                        steady_time += elapsed
-                    if bar.disable and (self.step % cfg.log_every == 0 or self.step == end):
-                        done = self.step - steady_start + 1
-                        eta = steady_time / done * (end - self.step) if done > 0 else float("nan")
-                        _info("step %d/%d  loss %.4f  acc %s  %.0f tok/s  ETA %s", self.step, cfg.total_steps,
-                              last["loss"], " ".join(f"{a:.2f}" for a in last["acc"]), last["tokens_per_s"],
-                              _duration(eta))
+                    report.step(self.step, elapsed, last)
                     bar.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{last['acc'][0]:.2f}",
                                     tok_s=f"{last['tokens_per_s']:.0f}")
                     if cfg.eval_every and self.step % cfg.eval_every == 0:
