@@ -197,7 +197,7 @@ def test_output_without_settings_file_is_refused(tmp_path):
 # ---------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("line, why", [
     ("{not json", "not valid JSON"),
-    ('{"prompt": "no end', "not valid JSON (Unterminated string starting at: column 12)"),
+    ('{"prompt": "no end', "not valid JSON (Invalid control character at: column 19)"),
     ("[1, 2]", "expected a JSON object, found list"),
     ('{"id": "a"}', "exactly one of 'messages'"),
     ('{"prompt": "x", "messages": []}', "exactly one of 'messages'"),
