@@ -9,25 +9,46 @@ Multi-host: run the same command on every host with ``--coordinator HOST:PORT --
 --process-id I`` (or the EAGLE3_* environment); the mesh spans all hosts' devices, each process
 loads its share of every batch, process 0 writes the logs, vocab map and export, and all of them
 write the checkpoints together, so ``out_dir`` must be on a filesystem every host shares.
+
+Exit status: 0 done, 2 a bad command line or config (nothing ran), 1 the run failed.
 """
 
 import argparse
 import logging
 import sys
 
+USAGE = """usage: python train.py --config configs/train/NAME.yaml [key=value ...]
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+Trains an EAGLE-3 draft; the YAML config names the target, the data and out_dir (see configs/train/,
+e.g. configs/train/demo.yaml). `python train.py --help` lists every config key and the data formats."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from eagle3_jax import distributed, settings_io
+    from eagle3_jax.train.config import DATA_FORMATS, HOW_TO_MAKE_DATA, TrainConfig
+
+    epilog = (f"config keys (YAML or key=value; defaults shown):\n{settings_io.describe_defaults(TrainConfig)}\n\n"
+              f"data (the `data` file):\n{DATA_FORMATS}\n{HOW_TO_MAKE_DATA}.")
+    parser = argparse.ArgumentParser(prog="train.py", description=__doc__, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML training config (see configs/train/)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of config keys")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    from eagle3_jax import distributed
-
+    parser.add_argument("--no-progress", action="store_true",
+                        help="plain log lines every log_every steps instead of a progress bar")
     distributed.add_flags(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        return 2
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("eagle3_jax").setLevel(logging.INFO)  # ours; the libraries' chatter stays quiet
 
+    from eagle3_jax import distributed
     from eagle3_jax.errors import Eagle3Error
     from eagle3_jax.train import TrainConfig, run
 
@@ -35,10 +56,15 @@ def main(argv=None) -> int:
         # Before anything touches JAX's devices: the trainer's mesh spans every process's devices.
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         cfg = TrainConfig.load(args.config, args.overrides)
+        cfg.validate()
+    except Eagle3Error as e:   # the command line or the config: nothing has run
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+    try:
         result = run(cfg, progress=not args.no_progress and distributed.is_writer())
     except Eagle3Error as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", 1)
     if distributed.is_writer():
         print(f"hidden states written to {result}" if cfg.mode == "prepare" else
               f"trained to step {result.step}; draft exported to {result.export_dir}")

@@ -14,3 +14,10 @@ class ConfigError(Eagle3Error, ValueError):
 
 class CheckpointError(Eagle3Error, ValueError):
     """A checkpoint on disk does not match what its config (or our layout) requires."""
+
+
+class SettingsError(ConfigError):
+    """A bad command line or settings file (unknown key, wrong type, out-of-range value): the
+    command-line tools exit with ``exit_code`` 2 for these and 1 for a run that failed."""
+
+    exit_code = 2

@@ -198,6 +198,7 @@ def test_output_without_settings_file_is_refused(tmp_path):
 # ---------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("line, why", [
     ("{not json", "not valid JSON"),
+    ('{"prompt": "no end', "not valid JSON (Invalid control character at: column 19)"),
     ("[1, 2]", "expected a JSON object, found list"),
     ('{"id": "a"}', "exactly one of 'messages'"),
     ('{"prompt": "x", "messages": []}', "exactly one of 'messages'"),
@@ -284,10 +285,10 @@ def test_yaml_config_supplies_defaults_and_flags_win(tmp_path):
     assert (s.max_new_tokens, s.temperature, s.batch_size, s.overwrite, s.mesh) == (7, 0.0, 16, True, "data=1,expert=8")
     assert s.top_p == 1.0 and s.skip_bad_lines is False
     cfg.write_text("max_new_token: 7\n")
-    with pytest.raises(ConfigError, match="unknown keys \\['max_new_token'\\]"):
+    with pytest.raises(ConfigError, match="unknown key 'max_new_token' \\(did you mean 'max_new_tokens'\\?\\)"):
         cli.settings_from_argv(["--config", str(cfg)])
     cfg.write_text("max_new_tokens: lots\n")
-    with pytest.raises(ConfigError, match="max_new_tokens: expected int"):
+    with pytest.raises(ConfigError, match=f"--config {cfg}: max_new_tokens: expected an integer, found str 'lots'"):
         cli.settings_from_argv(["--config", str(cfg)])
     s = cli.settings_from_argv(["--target", "t", "--input", "i", "--output", "o", "--top-p", "0"])
     with pytest.raises(ConfigError, match="top_p must be in"):
@@ -296,6 +297,21 @@ def test_yaml_config_supplies_defaults_and_flags_win(tmp_path):
         s = cli.settings_from_argv(["--config", str(REPO / "configs/serve" / name)])
         s.input, s.output = s.input or "i", s.output or "o"
         s.validate()
+
+
+def test_settings_errors_name_their_source_and_exit_2(tmp_path, capsys):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("mesh: {data: 1, expert: 8}\nmax_len: 64\n")
+    s = cli.settings_from_argv(["--config", str(cfg), "--max-len", "32"])
+    assert (s.mesh, s.max_len) == ("data=1,expert=8", 32)
+    cfg.write_text("overwrite: yes please\n")
+    with pytest.raises(ConfigError, match=f"--config {cfg}: overwrite: expected true or false"):
+        cli.settings_from_argv(["--config", str(cfg)])
+    assert cli.main(["--config", str(cfg), "--target", "t"]) == 2
+    assert "overwrite: expected true or false" in capsys.readouterr().err
+    # a bad value (not only a bad key) is a bad command line too: exit 2, before anything loads
+    assert cli.main(["--target", "t", "--input", "i", "--output", "o", "--top-p", "0"]) == 2
+    assert "top_p must be in" in capsys.readouterr().err
 
 
 def test_watchdog_warns_on_collapse_and_is_rate_limited(caplog):

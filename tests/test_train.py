@@ -2,6 +2,7 @@
 Generator, exact kill-and-resume, online == offline hidden states, and the data pipeline."""
 
 import json
+import logging
 import os
 import shutil
 
@@ -13,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 import eagle3_jax as e3
 from eagle3_jax.errors import ConfigError
-from eagle3_jax.train import TrainConfig, data as data_lib, run
+from eagle3_jax.train import TrainConfig, data as data_lib, pipeline as pipeline_lib, run
 from eagle3_jax.train.trainer import Trainer
 from tests import spec_fixtures
 
@@ -120,13 +121,19 @@ def test_training_raises_held_out_acceptance(predictable_target_dir, predictable
     assert tau_random < 1.2 and tau_trained > tau_random + 0.8, (tau_random, tau_trained)
 
 
-def test_kill_and_resume_equals_uninterrupted(predictable_target_dir, corpus, tmp_path):
+def test_kill_and_resume_equals_uninterrupted(predictable_target_dir, corpus, tmp_path, caplog):
     data = corpus[0]
     small = dict(total_steps=6, save_every=2, keep=2)
 
-    straight = Trainer(_config(predictable_target_dir, data, tmp_path / "a", **small), progress=False)
-    straight.train()
-    straight.close()
+    with caplog.at_level(logging.INFO, logger="eagle3_jax"):
+        straight = Trainer(_config(predictable_target_dir, data, tmp_path / "a", log_every=2, **small),
+                           progress=False)
+        straight.train()
+        straight.close()
+    # without a progress bar: the phases with their timings, then a line every log_every steps
+    for text in ("training records from", "loaded target", "step 1 took", "compiling the training step",
+                 "step 2/6  loss", "tok/s  ETA", "step 6/6", "exported the draft to"):
+        assert text in caplog.text, text
 
     cfg = _config(predictable_target_dir, data, tmp_path / "b", **small)
     first = Trainer(cfg, progress=False)
@@ -153,6 +160,14 @@ def test_kill_and_resume_equals_uninterrupted(predictable_target_dir, corpus, tm
     again.close()
     with pytest.raises(ConfigError, match="batch_size: 4 -> 8"):
         Trainer(_config(predictable_target_dir, data, tmp_path / "b", **dict(small, batch_size=8)), progress=False)
+    # Changing any other setting of a finished run would silently train nothing: refused, with the fix.
+    with pytest.raises(ConfigError, match=r"holds a finished run \(step 6\) trained with other settings "
+                                          r"\(lr: 0.003 -> 0.001\).*Use a new out_dir.*raise total_steps above 6"):
+        Trainer(_config(predictable_target_dir, data, tmp_path / "b", **dict(small, lr=1e-3)), progress=False)
+    longer = Trainer(_config(predictable_target_dir, data, tmp_path / "b", **dict(small, total_steps=8)),
+                     progress=False)   # continuing past the end is fine (a warning names the change)
+    assert longer.step == 6
+    longer.close()
 
 
 def test_online_and_offline_hidden_states_give_the_same_loss(predictable_target_dir, corpus, tmp_path):
@@ -237,9 +252,9 @@ def test_chat_text_and_token_records(tiny_target_dir, tmp_path):
 
 def test_pipeline_is_deterministic_per_epoch_and_resumable():
     examples = [data_lib.Example(np.arange(3, 3 + n, dtype=np.int32), np.ones(n, bool)) for n in range(3, 13)]
-    source = data_lib.TokenizedSource(examples, max_len=12)
-    ds = data_lib.make_dataset(source, batch_size=4, seed=7)
-    it = data_lib.make_iterator(ds)
+    source = pipeline_lib.TokenizedSource(examples, max_len=12)
+    ds = pipeline_lib.make_dataset(source, batch_size=4, seed=7)
+    it = pipeline_lib.make_iterator(ds)
     batches = [next(it) for _ in range(5)]  # 20 rows: two epochs of 10
     order = np.concatenate([b["index"] for b in batches])
     assert sorted(order[:10]) == list(range(10)) and sorted(order[10:20]) == list(range(10))
@@ -249,13 +264,13 @@ def test_pipeline_is_deterministic_per_epoch_and_resumable():
     n = len(examples[row].ids)
     assert batches[0]["loss_mask"][0].sum() == n and not batches[0]["ids"][0, n:].any()  # right-padded
 
-    again = data_lib.make_iterator(data_lib.make_dataset(source, batch_size=4, seed=7))
+    again = pipeline_lib.make_iterator(pipeline_lib.make_dataset(source, batch_size=4, seed=7))
     for _ in range(2):
         next(again)
     state = again.get_state()
-    fresh = data_lib.make_iterator(data_lib.make_dataset(source, batch_size=4, seed=7))
+    fresh = pipeline_lib.make_iterator(pipeline_lib.make_dataset(source, batch_size=4, seed=7))
     fresh.set_state(json.loads(json.dumps(state)))
     for b in batches[2:]:
         np.testing.assert_array_equal(next(fresh)["index"], b["index"])
-    other = data_lib.make_iterator(data_lib.make_dataset(source, batch_size=4, seed=8))
+    other = pipeline_lib.make_iterator(pipeline_lib.make_dataset(source, batch_size=4, seed=8))
     assert list(next(other)["index"]) != list(batches[0]["index"])

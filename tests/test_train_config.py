@@ -136,3 +136,51 @@ def test_shipped_configs_fit_their_targets(name):
     assert d.num_attention_heads * d.head_dim == 7168 and d.head_dim % 2 == 0
     assert all(0 <= i < tcfg.num_hidden_layers for i in cfg.resolved_aux_ids(tcfg))
     assert d.draft_vocab_size == 32000 and d.vocab_size == tcfg.vocab_size
+
+
+def test_override_errors_name_the_command_line_not_the_file(files):
+    with pytest.raises(ConfigError, match=r"^command line batch_size=lots: batch_size: expected an integer"):
+        TrainConfig.load(files[0], ["batch_size=lots"])
+    files[0].write_text(files[0].read_text() + "batch_size: lots\n")
+    with pytest.raises(ConfigError, match=rf"^--config {files[0]}: batch_size: expected an integer"):
+        TrainConfig.load(files[0])
+
+
+def test_serve_result_lines_are_refused_as_training_data(tiny_target_dir, tmp_path):
+    from eagle3_jax.train import data as data_lib
+
+    tok = data_lib.load_tokenizer(tiny_target_dir)
+    served = tmp_path / "served.jsonl"
+    served.write_text(json.dumps({"id": "a", "text": "the answer", "num_tokens": 3, "finish_reason": "eos",
+                                  "accept_length": 2.5}) + "\n")
+    with pytest.raises(ConfigError, match=r"served.jsonl:1: this is a serve.py result line .*--emit training"):
+        data_lib.read_examples(str(served), tok, 32, 256)
+    # a plain text record (no serve keys) is still training data
+    assert data_lib.encode_record(tok, {"text": "the answer"}, "x").loss_mask.all()
+
+
+def _train_py(*args):
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+
+
+def test_train_py_help_usage_and_exit_codes(files, tmp_path):
+    out = _train_py("--help")
+    assert out.returncode == 0
+    for line in ("  total_steps: 1000", "  lr: 0.0001", "  target: (required)", "  log_every: 50",
+                 '{"messages": [{"role": "user"', '{"text": "..."}', '{"input_ids": [...]', "--emit training"):
+        assert line in out.stdout, line
+    out = _train_py()
+    assert out.returncode == 2 and "--config configs/train/NAME.yaml" in out.stderr
+    # a bad value (not only a bad key) is a bad config: exit 2, nothing run
+    out = _train_py("--config", str(files[0]), "--no-progress", "total_steps=0")
+    assert out.returncode == 2 and "train.py: error: total_steps must be >= 1" in out.stderr
+
+
+def test_missing_demo_data_says_how_to_make_it(tiny_target_dir, tmp_path, no_compute):
+    cfg = TrainConfig.load(REPO / "configs/train/demo.yaml",
+                           [f"target={tiny_target_dir}", f"data={tmp_path / 'regenerated.jsonl'}",
+                            f"eval_prompts={REPO / 'demo/prompts.jsonl'}", "aux_layer_ids=[0, 1, 2]"])
+    with pytest.raises(ConfigError, match=r"regenerated.jsonl does not exist. .*serve.py .*--emit training.*"
+                                          r"stage 4 of `python tools/make_demo.py`"):
+        cfg.validate()

@@ -241,7 +241,7 @@ def read_header(fh, file_size: int, where: Path) -> Header:
                 f"({size} bytes in all); {FIX}"
             )
     pos = 0
-    prev: Optional[TensorInfo] = None
+    prev: TensorInfo | None = None
     for t in infos:
         if t.begin < pos:
             raise _err(

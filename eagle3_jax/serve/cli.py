@@ -297,7 +297,7 @@ def main(argv=None, models: Callable | None = None, engine_module=None) -> int:
         return run(s, models=models, engine_module=engine_module)
     except Eagle3Error as e:
         print(f"serve.py: error: {e}", file=sys.stderr)
-        return 1
+        return getattr(e, "exit_code", 1)   # 2: a bad setting (errors.SettingsError); 1: the run failed
     except KeyboardInterrupt:
         print(f"\nserve.py: interrupted; finished prompts are saved in {s.output}. Rerun the same command to "
               "finish the rest.", file=sys.stderr)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from eagle3_jax.config import read_yaml_mapping
+from eagle3_jax import settings_io
 from eagle3_jax.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,12 +41,7 @@ class DemoSettings:
         path = os.path.join(demo_dir, "demo.yaml")
         if not os.path.isfile(path):
             return cls()
-        raw = read_yaml_mapping(path)
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - names)
-        if unknown:
-            raise ConfigError(f"{path}: unknown key(s) {unknown}; valid keys: {sorted(names)}")
-        return cls(**raw)
+        return settings_io.from_layers(cls, [settings_io.yaml_layer(path, where=path)])
 
 
 def available(demo_dir: str = DEMO_DIR) -> bool:

@@ -57,7 +57,7 @@ def _parse_line(text: str, line: int) -> tuple[PromptRecord | None, str | None]:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        return None, f"not valid JSON ({e.msg} at column {e.colno})"
+        return None, f"not valid JSON ({e.msg}: column {e.colno})"
     if not isinstance(obj, dict):
         return None, f"expected a JSON object, found {type(obj).__name__}"
     has_msgs, has_prompt = "messages" in obj, "prompt" in obj

@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from eagle3_jax.config import read_yaml_mapping
-from eagle3_jax.errors import ConfigError
+from eagle3_jax import settings_io
+from eagle3_jax.errors import SettingsError
 
 EMIT_CHOICES = ("text", "training")
 
@@ -60,32 +60,10 @@ class ServeSettings:
 
     @classmethod
     def merged(cls, yaml_values: Mapping[str, Any], cli_values: Mapping[str, Any]) -> "ServeSettings":
-        """Defaults, then the YAML file's values, then every flag given on the command line."""
-        values = dict(yaml_values)
-        values.update({k: v for k, v in cli_values.items() if v is not None})
-        s = cls(**values)
-        s.coerce()
-        return s
-
-    def coerce(self) -> None:
-        types = {"max_new_tokens": int, "top_k": int, "num_draft_tokens": int, "batch_size": int, "max_len": int,
-                 "seed": int, "temperature": float, "top_p": float}
-        for name, typ in types.items():
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-                raise ConfigError(f"setting {name}: expected a number, found {v!r}")
-            try:
-                converted = typ(v)
-            except ValueError:
-                raise ConfigError(f"setting {name}: expected {typ.__name__}, found {v!r}") from None
-            if typ is int and isinstance(v, float) and v != converted:
-                raise ConfigError(f"setting {name}: expected an integer, found {v!r}")
-            setattr(self, name, converted)
-        for name in ("overwrite", "skip_bad_lines"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"setting {name}: expected true or false, found {getattr(self, name)!r}")
-        self.mesh = str(self.mesh)
-        self.dtype = str(self.dtype)
+        """Defaults, then the YAML file's values, then every flag given on the command line (not None)."""
+        layers = [(getattr(yaml_values, "source", "--config"), yaml_values)]
+        layers += [(f"--{k.replace('_', '-')}", {k: v}) for k, v in cli_values.items() if v is not None]
+        return settings_io.from_layers(cls, layers, {"mesh": settings_io.mesh_text})
 
     def validate(self) -> None:
         problems = []
@@ -112,7 +90,7 @@ class ServeSettings:
         if self.emit not in EMIT_CHOICES:
             problems.append(f"emit must be one of {', '.join(EMIT_CHOICES)}, found '{self.emit}'")
         if problems:
-            raise ConfigError("invalid serve settings: " + "; ".join(problems))
+            raise SettingsError("invalid serve settings: " + "; ".join(problems))
 
     def fingerprint(self, dtype: str, eos_token_ids, tokenizer_kind: str) -> dict:
         fp = {"target": os.path.abspath(self.target) if self.target else None, "dtype": dtype,
@@ -124,22 +102,27 @@ class ServeSettings:
         return {k: getattr(self, k) for k in self.field_names()}
 
 
-def read_yaml_config(path: str) -> dict:
+class FileValues(dict):
+    """A settings file's values and the name of where they came from (``--config PATH``)."""
+
+    def __init__(self, values: Mapping[str, Any], source: str):
+        super().__init__(values)
+        self.source = source
+
+
+def read_yaml_config(path: str) -> FileValues:
     """A YAML mapping of the same keys as the command line (dashes or underscores)."""
-    data = read_yaml_mapping(path, where=f"--config {path}")
-    known = set(ServeSettings.field_names())
-    out, unknown = {}, []
+    source, data = settings_io.yaml_layer(path)
+    out = {}
     for k, v in data.items():
         key = str(k).replace("-", "_")
         if key in ServeSettings.PER_PROCESS:
-            raise ConfigError(
-                f"--config {path}: '{k}' differs per process and is read before the config; pass "
+            raise SettingsError(
+                f"{source}: '{k}' differs per process and is read before the config; pass "
                 f"--{key.replace('_', '-')} on the command line (or EAGLE3_{key.upper()} in the environment) and "
                 "remove it from the file")
-        (out.__setitem__(key, v) if key in known else unknown.append(str(k)))
-    if unknown:
-        raise ConfigError(f"--config {path}: unknown keys {unknown}; known keys are {sorted(known)}")
-    return out
+        out[key] = v
+    return FileValues(out, source)
 
 
 def describe_difference(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:

@@ -1,4 +1,5 @@
-"""EAGLE-3 draft training: data (data.py), the training-time-test loss (ttt.py), the vocab map
+"""EAGLE-3 draft training: records (data.py), the grain pipeline (pipeline.py), the target's hidden
+states online or stored offline (offline.py), the training-time-test loss (ttt.py), the vocab map
 (vocab.py), the loop with checkpoints and export (trainer.py), and its config (config.py)."""
 
 from eagle3_jax.train.config import DraftShape, TrainConfig
@@ -10,7 +11,7 @@ def run(cfg: TrainConfig, progress: bool = True):
     """What ``python train.py`` does: ``mode=prepare`` writes offline hidden states, ``mode=train`` trains."""
     cfg.validate()
     if cfg.mode == "prepare":
-        from eagle3_jax.train.data import prepare_offline
+        from eagle3_jax.train.offline import prepare_offline
 
         return prepare_offline(cfg, progress=progress)
     from eagle3_jax.train.trainer import Trainer

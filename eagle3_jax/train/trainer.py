@@ -14,10 +14,12 @@ metrics log, the vocab map and the exported draft.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -33,11 +35,12 @@ from eagle3_jax.api import LoadedDraft
 from eagle3_jax.checkpoint.staging import atomic_file
 from eagle3_jax.config import resolve_dtype
 from eagle3_jax.contracts import check_pairing
-from eagle3_jax.errors import ConfigError
+from eagle3_jax.errors import ConfigError, SettingsError
 from eagle3_jax.models.draft import Draft
 from eagle3_jax.sharding import DATA_AXIS, make_mesh, mesh_context, shard_state
-from eagle3_jax.train import data as data_lib
+from eagle3_jax.train import data as data_lib, offline as offline_lib, pipeline as pipeline_lib
 from eagle3_jax.train.config import TrainConfig
+from eagle3_jax.train.progress import StepReport, info as _info
 from eagle3_jax.train.ttt import target_logits, target_signal, ttt_loss
 from eagle3_jax.train.vocab import VocabMap, build_vocab_map, load_or_build, token_counts
 
@@ -83,7 +86,7 @@ def train_step(params, opt_state, rest, embed_VD, lm_head_DV, tstate, batch, lr,
 
     def micro(mb):
         if tgraph is not None:  # online: the frozen target runs here
-            aux_BTX, hidden_BTD = data_lib.target_features(tgraph, tstate, mb["ids"], aux_ids)
+            aux_BTX, hidden_BTD = offline_lib.target_features(tgraph, tstate, mb["ids"], aux_ids)
         else:
             aux_BTX, hidden_BTD = mb["aux"], mb["hidden"]
         signal = target_signal(target_logits(hidden_BTD, lm_head_DV), mb["loss_mask"], rest["d2t"], rest["t2d"])
@@ -158,14 +161,18 @@ class Trainer:
         self.target = None
         self.tokenizer = None
         if cfg.hidden_source == "online":
+            t0 = time.perf_counter()
             self.tokenizer = data_lib.load_tokenizer(cfg.target)
             examples = data_lib.read_examples(cfg.data, self.tokenizer, cfg.max_len, tcfg.vocab_size)
-            self.source = data_lib.TokenizedSource(examples, cfg.max_len)
+            _info("read %d training records from %s (%.1fs)", len(examples), cfg.data, time.perf_counter() - t0)
+            self.source = pipeline_lib.TokenizedSource(examples, cfg.max_len)
+            t0 = time.perf_counter()
             self.target = self._load_target()
-            embed_VD, lm_head_DV = data_lib.target_head(self.target.model)
+            _info("loaded target %s (%s) in %.1fs", cfg.target, cfg.resolved_target_dtype, time.perf_counter() - t0)
+            embed_VD, lm_head_DV = offline_lib.target_head(self.target.model)
         else:
-            self.source = data_lib.OfflineSource(cfg.offline_dir)
-            data_lib.check_offline_meta(self.source.meta, cfg, tcfg, cfg.offline_dir)
+            self.source = offline_lib.OfflineSource(cfg.offline_dir)
+            offline_lib.check_offline_meta(self.source.meta, cfg, tcfg, cfg.offline_dir)
             embed_VD, lm_head_DV = (self._replicated(jnp.asarray(a)) for a in self.source.head())
         self.embed_VD, self.lm_head_DV = embed_VD, lm_head_DV
 
@@ -192,8 +199,8 @@ class Trainer:
         self.params, self.opt_state = jax.device_put((self.params, self.opt_state), self._shardings)
 
         # ---- data, checkpoints, resume
-        self.dataset = data_lib.make_dataset(self.source, cfg.batch_size, cfg.seed, rows=self._local_rows())
-        self.data_iter = data_lib.make_iterator(self.dataset, prefetch=2 * cfg.grad_accum)
+        self.dataset = pipeline_lib.make_dataset(self.source, cfg.batch_size, cfg.seed, rows=self._local_rows())
+        self.data_iter = pipeline_lib.make_iterator(self.dataset, prefetch=2 * cfg.grad_accum)
         self.step = 0
         self.ckpt = ocp.CheckpointManager(
             os.path.abspath(os.path.join(cfg.out_dir, "checkpoints")),
@@ -291,7 +298,7 @@ class Trainer:
                 os.remove(self.metrics_path)
             return
         meta = self.ckpt.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-        self._check_resumable(meta.get("config", {}))
+        self._check_resumable(meta.get("config", {}), int(meta["step"]))
         restored = self.ckpt.restore(latest, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(self.params),
             opt_state=ocp.args.StandardRestore(self.opt_state),
@@ -302,15 +309,22 @@ class Trainer:
         self._truncate_metrics(self.step)
         log.info("resumed from %s at step %d", self.ckpt.directory, self.step)
 
-    def _check_resumable(self, saved: dict):
+    def _check_resumable(self, saved: dict, saved_step: int):
         now = self.cfg.to_dict()
         changed = [k for k in RESUME_INVARIANTS if k in saved and saved[k] != now[k]]
         if changed:
             detail = ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed)
-            raise ConfigError(
+            raise SettingsError(
                 f"{self.cfg.out_dir} holds checkpoints of a run with different settings ({detail}); "
                 "resume with the original settings or use a new out_dir")
         other = [k for k in now if k in saved and saved[k] != now[k] and k not in RESUME_INVARIANTS]
+        if other and saved_step >= self.cfg.total_steps:
+            # Nothing would train: the changed settings would silently have no effect.
+            detail = ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in other)
+            raise SettingsError(
+                f"{self.cfg.out_dir} holds a finished run (step {saved_step}) trained with other settings "
+                f"({detail}); rerunning it would train nothing. Use a new out_dir for the new settings, or "
+                f"raise total_steps above {saved_step} to continue this run with them")
         if other:
             log.warning("resuming with changed settings: %s", ", ".join(other))
 
@@ -379,6 +393,7 @@ class Trainer:
     def train(self, stop_at: int | None = None) -> TrainResult:
         """Runs to ``total_steps`` (or stops after step ``stop_at``, as an interruption would), then exports."""
         from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
         cfg = self.cfg
         end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
@@ -386,22 +401,30 @@ class Trainer:
         bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train",
                    disable=not self.progress or not distributed.is_writer())
         rows_per_step = cfg.batch_size * cfg.grad_accum
+        report = StepReport(self.step + 1, end, cfg.total_steps, cfg.log_every, plain=bar.disable)
+        if self.step < end:
+            _info("training steps %d..%d of %d (%d rows x %d tokens a step)", self.step + 1, end, cfg.total_steps,
+                  rows_per_step, cfg.max_len)
         try:
-            while self.step < end:
-                t0 = time.perf_counter()
-                last = self.run_step(self.next_batch())
-                last["tokens_per_s"] = rows_per_step * cfg.max_len / max(time.perf_counter() - t0, 1e-9)
-                self._log(last)
-                bar.update(1)
-                bar.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{last['acc'][0]:.2f}",
-                                tok_s=f"{last['tokens_per_s']:.0f}")
-                if cfg.eval_every and self.step % cfg.eval_every == 0:
-                    ev = self.evaluate()
-                    self._log(ev)
-                    if distributed.is_writer():
-                        bar.write(f"step {self.step}: eval tau {ev['eval_tau']:.3f}")
-                if self.step % cfg.save_every == 0 or self.step == cfg.total_steps:
-                    self._save()
+            # log lines print above the bar instead of through it
+            with contextlib.nullcontext() if bar.disable else logging_redirect_tqdm():
+                while self.step < end:
+                    t0 = time.perf_counter()
+                    last = self.run_step(self.next_batch())
+                    elapsed = time.perf_counter() - t0
+                    last["tokens_per_s"] = rows_per_step * cfg.max_len / max(elapsed, 1e-9)
+                    self._log(last)
+                    bar.update(1)
+                    report.step(self.step, elapsed, last)
+                    bar.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{last['acc'][0]:.2f}",
+                                    tok_s=f"{last['tokens_per_s']:.0f}")
+                    if cfg.eval_every and self.step % cfg.eval_every == 0:
+                        ev = self.evaluate()
+                        self._log(ev)
+                        if distributed.is_writer():
+                            bar.write(f"step {self.step}: eval tau {ev['eval_tau']:.3f}", file=sys.stderr)
+                    if self.step % cfg.save_every == 0 or self.step == cfg.total_steps:
+                        self._save()
         finally:
             bar.close()
             self.ckpt.wait_until_finished()
@@ -412,7 +435,9 @@ class Trainer:
             if os.path.exists(export_dir):
                 log.info("%s already exists (a finished run); not overwritten", export_dir)
             else:
+                t0 = time.perf_counter()
                 self.export(export_dir)
+                _info("exported the draft to %s in %.1fs", export_dir, time.perf_counter() - t0)
         return TrainResult(step=self.step, finished=finished, export_dir=export_dir, last_metrics=last)
 
     def close(self):

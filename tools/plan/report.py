@@ -8,7 +8,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax.api import resolve_dtype
+from eagle3_jax.config import resolve_dtype
 from eagle3_jax.config import DraftConfig, TargetConfig
 from tools.plan.serve import PROGRAM_DOC, Plan
 

@@ -28,7 +28,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +36,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from eagle3_jax.config import resolve_dtype
-from eagle3_jax.config import DraftConfig, MeshConfig, TargetConfig
+from eagle3_jax.config import DraftConfig, MeshConfig, TargetConfig, resolve_dtype
 from eagle3_jax.contracts import check_pairing, resolve_aux_ids
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.draft import Draft
@@ -45,6 +44,9 @@ from eagle3_jax.models.target import Target
 from eagle3_jax.sharding import make_mesh, sharding_for, state_shardings
 from eagle3_jax.speculative import generate as gen
 from eagle3_jax.speculative.generate import LOOP_STATE_AXES
+
+if TYPE_CHECKING:  # tools/plan/train.py imports this module
+    from tools.plan.train import TrainMemory
 DRAFTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafts")
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The draft vocabulary SpecForge-trained drafts use; a derived draft takes it (or the whole vocab if smaller).

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from eagle3_jax.api import resolve_dtype
+from eagle3_jax.config import resolve_dtype
 from eagle3_jax.config import DraftConfig, TargetConfig
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.draft import Draft

@@ -1,0 +1,191 @@
+"""The target's hidden states: computed inside the step (``online``), or once by ``mode=prepare``
+into tensorstore zarr3 arrays (``offline``): the aux states and the target's final (normed) hidden
+states, plus its embedding and head, so that training needs no target weights and computes the
+same loss (the head is applied to the stored states exactly as online).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle3_jax.checkpoint.staging import staged_dir, write_json_atomic
+from eagle3_jax.errors import ConfigError
+from eagle3_jax.train.data import file_digest, load_tokenizer, read_examples
+from eagle3_jax.train.pipeline import TokenizedSource
+
+log = logging.getLogger("eagle3_jax")
+
+OFFLINE_FORMAT = "eagle3-jax-offline-v1"
+
+
+# ---------------------------------------------------------------------- the target's side
+def target_features(tgraph, tstate, ids_BT, aux_ids: tuple[int, ...]):
+    """Runs the frozen target over ids [B, T] from position 0: (aux [B, T, X], final normed hidden [B, T, D])."""
+    target = nnx.merge(tgraph, tstate)
+    B, T = ids_BT.shape
+    positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    out = target(ids_BT, positions_BT, target.init_cache(B, T), aux_ids)
+    return jax.lax.stop_gradient(out.aux_BTX), jax.lax.stop_gradient(out.hidden_BTD)
+
+
+def target_head(target_model) -> tuple[jax.Array, jax.Array]:
+    """(embedding [V, D], head [D, V]) of a target; a tied head is the embedding transposed."""
+    embed_VD = target_model.embed_tokens[...]
+    lm_head_DV = target_model.lm_head[...] if target_model.lm_head is not None else embed_VD.T
+    return embed_VD, lm_head_DV
+
+
+# ---------------------------------------------------------------------- offline store (tensorstore zarr3)
+def _ts_spec(root: str, name: str) -> dict:
+    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(root, name)}}
+
+
+def _ts_dtype(dtype):
+    import tensorstore as ts
+
+    return {"float32": ts.float32, "bfloat16": ts.bfloat16, "float16": ts.float16, "int32": ts.int32,
+            "bool": ts.bool}[np.dtype(dtype).name]
+
+
+def _create(root: str, name: str, shape, dtype, chunk):
+    import tensorstore as ts
+
+    return ts.open(_ts_spec(root, name), create=True, delete_existing=True, dtype=_ts_dtype(dtype),
+                   shape=list(shape), chunk_layout=ts.ChunkLayout(chunk_shape=list(chunk))).result()
+
+
+def _open(root: str, name: str):
+    import tensorstore as ts
+
+    return ts.open(_ts_spec(root, name), open=True).result()
+
+
+class OfflineSource:
+    """Rows of a prepared offline directory: ids, loss mask, aux and final hidden states."""
+
+    ARRAYS = ("ids", "loss_mask", "aux", "hidden")
+
+    def __init__(self, root: str):
+        self.root = root
+        self.meta = read_offline_meta(root)
+        self._arrays = {k: _open(root, k) for k in self.ARRAYS}
+
+    def __len__(self) -> int:
+        return int(self.meta["num_examples"])
+
+    def __getitem__(self, i: int) -> dict:
+        row = {k: self._arrays[k][int(i)].read().result() for k in self.ARRAYS}
+        row["index"] = np.int32(i)
+        return row
+
+    def iter_tokens(self):
+        ids = self._arrays["ids"].read().result()
+        mask = self._arrays["loss_mask"].read().result()
+        for r in range(len(self)):
+            yield ids[r], mask[r]
+
+    def head(self) -> tuple[np.ndarray, np.ndarray]:
+        return _open(self.root, "embed").read().result(), _open(self.root, "lm_head").read().result()
+
+
+def read_offline_meta(root: str) -> dict:
+    path = os.path.join(root, "meta.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{root} holds no prepared hidden states (no meta.json); run with mode=prepare first")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != OFFLINE_FORMAT or not meta.get("complete"):
+        raise ConfigError(f"{root}: incomplete or foreign offline data ({path}); rerun mode=prepare")
+    return meta
+
+
+def offline_meta_for(cfg, tcfg, data_digest: str) -> dict:
+    """The facts a prepared directory must agree with to be reused by a run of ``cfg``."""
+    return {"format": OFFLINE_FORMAT, "target_hidden_size": tcfg.hidden_size, "vocab_size": tcfg.vocab_size,
+            "num_hidden_layers": tcfg.num_hidden_layers, "aux_layer_ids": list(cfg.resolved_aux_ids(tcfg)),
+            "max_len": cfg.max_len, "data_sha256": data_digest}
+
+
+def check_offline_meta(meta: dict, cfg, tcfg, root: str) -> None:
+    want = offline_meta_for(cfg, tcfg, meta.get("data_sha256", ""))
+    for k, v in want.items():
+        if k != "data_sha256" and meta.get(k) != v:
+            raise ConfigError(
+                f"{root} was prepared with {k}={meta.get(k)!r} but this run has {k}={v!r}; rerun mode=prepare "
+                "with this config (into an empty offline_dir)")
+    if cfg.data is not None and os.path.isfile(cfg.data) and file_digest(cfg.data) != meta["data_sha256"]:
+        raise ConfigError(f"{root} was prepared from different data than {cfg.data}; rerun mode=prepare")
+
+
+def prepare_offline(cfg, progress: bool = True) -> str:
+    """``mode=prepare``: runs the target once over the data and writes what training needs."""
+    from tqdm import tqdm
+
+    import eagle3_jax as e3
+    from eagle3_jax.sharding import mesh_context
+
+    from eagle3_jax import distributed
+
+    tcfg = cfg.validate()
+    if distributed.is_multi_process():
+        raise ConfigError("mode=prepare runs in a single process (it writes one offline directory); run it without "
+                          "--coordinator / EAGLE3_COORDINATOR, then train with several processes from its output")
+    root = cfg.offline_dir
+    digest = file_digest(cfg.data)
+    meta = offline_meta_for(cfg, tcfg, digest)
+    if os.path.isfile(os.path.join(root, "meta.json")):
+        try:
+            existing = read_offline_meta(root)
+        except ConfigError:
+            existing = None
+        if existing is not None and all(existing.get(k) == v for k, v in meta.items()):
+            log.info("%s already holds these hidden states; nothing to do", root)
+            return root
+    if os.path.isdir(root) and os.listdir(root):
+        raise ConfigError(f"offline_dir {root} is not empty; give an empty or new directory to prepare into")
+    tok = load_tokenizer(cfg.target)
+    examples = read_examples(cfg.data, tok, cfg.max_len, tcfg.vocab_size)
+    target = e3.load_target(cfg.target, dtype=cfg.resolved_target_dtype, mesh=cfg.mesh)
+    aux_ids = cfg.resolved_aux_ids(tcfg)
+    N, T, D, V = len(examples), cfg.max_len, tcfg.hidden_size, tcfg.vocab_size
+    X = len(aux_ids) * D
+    dtype = np.dtype(jnp.dtype(target.dtype))
+    # root is absent or empty (checked above), so replacing it loses nothing.
+    with staged_dir(root, overwrite=True) as tmp:
+        arrays = {
+            "ids": _create(tmp, "ids", (N, T), np.int32, (1, T)),
+            "loss_mask": _create(tmp, "loss_mask", (N, T), np.bool_, (1, T)),
+            "aux": _create(tmp, "aux", (N, T, X), dtype, (1, T, X)),
+            "hidden": _create(tmp, "hidden", (N, T, D), dtype, (1, T, D)),
+        }
+        embed_VD, lm_head_DV = target_head(target.model)
+        _create(tmp, "embed", (V, D), dtype, (min(V, 4096), D)).write(np.asarray(jax.device_get(embed_VD))).result()
+        _create(tmp, "lm_head", (D, V), dtype, (D, min(V, 4096))).write(np.asarray(jax.device_get(lm_head_DV))).result()
+
+        features = jax.jit(target_features, static_argnums=(0, 3))
+        source = TokenizedSource(examples, T)
+        B = cfg.batch_size
+        with mesh_context(target.mesh):
+            for start in tqdm(range(0, N, B), desc="prepare", disable=not progress):
+                rows = [source[i] for i in range(start, min(start + B, N))]
+                ids = np.stack([r["ids"] for r in rows])
+                mask = np.stack([r["loss_mask"] for r in rows])
+                pad = B - len(rows)  # keep one compiled shape
+                ids_in = np.concatenate([ids, np.zeros((pad, T), np.int32)]) if pad else ids
+                aux, hidden = jax.device_get(features(target.graphdef, target.state, jnp.asarray(ids_in), aux_ids))
+                stop = start + len(rows)
+                arrays["ids"][start:stop].write(ids).result()
+                arrays["loss_mask"][start:stop].write(mask).result()
+                arrays["aux"][start:stop].write(np.asarray(aux[:len(rows)])).result()
+                arrays["hidden"][start:stop].write(np.asarray(hidden[:len(rows)])).result()
+        meta.update({"complete": True, "num_examples": N, "dtype": dtype.name, "target": os.path.abspath(cfg.target),
+                     "data": os.path.abspath(cfg.data)})
+        write_json_atomic(os.path.join(tmp, "meta.json"), meta)
+    return root
