@@ -16,7 +16,7 @@ import sys
 import warnings
 from typing import Callable
 
-from eagle3_jax import distributed
+from eagle3_jax import distributed, preflight
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.metrics import AcceptanceCollapseWarning
 from eagle3_jax.serve.inputs import InputError, PromptRecord, read_prompts
@@ -165,6 +165,7 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
     if s.draft:
         DraftConfig.from_path(s.draft)   # a wrong --draft path fails now, not after the target has loaded
     dtype = resolve_dtype_name(s.dtype, target_cfg)
+    preflight.check_pair(s.target, s.draft, mesh=s.mesh, dtype=dtype, max_len=s.max_len)  # before any output
     tok = load_tokenizer(s.target)
     check_vocab(tok, target_cfg.vocab_size, s.target)
     log.info("%s", tok.describe())

@@ -1,6 +1,7 @@
 """EAGLE-3 draft training: data (data.py), the training-time-test loss (ttt.py), the vocab map
 (vocab.py), the loop with checkpoints and export (trainer.py), and its config (config.py)."""
 
+from eagle3_jax import preflight
 from eagle3_jax.train.config import DraftShape, TrainConfig
 
 __all__ = ["DraftShape", "TrainConfig", "run"]
@@ -9,6 +10,7 @@ __all__ = ["DraftShape", "TrainConfig", "run"]
 def run(cfg: TrainConfig, progress: bool = True):
     """What ``python train.py`` does: ``mode=prepare`` writes offline hidden states, ``mode=train`` trains."""
     cfg.validate()
+    preflight.check_pair(cfg.target, cfg.draft_config(), mesh=cfg.mesh, dtype=cfg.resolved_target_dtype)
     if cfg.mode == "prepare":
         from eagle3_jax.train.data import prepare_offline
 
