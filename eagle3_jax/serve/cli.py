@@ -232,7 +232,7 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
         target, draft=draft, num_draft_tokens=s.num_draft_tokens, max_len=s.max_len, batch_size=s.batch_size,
         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
         eos_token_ids=tuple(tok.eos_token_ids))
-    watchdog = Watchdog(k, context=s.output)
+    watchdog = Watchdog(k, context=s.output, pair=(s.target, s.draft))
     stats.start_clock()
     with logging_redirect_tqdm(), tqdm(total=len(requests), unit="prompt", desc="serve", dynamic_ncols=True,
                                        mininterval=0.5) as bar:
