@@ -199,7 +199,7 @@ def diagnose(target_dir: str, draft_dir: str, prompts: str | None = None, num_pr
     configured_is_best = best is configured or best.tau - configured.tau <= MIN_GAIN
     if configured_is_best:
         best = configured
-    t2d_V = np.asarray(draft.model.t2d.value)
+    t2d_V = np.asarray(draft.model.t2d[...])
     text_ids = np.asarray([t for seq in prompt_ids + generated for t in seq], np.int64)
     coverage = float(t2d_V[text_ids].mean()) if text_ids.size else float("nan")
     near_one = configured.tau < WATCHDOG_TAU
