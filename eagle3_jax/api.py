@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle3_jax import preflight
 from eagle3_jax.checkpoint.hf_loader import load_state
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 from eagle3_jax.checkpoint.target_map import is_ignored_key, target_rules
@@ -198,6 +199,7 @@ def load_draft(path: str | os.PathLike, target: LoadedTarget, dtype=None) -> Loa
     from eagle3_jax.checkpoint.draft_map import draft_rules
 
     path = os.fspath(path)
+    preflight.check_pair(target.config, path)   # config.json + headers only, before any tensor is read
     cfg = DraftConfig.from_path(path)
     dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
     reader = None if store.is_jax_checkpoint(path) else CheckpointReader(path)

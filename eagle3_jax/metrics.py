@@ -66,8 +66,18 @@ class GenerationStats:
         }
 
 
-def check_acceptance(stats: GenerationStats, num_draft_tokens: int, context: str = "") -> bool:
-    """Warns loudly when tau stays below 1.1 over >= 32 rounds. Returns True when it warned."""
+def doctor_command(target: str, draft: str) -> str:
+    """The command line that measures every plausible wiring of this pair."""
+    import shlex
+
+    return f"python -m tools.doctor --target {shlex.quote(str(target))} --draft {shlex.quote(str(draft))}"
+
+
+def check_acceptance(stats: GenerationStats, num_draft_tokens: int, context: str = "",
+                     pair: tuple[str, str] | None = None) -> bool:
+    """Warns loudly when tau stays below 1.1 over >= 32 rounds. Returns True when it warned.
+
+    ``pair``: the (target, draft) directories, so the warning can name the doctor's command line."""
     if num_draft_tokens <= 0 or stats.rounds < WATCHDOG_MIN_ROUNDS or not np.isfinite(stats.mean_accept_length):
         return False
     if stats.mean_accept_length >= WATCHDOG_TAU:
@@ -79,6 +89,7 @@ def check_acceptance(stats: GenerationStats, num_draft_tokens: int, context: str
         "(check eagle_config.eagle_aux_hidden_state_layer_ids against the layers it was trained on; id i = "
         "output of layer i, an off-by-one gives this symptom), the draft was trained for a different target "
         "or tokenizer, or the draft checkpoint is untrained/corrupt."
+        + (f" To find the wiring that works, run: {doctor_command(*pair)}" if pair else "")
     )
     log.warning(msg)
     warnings.warn(msg, AcceptanceCollapseWarning, stacklevel=3)

@@ -16,7 +16,7 @@ import sys
 import warnings
 from typing import Callable
 
-from eagle3_jax import distributed
+from eagle3_jax import distributed, preflight
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.metrics import AcceptanceCollapseWarning
 from eagle3_jax.serve.inputs import InputError, PromptRecord, read_prompts
@@ -165,6 +165,7 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
     if s.draft:
         DraftConfig.from_path(s.draft)   # a wrong --draft path fails now, not after the target has loaded
     dtype = resolve_dtype_name(s.dtype, target_cfg)
+    preflight.check_pair(s.target, s.draft, mesh=s.mesh, dtype=dtype, max_len=s.max_len)  # before any output
     tok = load_tokenizer(s.target)
     check_vocab(tok, target_cfg.vocab_size, s.target)
     log.info("%s", tok.describe())
@@ -231,7 +232,7 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
         target, draft=draft, num_draft_tokens=s.num_draft_tokens, max_len=s.max_len, batch_size=s.batch_size,
         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
         eos_token_ids=tuple(tok.eos_token_ids))
-    watchdog = Watchdog(k, context=s.output)
+    watchdog = Watchdog(k, context=s.output, pair=(s.target, s.draft))
     stats.start_clock()
     with logging_redirect_tqdm(), tqdm(total=len(requests), unit="prompt", desc="serve", dynamic_ncols=True,
                                        mininterval=0.5) as bar:

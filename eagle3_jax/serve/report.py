@@ -78,9 +78,11 @@ class RunStats:
 class Watchdog:
     """Runs the acceptance check as soon as enough rounds exist, then every ``interval`` seconds."""
 
-    def __init__(self, num_draft_tokens: int, context: str, interval: float = 300.0):
+    def __init__(self, num_draft_tokens: int, context: str, interval: float = 300.0,
+                 pair: tuple[str, str] | None = None):
         self.num_draft_tokens = num_draft_tokens
         self.context = context
+        self.pair = pair   # (target, draft) directories, named in the warning's doctor command
         self.interval = interval
         self.last = -math.inf
 
@@ -89,7 +91,7 @@ class Watchdog:
         if not self.num_draft_tokens or stats.rounds < WATCHDOG_MIN_ROUNDS or now - self.last < self.interval:
             return False
         self.last = now
-        return check_acceptance(stats.generation, self.num_draft_tokens, self.context)
+        return check_acceptance(stats.generation, self.num_draft_tokens, self.context, self.pair)
 
 
 def _fmt(x: float, digits: int = 2) -> str:

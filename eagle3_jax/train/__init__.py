@@ -2,6 +2,7 @@
 states online or stored offline (offline.py), the training-time-test loss (ttt.py), the vocab map
 (vocab.py), the loop with checkpoints and export (trainer.py), and its config (config.py)."""
 
+from eagle3_jax import preflight
 from eagle3_jax.train.config import DraftShape, TrainConfig
 
 __all__ = ["DraftShape", "TrainConfig", "run"]
@@ -10,6 +11,7 @@ __all__ = ["DraftShape", "TrainConfig", "run"]
 def run(cfg: TrainConfig, progress: bool = True):
     """What ``python train.py`` does: ``mode=prepare`` writes offline hidden states, ``mode=train`` trains."""
     cfg.validate()
+    preflight.check_pair(cfg.target, cfg.draft_config(), mesh=cfg.mesh, dtype=cfg.resolved_target_dtype)
     if cfg.mode == "prepare":
         from eagle3_jax.train.offline import prepare_offline
 

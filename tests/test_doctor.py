@@ -1,0 +1,78 @@
+"""tools.doctor on the demo pair: it finds the shipped wiring, from the shipped config and from a shifted one."""
+
+import json
+import shutil
+from pathlib import Path
+
+from tools.doctor.__main__ import main
+from tools.doctor.core import candidate_wirings
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_TARGET, DEMO_DRAFT = REPO / "demo" / "target", REPO / "demo" / "draft"
+# Few prompts and tokens: enough to separate the wirings on the demo pair, small enough to stay quick.
+FAST = ["--num-prompts", "3", "--max-new-tokens", "24", "--num-draft-tokens", "3"]
+
+
+def test_candidates_cover_both_conventions_and_both_engine_defaults():
+    names = {w.name: (w.ids, w.skipped) for w in candidate_wirings((2, 30, 58), 61, 3)}
+    # Published Kimi ids: vLLM's default equals them, SGLang's default is them shifted by -1.
+    assert names == {"configured = vLLM default": ((2, 30, 58), None),
+                     "configured -1 = SGLang default": ((1, 29, 57), None),
+                     "configured +1": ((3, 31, 59), None)}
+    edge = {w.name: w.skipped for w in candidate_wirings((0, 2, 5), 6, 3)}
+    assert "outside the target's layers 0..5" in edge["configured -1"]
+    assert "outside the target's layers 0..5" in edge["configured +1"]
+
+
+def test_doctor_names_the_shipped_ids_when_the_config_is_shifted_and_confirms_them_otherwise(tmp_path, capsys):
+    shipped = json.loads((DEMO_DRAFT / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    shifted = tmp_path / "draft"
+    shutil.copytree(DEMO_DRAFT, shifted)
+    cfg = json.loads((shifted / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in shipped]
+    (shifted / "config.json").write_text(json.dumps(cfg))
+
+    assert main(["--target", str(DEMO_TARGET), "--draft", str(shifted), *FAST]) == 3
+    out = capsys.readouterr().out
+    assert f"verdict: use configured -1 {shipped}" in out
+    assert f"set `eagle_config.eagle_aux_hidden_state_layer_ids` to {shipped}" in out
+    fix = json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": shipped, "use_aux_hidden_state": True}})
+    assert fix in out
+
+    assert main(["--target", str(DEMO_TARGET), "--draft", str(DEMO_DRAFT), "--json", *FAST]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["configured_is_best"] and report["verdict"].startswith("configured wiring is best")
+    assert report["best_ids"] == shipped and report["fix_json"] is None
+    rows = {w["name"]: w for w in report["wirings"]}
+    assert rows["configured"]["tau"] > rows["configured +1"]["tau"]
+    assert len(rows["configured"]["accept_rate_per_position"]) == 3
+    assert 0.0 < report["vocab_coverage"] <= 1.0
+    assert report["target_dtype"] == report["draft_dtype"] == "bfloat16"
+    assert not report["tau_near_one"] and report["likely_causes"] == []
+
+
+def test_static_failure_is_reported_without_measuring(tmp_path, capsys):
+    bad = tmp_path / "draft"
+    shutil.copytree(DEMO_DRAFT, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert main(["--target", str(DEMO_TARGET), "--draft", str(bad), *FAST]) == 1
+    assert "fc.weight takes 768 inputs" in capsys.readouterr().err
+
+
+def test_watchdog_names_the_doctor_command_for_this_pair(caplog):
+    import logging
+
+    import pytest
+
+    import eagle3_jax as e3
+    from eagle3_jax.serve.report import RunStats, Watchdog
+
+    stats = RunStats(4)
+    stats.add("length", e3.GenerationStats(rounds=40, tokens=41, round_tokens=41, seconds=0.0,
+                                           accepted_per_position=[1, 0, 0, 0]))
+    dog = Watchdog(4, context="out.jsonl", pair=("/models/kimi k2.5", "/drafts/eagle3"))
+    with pytest.warns(e3.AcceptanceCollapseWarning), caplog.at_level(logging.WARNING, logger="eagle3_jax"):
+        assert dog.maybe_check(stats)
+    assert "run: python -m tools.doctor --target '/models/kimi k2.5' --draft /drafts/eagle3" in caplog.text

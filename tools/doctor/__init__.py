@@ -1,0 +1,1 @@
+"""``python -m tools.doctor``: static checks of a target/draft pair, then the wiring that accepts most."""
