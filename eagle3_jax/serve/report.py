@@ -19,32 +19,53 @@ from jax import monitoring
 
 from eagle3_jax.metrics import WATCHDOG_MIN_ROUNDS, GenerationStats, check_acceptance
 
-# JAX reports each compilation as three timed phases (trace, lower to MLIR, XLA compile).
-COMPILE_EVENT_PREFIX = "/jax/core/compile/"
+# JAX reports each compilation as timed phases: trace, lower to MLIR, XLA compile (and load).
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 class CompileClock:
-    """Sums the seconds JAX spends compiling while active (a context manager). ``on_compile`` is
-    called when a compilation's tracing is done, before its (longer) lowering and XLA phases, so a
-    progress line can say that it is compiling instead of stalling silently."""
+    """Sums the wall time JAX spends compiling while active (a context manager): for each
+    compilation, from the start of its tracing to the end of its XLA compile, so the host work
+    between the phases counts too (a trace that compiles nothing counts its own duration).
+    ``on_compile`` is called when tracing starts, so a progress line can say that it is compiling
+    instead of stalling silently."""
 
     def __init__(self, on_compile=None):
         self.seconds = 0.0
         self.on_compile = on_compile
+        self._pending: tuple[float, float] | None = None   # (start, end) of phases not yet closed by a compile
 
-    def _listen(self, event: str, duration: float, **_) -> None:
-        if event.startswith(COMPILE_EVENT_PREFIX):
-            self.seconds += duration
-            if event == TRACE_EVENT and self.on_compile is not None:
-                self.on_compile()
+    def _on_phase_start(self, event: str, value: float, **_) -> None:
+        # JAX announces each timed phase with its start time as a scalar event.
+        if event == TRACE_EVENT and self.on_compile is not None:
+            self.on_compile()
+
+    def _on_span(self, event: str, start: float, end: float, **_) -> None:
+        if event == TRACE_EVENT:
+            self._flush()
+            self._pending = (start, end)
+        elif event == LOWER_EVENT and self._pending is None:
+            self._pending = (start, end)
+        elif event == BACKEND_COMPILE_EVENT:
+            self.seconds += end - (self._pending[0] if self._pending is not None else start)
+            self._pending = None
+
+    def _flush(self) -> None:
+        if self._pending is not None:
+            self.seconds += self._pending[1] - self._pending[0]
+            self._pending = None
 
     def __enter__(self):
-        monitoring.register_event_duration_secs_listener(self._listen)
+        monitoring.register_scalar_listener(self._on_phase_start)
+        monitoring.register_event_time_span_listener(self._on_span)
         return self
 
     def __exit__(self, *exc):
-        monitoring.unregister_event_duration_listener(self._listen)
+        monitoring.unregister_scalar_listener(self._on_phase_start)
+        monitoring.unregister_event_time_span_listener(self._on_span)
+        self._flush()
 
 
 class RunStats:
