@@ -6,10 +6,12 @@ from eagle3_jax.config import DraftConfig, MeshConfig, RopeConfig, TargetConfig
 from eagle3_jax.metrics import AcceptanceCollapseWarning, GenerationStats
 from eagle3_jax.errors import CheckpointError, ConfigError, Eagle3Error
 from eagle3_jax.sharding import make_mesh
+from eagle3_jax.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 __all__ = [
     "AcceptanceCollapseWarning", "DraftConfig", "DraftOutput", "GenerationResult", "GenerationStats", "Generator",
     "LoadedDraft", "build_draft", "load_draft", "save_draft",
     "CheckpointError", "ConfigError", "Eagle3Error", "ForwardOutput", "LoadedTarget", "MeshConfig",
     "RopeConfig", "TargetConfig", "build_target", "load_target", "make_mesh",
+    "Tokenizer", "TokenizerError", "load_tokenizer",
 ]

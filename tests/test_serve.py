@@ -4,6 +4,7 @@ resume, settings protection, bad input, the no-target message, config files, the
 
 import json
 import logging
+import re
 
 import pytest
 
@@ -11,7 +12,7 @@ import eagle3_jax as e3
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import WATCHDOG_TAU
 from eagle3_jax.serve import cli
-from eagle3_jax.serve.inputs import read_prompts
+from eagle3_jax.serve.inputs import content_id, read_prompts
 from eagle3_jax.serve.output import ResumableOutput, sidecar_path
 from eagle3_jax.metrics import GenerationStats
 from eagle3_jax.serve.report import RunStats, Watchdog
@@ -51,14 +52,16 @@ def check_matches(records, expected):
 
 def test_end_to_end_matches_target_only(tmp_path, models, tiny_target, target_dir, trained_draft_dir,
                                         expected, capsys, caplog):
-    no_id = {"prompt": "no id"}   # its line number (13) stands in
+    no_id = {"prompt": "no id"}   # its id is derived from its content
     inp = write_jsonl(tmp_path / "in.jsonl", prompt_rows() + [no_id])
     out, metrics = tmp_path / "out.jsonl", tmp_path / "metrics.json"
     with caplog.at_level(logging.INFO, logger="eagle3_jax"):
         assert serve(models, target_dir, inp, out, trained_draft_dir, metrics=metrics) == 0
     records = read_jsonl(out)
     want = dict(expected)
-    want.update(expected_text_records(tiny_target, target_dir, [dict(no_id, id=13)]))
+    no_id_key = [r.id for r in read_prompts(str(inp))[0]][-1]
+    assert no_id_key.startswith("sha256:")
+    want.update(expected_text_records(tiny_target, target_dir, [dict(no_id, id=no_id_key)]))
     check_matches(records, want)
     for r in records:
         assert list(r) == ["id", "text", "num_tokens", "finish_reason", "accept_length"]
@@ -173,8 +176,11 @@ def test_speed_settings_may_change_between_runs_of_one_job():
     fast = cli.settings_from_argv(["--target", "t", "--input", "i", "--output", "o", "--draft", "d",
                                    "--num-draft-tokens", "6", "--batch-size", "64", "--mesh", "expert=8"])
     assert s.fingerprint("bfloat16", (1,), "x") == fast.fingerprint("bfloat16", (1,), "x")
+    # max_len decides only which prompts fit and where rows are cut; the output handles those rows
+    assert s.fingerprint("bfloat16", (1,), "x") == cli.settings_from_argv(
+        ["--target", "t", "--input", "i", "--output", "o", "--max-len", "99"]).fingerprint("bfloat16", (1,), "x")
     for flag, value in [("--max-new-tokens", "9"), ("--temperature", "1"), ("--top-p", "0.9"), ("--top-k", "5"),
-                        ("--max-len", "99"), ("--seed", "3"), ("--emit", "training")]:
+                        ("--seed", "3"), ("--emit", "training")]:
         other = cli.settings_from_argv(["--target", "t", "--input", "i", "--output", "o", flag, value])
         assert other.fingerprint("bfloat16", (1,), "x") != s.fingerprint("bfloat16", (1,), "x"), flag
     assert s.fingerprint("float32", (1,), "x") != s.fingerprint("bfloat16", (1,), "x")
@@ -211,7 +217,7 @@ def test_output_without_settings_file_is_refused(tmp_path):
 def test_malformed_line_reported_with_line_number(tmp_path, line, why):
     path = write_jsonl(tmp_path / "in.jsonl", [{"id": "p0", "prompt": "a"}, "", line, {"prompt": "b"}])
     records, errors = read_prompts(str(path))
-    assert [r.id for r in records] == ["p0", 4]
+    assert [r.id for r in records] == ["p0", content_id(records[1])] and records[1].id.startswith("sha256:")
     assert len(errors) == 1 and errors[0].startswith("line 3: ") and why in errors[0], errors
 
 
@@ -230,15 +236,17 @@ def test_skip_bad_lines_and_too_long_prompt(tmp_path, models, target_dir, traine
     inp = write_jsonl(tmp_path / "in.jsonl",
                       prompt_rows()[:3] + ["{oops", {"id": "long", "prompt": long_prompt}, {"id": "empty", "prompt": ""}])
     out = tmp_path / "out.jsonl"
-    assert serve(models, target_dir, inp, out, trained_draft_dir, skip_bad_lines=True) == 0
+    assert serve(models, target_dir, inp, out, trained_draft_dir, skip_bad_lines=True) == 1   # 2 prompts failed
     by_id = {r["id"]: r for r in read_jsonl(out)}
     assert set(by_id) == {"p0", "p1", "p2", "long", "empty"}
     assert by_id["long"]["finish_reason"] == f"error: prompt has {len(long_prompt)} tokens, max_len is 48"
     assert by_id["long"]["num_tokens"] == 0 and by_id["long"]["text"] == ""
     assert by_id["empty"]["finish_reason"] == "error: prompt is empty (0 tokens)"
     check_matches([by_id[k] for k in ("p0", "p1", "p2")], {k: expected[k] for k in ("p0", "p1", "p2")})
-    printed = capsys.readouterr().out
-    assert "(2 errors)" in printed and "1 bad lines skipped" in printed
+    captured = capsys.readouterr()
+    assert "(2 errors)" in captured.out and "1 bad lines skipped" in captured.out
+    assert re.search(r"failed +2: 1 prompt too long for max_len, 1 empty prompt; a rerun retries them", captured.out)
+    assert "2 of 5 prompts failed: 1 prompt too long for max_len, 1 empty prompt" in captured.err
 
 
 def test_empty_input_ends_cleanly(tmp_path, models, target_dir, capsys):

@@ -3,8 +3,9 @@
 Everything that can be checked cheaply is checked before the model loads: settings, the target's
 config, the tokenizer, every input line, the output file and its settings. Then prompts stream
 through the refill-batching engine and each finished prompt is appended to the output at once.
-Exit status: 0 done (or nothing to do), 1 an error (message on stderr), 2 bad command line,
-130 interrupted (rerun the same command to finish).
+Exit status: 0 every prompt done (or nothing to do), 1 an error (message on stderr) or some prompts
+failed (their rows say why; a rerun retries them), 2 bad command line, 130 interrupted (rerun the
+same command to finish).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import importlib
 import logging
 import sys
+import time
 import warnings
 from typing import Callable
 
@@ -33,8 +35,8 @@ optionally, an EAGLE-3 draft. Point it at a model:
     python serve.py --target HF_TARGET_DIR [--draft EAGLE3_DRAFT_DIR] \\
         --input prompts.jsonl --output out.jsonl [--max-new-tokens 256] [--mesh data=1,expert=8,tensor=1]
 
-prompts.jsonl has one {"id": ..., "messages": [...]} or {"id": ..., "prompt": "..."} per line.
-Rerunning the same command after a crash resumes where it stopped. `python serve.py --help` lists
+prompts.jsonl has one {"id": ..., "messages": [...]} or {"id": ..., "prompt": "..."} per line
+(without "id", the id is derived from the content: "sha256:..."). Rerunning the same command after a crash resumes where it stopped. `python serve.py --help` lists
 every option; configs/serve/*.yaml are example --config files.
 With no arguments at all it runs the embedded demo (demo/target + demo/draft, see demo/README.md).
 """
@@ -43,12 +45,16 @@ BAD_LINES_SHOWN = 20
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="serve.py", description="Crash-safe batch generation with a target and an optional EAGLE-3 draft.",
-        epilog="Settings may also come from --config FILE.yaml (same keys); flags given here win.")
+        prog="serve.py", description="Crash-safe batch generation with a target and an optional EAGLE-3 draft. "
+        "With no arguments at all, runs the embedded demo (demo/target + demo/draft on demo/prompts.jsonl).",
+        epilog="Settings may also come from --config FILE.yaml (same keys); flags given here win. Exit status: 0 all "
+               "prompts done, 1 an error or some prompts failed (a rerun retries them), 2 bad command line or "
+               "config, 130 interrupted (rerun the same command to finish).")
     a = p.add_argument
     a("--target", help="Hugging Face DeepseekV3 / Kimi-K2 / Kimi-K2.5 checkpoint directory (or a converted one)")
     a("--draft", help="EAGLE-3 draft directory (SpecForge / SGLang layout); omit for target-only decoding")
-    a("--input", help="prompts JSONL: {\"id\", \"messages\"} or {\"id\", \"prompt\"} per line")
+    a("--input", help="prompts JSONL: {\"id\", \"messages\"} or {\"id\", \"prompt\"} per line; a line without "
+                      "\"id\" gets one derived from its content (\"sha256:...\")")
     a("--output", help="results JSONL, appended as prompts finish; its settings go to OUTPUT.settings.json")
     a("--max-new-tokens", type=int, help="tokens to generate per prompt (default 256)")
     a("--temperature", type=float, help="0 = greedy (default); > 0 samples")
@@ -56,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--top-k", type=int, help="sample from the k most likely tokens (default 0 = off)")
     a("--num-draft-tokens", type=int, help="draft tokens per verify round (default 4)")
     a("--batch-size", type=int, help="rows generated together (default 8)")
-    a("--max-len", type=int, help="prompt + generation capacity per row in tokens (default 2048)")
+    a("--max-len", type=int, help="prompt + generation capacity per row in tokens (default 2048); may change "
+                                   "between runs of one output: longer prompts that failed are retried")
     a("--mesh", help="device mesh, e.g. data=1,expert=8,tensor=1; 'auto' (default) puts every device on expert, "
                      "'none' runs on one device")
     a("--seed", type=int, help="sampling seed (default 0)")
@@ -122,17 +129,24 @@ def load_models(s: ServeSettings, dtype: str):
     return target, draft
 
 
-def tokenize(tok, rec: PromptRecord) -> tuple[list[int] | None, str | None]:
-    """Token ids, or the error that goes into this prompt's finish_reason."""
+# Why a prompt failed, as the summary counts them.
+FAIL_TEMPLATE, FAIL_EMPTY, FAIL_TOO_LONG = "chat template failed", "empty prompt", "prompt too long for max_len"
+FAIL_GENERATION = "generation failed"
+
+
+def tokenize(tok, rec: PromptRecord, max_len: int) -> tuple[list[int] | None, str | None, str | None]:
+    """(token ids, None, None), or (None, the error for this prompt's finish_reason, its short reason)."""
     import jinja2
 
     try:
         ids = tok.encode_chat(rec.messages) if rec.messages is not None else tok.encode(rec.prompt)
     except jinja2.TemplateError as e:
-        return None, f"error: chat template failed on this conversation: {e}"
+        return None, f"error: chat template failed on this conversation: {e}", FAIL_TEMPLATE
     if not ids:
-        return None, "error: prompt is empty (0 tokens)"
-    return ids, None
+        return None, "error: prompt is empty (0 tokens)", FAIL_EMPTY
+    if len(ids) >= max_len:
+        return None, f"error: prompt has {len(ids)} tokens, max_len is {max_len}", FAIL_TOO_LONG
+    return ids, None, None
 
 
 def result_record(rec: PromptRecord, emit: str, text: str, num_tokens: int, finish_reason: str,
@@ -178,18 +192,18 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
             raise InputError(f"{s.input}: {len(bad)} malformed line(s); nothing was generated. Fix them or pass "
                              f"--skip-bad-lines:\n  {shown}")
         log.warning("%s: skipping %d malformed line(s):\n  %s", s.input, len(bad), shown)
+    stats = RunStats(s.num_draft_tokens if s.draft else 0)
     if not records:
         print(f"{s.input} has no prompts; nothing to do.")
+        _write_metrics(s, stats, 0, len(bad), dtype)
         return 0
     if tok.chat_template is None and any(r.messages is not None for r in records):
         raise TokenizerError(f"{s.target}: the inputs have 'messages' but the tokenizer has no chat template "
                              "(tokenizer_config.json 'chat_template' or chat_template.jinja); add one or give "
                              "plain 'prompt' inputs")
 
-    k = s.num_draft_tokens if s.draft else 0
     fingerprint = s.fingerprint(dtype, tok.eos_token_ids, tok.kind)
-    stats = RunStats(k)
-    with ResumableOutput(s.output, fingerprint, s.overwrite) as out:
+    with ResumableOutput(s.output, fingerprint, s.overwrite, max_len=s.max_len) as out:
         pending = [r for r in records if r.key not in out.done]
         already = len(records) - len(pending)
         if already:
@@ -197,18 +211,17 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
                      len(records), len(pending))
         if not pending:
             print(f"all {len(records)} prompts are already in {s.output}; nothing to do.")
+            _write_metrics(s, stats, already, len(bad), dtype)
             return 0
         log.info("settings recorded in %s", sidecar_path(s.output))
         requests, by_key = [], {}
         engine_module = engine_module or importlib.import_module("eagle3_jax.speculative.engine")
         for rec in pending:
-            ids, error = tokenize(tok, rec)
-            if error is None and len(ids) >= s.max_len:
-                error = f"error: prompt has {len(ids)} tokens, max_len is {s.max_len}"
+            ids, error, failure = tokenize(tok, rec, s.max_len)
             if error is not None:
                 log.warning("prompt %s (line %d): %s", rec.key, rec.line, error)
                 out.append(result_record(rec, s.emit, "", 0, error, None))
-                stats.add(error)
+                stats.add(error, failure=failure)
                 continue
             requests.append(engine_module.Request(key=rec.key, prompt=ids))
             by_key[rec.key] = rec
@@ -216,37 +229,66 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
             _generate(s, tok, dtype, requests, by_key, out, stats, models or load_models, engine_module)
 
     print(summary_table(stats, already, len(bad)))
-    if s.metrics and distributed.is_writer():
-        write_metrics(s.metrics, metrics_dict(stats, already, len(bad), dict(s.as_dict(), dtype=dtype)))
-        log.info("metrics written to %s", s.metrics)
+    _write_metrics(s, stats, already, len(bad), dtype)
+    if stats.errors:
+        print(f"serve.py: {stats.errors} of {stats.prompts} prompts failed: {stats.failure_summary()}. Their rows in "
+              f"{s.output} have finish_reason \"error: ...\"; rerunning retries them (e.g. with a larger --max-len).",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def _write_metrics(s: ServeSettings, stats: RunStats, already: int, skipped_lines: int, dtype: str) -> None:
+    if s.metrics and distributed.is_writer():
+        write_metrics(s.metrics, metrics_dict(stats, already, skipped_lines, dict(s.as_dict(), dtype=dtype)))
+        log.info("metrics written to %s", s.metrics)
 
 
 def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, engine_module) -> None:
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    from eagle3_jax.speculative.session import bucket_prompt_len
+
+    started = time.perf_counter()
     target, draft = models(s, dtype)
+    stats.load_seconds = time.perf_counter() - started
     k = stats.num_draft_tokens
     engine = engine_module.Engine(
         target, draft=draft, num_draft_tokens=s.num_draft_tokens, max_len=s.max_len, batch_size=s.batch_size,
         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
         eos_token_ids=tuple(tok.eos_token_ids))
     watchdog = Watchdog(k, context=s.output, pair=(s.target, s.draft))
-    stats.start_clock()
+    buckets: set[int] = set()
+    compiling = ["compiling the decode programs…"]   # what the progress line says while XLA compiles
+
+    def handed_to_engine(reqs):
+        # The engine pulls prompts as rows free up; a prompt-length bucket not seen before means
+        # its admission program is compiled next (this is the only place the host knows that).
+        for req in reqs:
+            bucket = bucket_prompt_len(len(req.prompt), s.max_len)
+            if buckets and bucket not in buckets:
+                compiling[0] = f"compiling prompt bucket {bucket}…"
+            buckets.add(bucket)
+            yield req
+
     with logging_redirect_tqdm(), tqdm(total=len(requests), unit="prompt", desc="serve", dynamic_ncols=True,
                                        mininterval=0.5) as bar:
-        for fin in engine.run(requests):
-            rec = by_key[fin.key]
-            tau = round(fin.accept_length, 4) if k and fin.rounds else None
-            out.append(result_record(rec, s.emit, generation_text(tok, fin.tokens, fin.finish_reason),
-                                     len(fin.tokens), fin.finish_reason, tau))
-            stats.add(fin.finish_reason, fin.stats)
-            stats.tick()
-            bar.set_postfix_str(stats.postfix(), refresh=False)
-            bar.update(1)
-            watchdog.maybe_check(stats)
-    stats.tick()
+        stats.compile.on_compile = lambda: bar.set_postfix_str(compiling[0], refresh=True)
+        stats.start_clock()
+        with stats.compile:
+            for fin in engine.run(handed_to_engine(requests)):
+                rec = by_key[fin.key]
+                tau = round(fin.accept_length, 4) if k and fin.rounds else None
+                out.append(result_record(rec, s.emit, generation_text(tok, fin.tokens, fin.finish_reason),
+                                         len(fin.tokens), fin.finish_reason, tau))
+                stats.add(fin.finish_reason, fin.stats, failure=FAIL_GENERATION)
+                stats.tick()
+                compiling[0] = "compiling…"
+                bar.set_postfix_str(stats.postfix(), refresh=False)
+                bar.update(1)
+                watchdog.maybe_check(stats)
+        stats.tick()
     # The engine itself runs the acceptance check on its totals when the run ends.
 
 

@@ -1,12 +1,18 @@
 """Prompt JSONL: one object per line, ``{"id": ..., "messages": [...]}`` or ``{"id": ..., "prompt": "..."}``.
 
-``id`` (a string or an integer) is optional: the 1-based line number stands in for it. Blank lines
-are ignored. When ``messages`` ends with an assistant turn, that turn is what gets regenerated: the
-prompt is everything before it (the training-data regeneration case).
+``id`` (a string or an integer) is optional. A line without one gets an id derived from its content:
+``"sha256:"`` + the first 16 hex digits of the SHA-256 of the canonical JSON (sorted keys, no spaces)
+of ``{"prompt": ...}`` or ``{"messages": [...]}`` (the prompt turns, a trailing assistant turn
+removed). Such an id does not move when lines are inserted or reordered, so a resumed run finds its
+finished prompts again. The k-th repeat (k >= 2) of the same content without an id gets ``-k``
+appended, so repeats are generated once each. Blank lines are ignored. When ``messages`` ends with
+an assistant turn, that turn is what gets regenerated: the prompt is everything before it (the
+training-data regeneration case).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 
@@ -23,6 +29,7 @@ class PromptRecord:
     line: int
     messages: list[dict] | None = None   # the prompt turns (a trailing assistant turn removed)
     prompt: str | None = None
+    id_derived: bool = False             # True: the line had no 'id'; ``id`` comes from the content
 
     @property
     def key(self) -> str:
@@ -38,6 +45,13 @@ class PromptRecord:
 
 def id_key(value) -> str:
     return json.dumps(value, ensure_ascii=False)
+
+
+def content_id(rec: PromptRecord) -> str:
+    """The id of a line without one: a hash of the prompt it generates from (see the module docstring)."""
+    body = {"prompt": rec.prompt} if rec.messages is None else {"messages": rec.messages}
+    canonical = json.dumps(body, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
 
 def _check_messages(msgs) -> str | None:
@@ -63,13 +77,13 @@ def _parse_line(text: str, line: int) -> tuple[PromptRecord | None, str | None]:
     has_msgs, has_prompt = "messages" in obj, "prompt" in obj
     if has_msgs == has_prompt:
         return None, "needs exactly one of 'messages' (a chat) or 'prompt' (plain text)"
-    ident = obj.get("id", line)
-    if isinstance(ident, bool) or not isinstance(ident, (str, int)):
+    ident = obj.get("id")
+    if "id" in obj and (isinstance(ident, bool) or not isinstance(ident, (str, int))):
         return None, f"'id' must be a string or an integer, found {json.dumps(ident)}"
     if has_prompt:
         if not isinstance(obj["prompt"], str):
             return None, f"'prompt' must be a string, found {type(obj['prompt']).__name__}"
-        return PromptRecord(ident, line, prompt=obj["prompt"]), None
+        return PromptRecord(ident, line, prompt=obj["prompt"], id_derived="id" not in obj), None
     msgs = obj["messages"]
     problem = _check_messages(msgs)
     if problem:
@@ -78,14 +92,16 @@ def _parse_line(text: str, line: int) -> tuple[PromptRecord | None, str | None]:
         msgs = msgs[:-1]
         if not msgs:
             return None, "'messages' has only an assistant turn; there is nothing to prompt with"
-    return PromptRecord(ident, line, messages=msgs), None
+    return PromptRecord(ident, line, messages=msgs, id_derived="id" not in obj), None
 
 
 def read_prompts(path: str) -> tuple[list[PromptRecord], list[str]]:
-    """All valid records, and one message per bad line (``line N: why``); duplicates are bad lines."""
+    """All valid records, and one message per bad line (``line N: why``); a repeated explicit id is a
+    bad line (a repeated content id cannot happen: repeats are numbered)."""
     records: list[PromptRecord] = []
     errors: list[str] = []
-    seen: dict[str, int] = {}
+    seen: dict[str, PromptRecord] = {}   # key -> the line that used it first
+    repeats: dict[str, int] = {}   # content id -> how many lines without an id have had that content
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -100,11 +116,23 @@ def read_prompts(path: str) -> tuple[list[PromptRecord], list[str]]:
             if not text.strip():
                 continue
             rec, problem = _parse_line(text, line_no)
+            if problem is None and rec.id_derived:
+                base = content_id(rec)
+                repeats[base] = repeats.get(base, 0) + 1
+                rec.id = base if repeats[base] == 1 else f"{base}-{repeats[base]}"
             if problem is None and rec.key in seen:
-                problem = f"id {rec.key} was already used on line {seen[rec.key]}"
+                first = seen[rec.key]
+                if rec.id_derived:
+                    problem = (f"the id derived from this line's content, {rec.key}, is the explicit id of line "
+                               f"{first.line}; give this line an 'id'")
+                elif first.id_derived:
+                    problem = (f"id {rec.key} is the id derived from the content of line {first.line} (which "
+                               "has no 'id'); choose another id")
+                else:
+                    problem = f"id {rec.key} was already used on line {first.line}"
             if problem is not None:
                 errors.append(f"line {line_no}: {problem}")
                 continue
-            seen[rec.key] = line_no
+            seen[rec.key] = rec
             records.append(rec)
     return records, errors

@@ -6,6 +6,12 @@
 - The generation settings live next to the output in ``OUT.settings.json`` (written atomically).
   Reopening an output written with other settings is an error unless ``overwrite``: mixing two
   settings in one file would silently produce a data set that no single command can reproduce.
+- Only finished prompts count as done. A row whose ``finish_reason`` starts with ``error`` (the
+  prompt could not run: too long for ``max_len``, an empty prompt, a failing chat template) is
+  retried by the next run, and so is a row cut at the cache capacity (``finish_reason`` ``max_len``)
+  when ``max_len`` has changed since it was written. Before retrying, those rows are removed: the
+  kept lines are copied byte for byte into a new file that replaces the old one atomically.
+  ``max_len`` is therefore recorded in the sidecar but is not part of the settings check.
 - An exclusive ``flock`` on the output keeps two jobs from appending to the same file.
 - Multi-process runs (``--coordinator``): process 0 alone opens, locks and writes the output and its
   sidecar; it broadcasts the set of finished ids (or the error that stops the run) to the others,
@@ -20,7 +26,7 @@ import logging
 import os
 
 from eagle3_jax import distributed
-from eagle3_jax.checkpoint.staging import write_json_atomic
+from eagle3_jax.checkpoint.staging import atomic_file, write_json_atomic
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.serve.inputs import id_key
 from eagle3_jax.serve.settings import describe_difference
@@ -29,6 +35,8 @@ log = logging.getLogger("eagle3_jax")
 
 SIDECAR_SUFFIX = ".settings.json"
 SIDECAR_VERSION = 1
+# The finish reason of a row cut because prompt + answer filled max_len (see speculative/generate.py).
+CUT_AT_CAPACITY = "max_len"
 
 
 class OutputError(Eagle3Error, ValueError):
@@ -40,12 +48,15 @@ def sidecar_path(output: str) -> str:
 
 
 class ResumableOutput:
-    """Open with ``ResumableOutput(path, fingerprint, overwrite)``; ``done`` holds the finished id keys."""
+    """Open with ``ResumableOutput(path, fingerprint, overwrite, max_len)``; ``done`` holds the finished
+    id keys, ``retried`` the keys of the failed or capacity-cut rows removed so this run retries them."""
 
-    def __init__(self, path: str, fingerprint: dict, overwrite: bool = False):
+    def __init__(self, path: str, fingerprint: dict, overwrite: bool = False, max_len: int | None = None):
         self.path = path
         self.fingerprint = fingerprint
+        self.max_len = max_len
         self.done: set[str] = set()
+        self.retried: set[str] = set()
         self._fd = -1
         if not distributed.is_multi_process():
             self._open(overwrite)
@@ -99,21 +110,40 @@ class ResumableOutput:
             os.ftruncate(self._fd, 0)
             os.fsync(self._fd)
         self._cut_partial_tail()
-        self._scan_done()
+        rows = self._scan()
+        finished = [r for r in rows if not r[1].startswith("error")]
         meta_path = sidecar_path(self.path)
-        if self.done:
-            stored = self._read_sidecar(meta_path)
+        stored_max_len = None
+        if finished:
+            meta = self._read_sidecar(meta_path)
+            stored = dict(meta["generation"])
+            # Outputs written before max_len left the settings check hold it among the settings.
+            stored_max_len = meta.get("max_len", stored.pop("max_len", None))
             diff = describe_difference(stored, self.fingerprint)
             if diff:
                 raise OutputError(
-                    f"{self.path} already holds {len(self.done)} results generated with other settings:\n  "
+                    f"{self.path} already holds {len(finished)} results generated with other settings:\n  "
                     + "\n  ".join(diff)
                     + "\nrerun with the original settings to resume, pass --overwrite to start over, or choose "
                     "another --output")
-        else:
-            write_json_atomic(meta_path, {"version": SIDECAR_VERSION, "generation": self.fingerprint}, sort_keys=True)
+        capacity_changed = stored_max_len != self.max_len
+        kept, dropped = [], []
+        for key, reason, raw in rows:
+            retry = reason.startswith("error") or (reason == CUT_AT_CAPACITY and capacity_changed)
+            (dropped if retry else kept).append((key, reason, raw))
+        if dropped:
+            self._rewrite([raw for _, _, raw in kept])
+            cut = sum(reason == CUT_AT_CAPACITY for _, reason, _ in dropped)
+            log.info("%s: removed %d failed row(s)%s so that this run retries them", self.path, len(dropped) - cut,
+                     f" and {cut} row(s) cut at the old max_len {stored_max_len}" if cut else "")
+        self.done = {key for key, _, _ in kept}
+        self.retried = {key for key, _, _ in dropped} - self.done
+        if not kept or capacity_changed:
+            write_json_atomic(meta_path, {"version": SIDECAR_VERSION, "generation": self.fingerprint,
+                                          "max_len": self.max_len}, sort_keys=True)
 
     def _read_sidecar(self, meta_path: str) -> dict:
+        """The sidecar's whole content (``generation``: the fingerprint; ``max_len``)."""
         if not os.path.isfile(meta_path):
             raise OutputError(
                 f"{self.path} holds {len(self.done)} results but its settings file {meta_path} is missing, so it "
@@ -121,7 +151,9 @@ class ResumableOutput:
         try:
             with open(meta_path, encoding="utf-8") as f:
                 meta = json.load(f)
-            return meta["generation"]
+            if not isinstance(meta["generation"], dict):
+                raise TypeError("'generation' is not an object")
+            return meta
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise OutputError(f"{meta_path}: unreadable settings file ({e}); pass --overwrite to start over") from e
 
@@ -146,7 +178,9 @@ class ResumableOutput:
             os.ftruncate(self._fd, end_of_complete)
             os.fsync(self._fd)
 
-    def _scan_done(self) -> None:
+    def _scan(self) -> list[tuple[str, str, bytes]]:
+        """(id key, finish reason, the line's bytes) of every row, in file order."""
+        rows = []
         with open(self.path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
                 if not raw.strip():
@@ -158,7 +192,26 @@ class ResumableOutput:
                     raise OutputError(
                         f"{self.path} line {line_no} is not a serve.py result ({e}); the file was edited or belongs "
                         "to something else: pass --overwrite to start over or choose another --output") from None
-                self.done.add(key)
+                reason = rec.get("finish_reason")
+                rows.append((key, reason if isinstance(reason, str) else "", raw))
+        return rows
+
+    def _rewrite(self, lines: list[bytes]) -> None:
+        """Replaces the file with ``lines`` (crash-safe: the old file stays until the new one is
+        complete), then moves the lock to the new file."""
+        mode = os.fstat(self._fd).st_mode & 0o777   # the output keeps its permissions
+        with atomic_file(self.path, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(b"".join(lines))
+        new_fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
+        try:
+            fcntl.flock(new_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(new_fd)
+            raise OutputError(f"{self.path} is being written by another serve.py process; wait for it or "
+                              "choose another --output") from None
+        os.close(self._fd)
+        self._fd = new_fd
 
     # ------------------------------------------------------------------ writing
     def append(self, record: dict) -> None:

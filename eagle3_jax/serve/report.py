@@ -1,5 +1,11 @@
 """What a serve run shows: live numbers for the progress bar, the periodic acceptance watchdog,
-the final table and the ``--metrics`` JSON."""
+the final table and the ``--metrics`` JSON.
+
+Time is split three ways so that throughput means decoding speed: ``load_seconds`` (reading the
+models), ``compile_seconds`` (XLA compilations during generation: the first call of each program
+and each new prompt-length bucket, summed from JAX's compile events), and ``seconds``, the rest of
+the generation wall time. ``tokens_per_second`` is tokens / ``seconds``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,57 @@ import math
 import time
 
 from eagle3_jax.checkpoint.staging import write_json_atomic
+from jax import monitoring
+
 from eagle3_jax.metrics import WATCHDOG_MIN_ROUNDS, GenerationStats, check_acceptance
+
+# JAX reports each compilation as timed phases: trace, lower to MLIR, XLA compile (and load).
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileClock:
+    """Sums the wall time JAX spends compiling while active (a context manager): for each
+    compilation, from the start of its tracing to the end of its XLA compile, so the host work
+    between the phases counts too (a trace that compiles nothing counts its own duration).
+    ``on_compile`` is called when tracing starts, so a progress line can say that it is compiling
+    instead of stalling silently."""
+
+    def __init__(self, on_compile=None):
+        self.seconds = 0.0
+        self.on_compile = on_compile
+        self._pending: tuple[float, float] | None = None   # (start, end) of phases not yet closed by a compile
+
+    def _on_phase_start(self, event: str, value: float, **_) -> None:
+        # JAX announces each timed phase with its start time as a scalar event.
+        if event == TRACE_EVENT and self.on_compile is not None:
+            self.on_compile()
+
+    def _on_span(self, event: str, start: float, end: float, **_) -> None:
+        if event == TRACE_EVENT:
+            self._flush()
+            self._pending = (start, end)
+        elif event == LOWER_EVENT and self._pending is None:
+            self._pending = (start, end)
+        elif event == BACKEND_COMPILE_EVENT:
+            self.seconds += end - (self._pending[0] if self._pending is not None else start)
+            self._pending = None
+
+    def _flush(self) -> None:
+        if self._pending is not None:
+            self.seconds += self._pending[1] - self._pending[0]
+            self._pending = None
+
+    def __enter__(self):
+        monitoring.register_scalar_listener(self._on_phase_start)
+        monitoring.register_event_time_span_listener(self._on_span)
+        return self
+
+    def __exit__(self, *exc):
+        monitoring.unregister_scalar_listener(self._on_phase_start)
+        monitoring.unregister_event_time_span_listener(self._on_span)
+        self._flush()
 
 
 class RunStats:
@@ -20,11 +76,19 @@ class RunStats:
         self.prompts = 0
         self.errors = 0
         self.finish = collections.Counter()
+        self.failures = collections.Counter()   # why prompts failed: a short reason -> how many
         self.generation = GenerationStats.empty(num_draft_tokens)
         self.started = time.perf_counter()
+        self.load_seconds = 0.0
+        self.compile = CompileClock()
 
-    def add(self, finish_reason: str, stats: GenerationStats | None = None) -> None:
-        """One finished prompt: its finish reason and, unless it failed before generating, its stats."""
+    @property
+    def compile_seconds(self) -> float:
+        return self.compile.seconds
+
+    def add(self, finish_reason: str, stats: GenerationStats | None = None, failure: str | None = None) -> None:
+        """One finished prompt: its finish reason, unless it failed before generating its stats, and
+        for a failed prompt the short reason it is counted under in the summary."""
         self.prompts += 1
         if stats is not None:
             seconds = self.generation.seconds
@@ -33,6 +97,7 @@ class RunStats:
         if finish_reason.startswith("error"):
             self.errors += 1
             self.finish["error"] += 1
+            self.failures[failure or finish_reason] += 1
         else:
             self.finish[finish_reason] += 1
 
@@ -40,7 +105,8 @@ class RunStats:
         self.started = time.perf_counter()
 
     def tick(self) -> None:
-        self.generation.seconds = time.perf_counter() - self.started
+        """Generation time so far, compilations excluded."""
+        self.generation.seconds = max(time.perf_counter() - self.started - self.compile.seconds, 0.0)
 
     @property
     def tokens(self) -> int:
@@ -74,6 +140,10 @@ class RunStats:
             parts.append(f"{self.errors} errors")
         return ", ".join(parts)
 
+    def failure_summary(self) -> str:
+        """``2 prompt too long for max_len, 1 empty prompt``: why prompts failed, most common first."""
+        return ", ".join(f"{n} {why}" for why, n in self.failures.most_common())
+
 
 class Watchdog:
     """Runs the acceptance check as soon as enough rounds exist, then every ``interval`` seconds."""
@@ -104,9 +174,14 @@ def summary_table(stats: RunStats, already_done: int, skipped_lines: int) -> str
         ("prompts", f"{stats.prompts} this run ({stats.errors} errors), {already_done} already done"
                     + (f", {skipped_lines} bad lines skipped" if skipped_lines else "")),
         ("finish", ", ".join(f"{k} {v}" for k, v in sorted(stats.finish.items())) or "-"),
+    ]
+    if stats.errors:
+        rows.append(("failed", f"{stats.errors}: {stats.failure_summary()}; a rerun retries them"))
+    rows += [
         ("tokens", str(stats.tokens)),
-        ("seconds", _fmt(stats.seconds, 1)),
-        ("tok/s", _fmt(stats.tokens_per_second, 1)),
+        ("seconds", f"{_fmt(stats.seconds, 1)} generating, {_fmt(stats.compile_seconds, 1)} compiling, "
+                    f"{_fmt(stats.load_seconds, 1)} loading"),
+        ("tok/s", _fmt(stats.tokens_per_second, 1) + " (generating time only)"),
         ("tau", _fmt(stats.tau) if stats.num_draft_tokens else "- (no draft)"),
     ]
     if stats.num_draft_tokens:
@@ -121,8 +196,9 @@ def metrics_dict(stats: RunStats, already_done: int, skipped_lines: int, setting
 
     return {
         "prompts": stats.prompts, "errors": stats.errors, "already_done": already_done,
-        "bad_lines_skipped": skipped_lines, "finish_reasons": dict(stats.finish),
+        "bad_lines_skipped": skipped_lines, "finish_reasons": dict(stats.finish), "failures": dict(stats.failures),
         "tokens": stats.tokens, "seconds": stats.seconds, "tokens_per_second": num(stats.tokens_per_second),
+        "load_seconds": stats.load_seconds, "compile_seconds": stats.compile_seconds,
         "rounds": stats.rounds, "mean_accept_length": num(stats.tau),
         "accept_rate_per_position": [num(r) for r in stats.accept_rate_per_position],
         "settings": settings,

@@ -51,8 +51,9 @@ class ServeSettings:
     # Settings that only the command line or the environment may give (not --config).
     PER_PROCESS = ("coordinator", "num_processes", "process_id")
 
-    # Fields that change the generated text; see the module docstring.
-    FINGERPRINT = ("max_new_tokens", "temperature", "top_p", "top_k", "max_len", "seed", "emit")
+    # Fields that change the generated text; see the module docstring. Not max_len: it only decides
+    # which prompts fit and where a row is cut, and the output file handles those rows (output.py).
+    FINGERPRINT = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "emit")
 
     @classmethod
     def field_names(cls) -> list[str]:

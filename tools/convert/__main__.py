@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     c = sub.add_parser("inspect", help="what a checkpoint directory holds (either format)")
-    c.add_argument("dir")
+    c.add_argument("dir", help="checkpoint directory: Hugging Face safetensors (target or EAGLE-3 draft) or one "
+                               "written by to-jax")
     return p
 
 

@@ -15,9 +15,20 @@ import sys
 import time
 
 
+class DefaultsShownHelp(argparse.HelpFormatter):
+    """Appends each option's default to its help; options without one (None, off) say nothing."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) \
+                and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m tools.plan",
+        prog="python -m tools.plan", formatter_class=DefaultsShownHelp,
         description="Per-device memory of serving a DeepSeek-V3-class target with its EAGLE-3 draft on a mesh, "
                     "from abstract arrays and XLA's memory analysis of the compiled programs (no weights, no "
                     "accelerator needed).")
