@@ -2,12 +2,14 @@
 
     python serve.py --target DIR [--draft DIR] --input prompts.jsonl --output out.jsonl [options]
 
-Without --target it prints how to point it at a model. `python serve.py --help` lists the options.
+With no arguments it runs the embedded demo in demo/ (target-only vs EAGLE-3). `python serve.py --help`
+lists the options.
 """
 
+import os
 import sys
 
 from eagle3_jax.serve.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(demo_dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")))

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 
 import pytest
 
@@ -10,7 +11,7 @@ from eagle3_jax.errors import ConfigError
 from eagle3_jax.serve import demo
 from eagle3_jax.tokenizer import load_tokenizer
 
-DEMO = demo.DEMO_DIR
+DEMO = str(pathlib.Path(__file__).resolve().parents[1] / "demo")
 MAX_DEMO_BYTES = 30 * 10**6
 
 

@@ -302,14 +302,16 @@ def _join_process_group(argv) -> None:
         os.environ["TQDM_DISABLE"] = "1"
 
 
-def main(argv=None, models: Callable | None = None, engine_module=None) -> int:
+def main(argv=None, models: Callable | None = None, engine_module=None, demo_dir: str | None = None) -> int:
+    """``demo_dir``: where the embedded demo lives (serve.py passes the checkout's demo/); with no
+    arguments and a complete demo there, the demo runs."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv:
+    if not argv and demo_dir is not None:
         from eagle3_jax.serve import demo
 
-        if demo.available():
+        if demo.available(demo_dir):
             try:
-                return demo.run()
+                return demo.run(demo_dir)
             except Eagle3Error as e:
                 print(f"serve.py: error: {e}", file=sys.stderr)
                 return 1

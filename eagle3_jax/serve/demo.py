@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from eagle3_jax import settings_io
 from eagle3_jax.errors import ConfigError
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEMO_DIR = os.path.join(REPO, "demo")
 SHOWN_COMPLETIONS = 3
 SHOWN_LINES = 8
 
@@ -44,7 +42,7 @@ class DemoSettings:
         return settings_io.from_layers(cls, [settings_io.yaml_layer(path, where=path)])
 
 
-def available(demo_dir: str = DEMO_DIR) -> bool:
+def available(demo_dir: str) -> bool:
     return all(os.path.isfile(os.path.join(demo_dir, *p)) for p in (
         ("target", "config.json"), ("draft", "config.json"), ("prompts.jsonl",)))
 
@@ -71,7 +69,7 @@ class DemoPair:
     prompt_ids: list[list[int]]
 
     @classmethod
-    def load(cls, demo_dir: str = DEMO_DIR, num_prompts: int | None = None) -> "DemoPair":
+    def load(cls, demo_dir: str, num_prompts: int | None = None) -> "DemoPair":
         """``num_prompts=None``: every prompt in prompts.jsonl."""
         import eagle3_jax as e3
         from eagle3_jax.tokenizer import load_tokenizer
@@ -171,7 +169,7 @@ def table(base: ModeRun, spec: ModeRun, k: int) -> str:
     return "\n".join(out)
 
 
-def run(demo_dir: str = DEMO_DIR) -> int:
+def run(demo_dir: str) -> int:
     import jax
 
     s = DemoSettings.load(demo_dir)
