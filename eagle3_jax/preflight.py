@@ -158,7 +158,7 @@ def _check_mesh(mesh) -> None:
 def _check_target_headers(path: str, tcfg: TargetConfig) -> None:
     """The embedding table's shape against config.json (a wrong config.json next to the weights)."""
     from eagle3_jax.checkpoint import store
-    from eagle3_jax.checkpoint.safetensors import CheckpointReader
+    from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 
     if store.is_jax_checkpoint(path):
         return
@@ -175,7 +175,7 @@ def _check_target_headers(path: str, tcfg: TargetConfig) -> None:
 def _draft_headers(path: str) -> dict[str, TensorHeader]:
     """Names -> shape and dtype, from safetensors headers (or a converted checkpoint's metadata)."""
     from eagle3_jax.checkpoint import store
-    from eagle3_jax.checkpoint.safetensors import CheckpointReader
+    from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 
     if store.is_jax_checkpoint(path):
         stored = store.read_meta(path)["params"]
