@@ -50,6 +50,9 @@ log = logging.getLogger("eagle3_jax")
 # the data order, or what a step means.
 RESUME_INVARIANTS = ("draft", "aux_layer_ids", "draft_vocab_size", "max_len", "batch_size", "grad_accum",
                      "seed", "dtype", "hidden_source", "ttt_steps")
+# Settings that only say where and how the finished draft is written or how the run reports:
+# rerunning a finished run with new ones re-exports it, which is their whole effect.
+OUTPUT_ONLY = ("export_dir", "export_dtype", "log_every", "save_every", "keep", "mesh")
 
 
 @dataclass(frozen=True)
@@ -318,9 +321,10 @@ class Trainer:
                 f"{self.cfg.out_dir} holds checkpoints of a run with different settings ({detail}); "
                 "resume with the original settings or use a new out_dir")
         other = [k for k in now if k in saved and saved[k] != now[k] and k not in RESUME_INVARIANTS]
-        if other and saved_step >= self.cfg.total_steps:
+        trained = [k for k in other if k not in OUTPUT_ONLY]
+        if trained and saved_step >= self.cfg.total_steps:
             # Nothing would train: the changed settings would silently have no effect.
-            detail = ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in other)
+            detail = ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in trained)
             raise SettingsError(
                 f"{self.cfg.out_dir} holds a finished run (step {saved_step}) trained with other settings "
                 f"({detail}); rerunning it would train nothing. Use a new out_dir for the new settings, or "
