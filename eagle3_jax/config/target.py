@@ -1,21 +1,18 @@
-"""Frozen configuration dataclasses, read from Hugging Face ``config.json`` files and YAML.
-
-``TargetConfig`` describes a DeepSeek-V3-architecture model (DeepSeek-V3/R1, Kimi-K2 and the
-language model of Kimi-K2.5). Every shape and routing constant the model code uses lives here;
-``models/`` never hardcodes one.
-"""
+"""``TargetConfig``: a DeepSeek-V3-architecture model (DeepSeek-V3/R1, Kimi-K2, the language model of
+Kimi-K2.5) from its Hugging Face ``config.json``. Every shape and routing constant the model code uses
+lives here; ``models/`` never hardcodes one."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from eagle3_jax.errors import ConfigError
+from eagle3_jax.config.common import _require
 
 log = logging.getLogger(__name__)
 
@@ -26,34 +23,6 @@ TARGET_ARCHITECTURES = {
 }
 TARGET_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 NESTED_TEXT_MODEL_TYPES = ("kimi_k25",)
-
-
-def read_yaml_mapping(path: str | os.PathLike, where: str | None = None) -> dict:
-    """A YAML file whose top level is a mapping (an empty file is an empty mapping); every
-    settings file (serve, train, demo) is read through here so they fail the same way."""
-    import yaml
-
-    path = os.fspath(path)
-    where = where or path
-    if not os.path.isfile(path):
-        raise ConfigError(f"{where}: the file does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: not valid YAML ({e})") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping of keys to values at the top level, found "
-                          f"{type(data).__name__}")
-    return dict(data)
-
-
-def _require(d: Mapping[str, Any], key: str, where: str) -> Any:
-    if key not in d or d[key] is None:
-        raise ConfigError(f"{where}: field '{key}' is required but missing; add it to config.json")
-    return d[key]
 
 
 @dataclass(frozen=True)
@@ -355,185 +324,3 @@ class TargetConfig:
         for t in self.eos_token_ids:
             if not 0 <= t < self.vocab_size:
                 raise ConfigError(f"{where}: eos_token_id {t} lies outside the vocab [0, {self.vocab_size})")
-
-
-# ---------------------------------------------------------------------- mesh
-MESH_AXES = ("data", "expert", "tensor")
-
-
-@dataclass(frozen=True)
-class MeshConfig:
-    data: int = 1
-    expert: int = 1
-    tensor: int = 1
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.data, self.expert, self.tensor)
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @classmethod
-    def parse(cls, spec: "str | Mapping[str, int] | MeshConfig | None") -> "MeshConfig":
-        """Parses ``data=1,expert=8,tensor=1`` (any subset; missing axes are 1)."""
-        if spec is None:
-            return cls()
-        if isinstance(spec, MeshConfig):
-            return spec
-        if isinstance(spec, Mapping):
-            items = dict(spec)
-        else:
-            items = {}
-            for part in str(spec).split(","):
-                part = part.strip()
-                if not part:
-                    continue
-                if "=" not in part:
-                    raise ConfigError(
-                        f"mesh spec '{spec}': part '{part}' is not axis=size; write e.g. data=1,expert=8,tensor=1"
-                    )
-                k, v = part.split("=", 1)
-                items[k.strip()] = v.strip()
-        out = {}
-        for k, v in items.items():
-            if k not in MESH_AXES:
-                raise ConfigError(f"mesh spec '{spec}': unknown axis '{k}'; axes are {', '.join(MESH_AXES)}")
-            try:
-                n = int(v)
-            except (TypeError, ValueError):
-                raise ConfigError(f"mesh spec '{spec}': size of '{k}' must be an integer, found '{v}'") from None
-            if n <= 0:
-                raise ConfigError(f"mesh spec '{spec}': size of '{k}' must be positive, found {n}")
-            out[k] = n
-        return cls(**out)
-
-
-# ---------------------------------------------------------------------- EAGLE-3 draft
-DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3Draft")
-# Flags published drafts use that change the math. We implement norm_before_residual; a draft that
-# sets any other one is refused rather than silently computed the wrong way.
-UNSUPPORTED_DRAFT_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
-
-
-@dataclass(frozen=True)
-class DraftConfig:
-    """An EAGLE-3 draft in the SGLang / SpecForge ``LlamaForCausalLMEagle3`` layout."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    draft_vocab_size: int
-    target_hidden_size: int
-    aux_layer_ids: tuple[int, ...] | None  # None: the target's default ids
-    use_aux_hidden_state: bool = True
-    norm_before_residual: bool = False
-    rms_norm_eps: float = 1e-6
-    rope: RopeConfig = field(default_factory=RopeConfig)
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    hf_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
-
-    @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any], where: str = "draft config.json") -> "DraftConfig":
-        archs = d.get("architectures") or []
-        if archs and not any(a in DRAFT_ARCHITECTURES for a in archs):
-            raise ConfigError(
-                f"{where}: architectures {archs} is not an EAGLE-3 draft; expected one of {list(DRAFT_ARCHITECTURES)}. "
-                "EAGLE-1/2 drafts (no aux hidden states) cannot serve as EAGLE-3 drafts"
-            )
-        for flag in UNSUPPORTED_DRAFT_FLAGS:
-            if d.get(flag):
-                raise ConfigError(
-                    f"{where}: '{flag}: {d[flag]}' changes the draft's computation and is not implemented here; "
-                    "serving it without that step would silently give wrong drafts. Use a draft trained without it"
-                )
-        eagle = d.get("eagle_config") or {}
-        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-        hidden = int(_require(d, "hidden_size", where))
-        heads = int(_require(d, "num_attention_heads", where))
-        rope = RopeConfig.from_hf(d, where) if not _is_llama3_rope(d) else None
-        if rope is None:
-            raise ConfigError(f"{where}: rope type 'llama3' is not supported for drafts; expected default or yarn")
-        cfg = cls(
-            hidden_size=hidden,
-            intermediate_size=int(_require(d, "intermediate_size", where)),
-            num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
-            vocab_size=int(_require(d, "vocab_size", where)),
-            draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
-            target_hidden_size=int(d.get("target_hidden_size") or hidden),
-            aux_layer_ids=None if ids is None else tuple(int(i) for i in ids),
-            use_aux_hidden_state=bool(eagle.get("use_aux_hidden_state", True)),
-            norm_before_residual=bool(d.get("norm_before_residual", False)),
-            rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6),
-            rope=rope,
-            max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            hf_config=json.loads(json.dumps(dict(d))),
-        )
-        if cfg.num_attention_heads % cfg.num_key_value_heads:
-            raise ConfigError(
-                f"{where}: num_attention_heads={cfg.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={cfg.num_key_value_heads}")
-        if cfg.draft_vocab_size > cfg.vocab_size:
-            raise ConfigError(f"{where}: draft_vocab_size={cfg.draft_vocab_size} exceeds vocab_size={cfg.vocab_size}")
-        return cfg
-
-    @classmethod
-    def from_path(cls, path: str | os.PathLike) -> "DraftConfig":
-        p = os.fspath(path)
-        if os.path.isdir(p):
-            p = os.path.join(p, "config.json")
-        if not os.path.isfile(p):
-            raise ConfigError(f"no config.json at {p}; point at an EAGLE-3 draft directory")
-        with open(p) as f:
-            return cls.from_hf_dict(json.load(f), where=p)
-
-    def to_hf_dict(self) -> dict:
-        if self.hf_config:
-            return json.loads(json.dumps(self.hf_config))
-        d = {
-            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim, "num_hidden_layers": 1, "hidden_act": "silu",
-            "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
-            "target_hidden_size": self.target_hidden_size, "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope.theta, "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "eagle_config": {"use_aux_hidden_state": self.use_aux_hidden_state},
-        }
-        if self.aux_layer_ids is not None:
-            d["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
-        if self.norm_before_residual:
-            d["norm_before_residual"] = True
-        return d
-
-    def replace(self, **changes) -> "DraftConfig":
-        return dataclasses.replace(self, **changes)
-
-
-def _is_llama3_rope(d: Mapping[str, Any]) -> bool:
-    src = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    return isinstance(src, Mapping) and src.get("rope_type", src.get("type")) == "llama3"
-
-
-# Compute dtypes by the names users write (CLI flags, YAML, checkpoint torch_dtype).
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def resolve_dtype(dtype):
-    """A dtype name ("float32", "bfloat16", "float16") or dtype object -> a numpy-compatible dtype."""
-    import jax.numpy as jnp
-
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ConfigError(f"dtype '{dtype}' is not supported; use one of {sorted(DTYPES)}")
-        return jnp.dtype(dtype)
-    return jnp.dtype(dtype)
