@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.models.layers import SwiGLU, param
+from eagle3_jax.models.quantized import Int4Stack, QuantLayout, expert_stack
 
 
 def route(x_MD: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array, cfg: TargetConfig):
@@ -116,12 +117,52 @@ def experts_ragged(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, f
 EXPERT_KERNELS = {"blocked": experts_blocked, "ragged": experts_ragged}
 
 
+def experts_blocked_quantized(x_MD, idx_MK, weights_MK, gate, up, down, first_expert):
+    """``experts_blocked`` over quantized stacks: each block dequantizes only its own expert.
+
+    ``gate`` / ``up`` / ``down`` are (values, scales, dequant) with values/scales the stacked
+    ``[E, out, ...]`` arrays in checkpoint orientation and ``dequant(values_e, scales_e)`` giving one
+    expert's ``[out, in]`` matrix in the activation dtype; so the largest weight temporary is one
+    expert's matrix, never the stack. Whatever kernel name is configured, quantized experts run
+    this loop: ``ragged_dot`` would need the whole dequantized stack as one operand.
+    """
+    E = gate[0].shape[0]
+    M, K = idx_MK.shape
+    token_A, weight_A, counts_E = _sort_assignments(idx_MK, weights_MK, first_expert, E)
+    b = block_rows(M * K, E)
+    blocks_E = (counts_E + b - 1) // b
+    block_end_E = jnp.cumsum(blocks_E)
+    block_start_E = block_end_E - blocks_E
+    starts_E = jnp.cumsum(counts_E) - counts_E
+    rows_b = jnp.arange(b, dtype=jnp.int32)
+
+    def one(w, e):
+        values, scales, dequant = w
+        return dequant(values[e], scales[e]).astype(x_MD.dtype)
+
+    def one_block(j, out_MD):
+        e = jnp.searchsorted(block_end_E, j, side="right")
+        offset = (j - block_start_E[e]) * b
+        valid_b = offset + rows_b < counts_E[e]
+        rows = jnp.where(valid_b, starts_E[e] + offset + rows_b, 0)
+        tok_b = token_A[rows]
+        x_bD = x_MD[tok_b]
+        g_bF = jnp.einsum("bd,fd->bf", x_bD, one(gate, e))
+        u_bF = jnp.einsum("bd,fd->bf", x_bD, one(up, e))
+        y_bD = jnp.einsum("bf,df->bd", jax.nn.silu(g_bF) * u_bF, one(down, e))
+        y_bD = y_bD * jnp.where(valid_b, weight_A[rows], 0.0)[:, None].astype(y_bD.dtype)
+        return out_MD.at[tok_b].add(y_bD)
+
+    return jax.lax.fori_loop(0, block_end_E[-1], one_block, jnp.zeros_like(x_MD))
+
+
 def default_kernel() -> str:
     return "ragged" if jax.default_backend() == "tpu" else "blocked"
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs | None, mesh=None, kernel: str | None = None):
+    def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs | None, mesh=None, kernel: str | None = None,
+                 quant: QuantLayout | None = None):
         D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         self.cfg = cfg
         self.mesh = mesh
@@ -129,19 +170,29 @@ class MoE(nnx.Module):
         # The router stays float32 whatever the model dtype, as in the reference checkpoints.
         self.gate = param(rngs, (D, E), ("embed", None), jnp.float32)
         self.e_score_correction_bias = param(None, (E,), (None,), jnp.float32, init="zeros")
-        self.w_gate = param(rngs, (E, D, F), ("expert", "embed", "moe_mlp"), dtype)
-        self.w_up = param(rngs, (E, D, F), ("expert", "embed", "moe_mlp"), dtype)
-        self.w_down = param(rngs, (E, F, D), ("expert", "moe_mlp", "embed"), dtype)
+        self.quantized = quant is not None and quant.experts is not None
+        if self.quantized:
+            # Checkpoint orientation [E, out, in]: gate/up are [E, F, D], down is [E, D, F].
+            self.w_gate = expert_stack(E, F, D, ("expert", "moe_mlp", "embed"), quant, rngs)
+            self.w_up = expert_stack(E, F, D, ("expert", "moe_mlp", "embed"), quant, rngs)
+            self.w_down = expert_stack(E, D, F, ("expert", "embed", "moe_mlp"), quant, rngs)
+        else:
+            self.w_gate = param(rngs, (E, D, F), ("expert", "embed", "moe_mlp"), dtype)
+            self.w_up = param(rngs, (E, D, F), ("expert", "embed", "moe_mlp"), dtype)
+            self.w_down = param(rngs, (E, F, D), ("expert", "moe_mlp", "embed"), dtype)
         self.shared_experts = (
-            SwiGLU(D, F * cfg.n_shared_experts, dtype, rngs) if cfg.n_shared_experts > 0 else None
+            SwiGLU(D, F * cfg.n_shared_experts, dtype, rngs, quant=quant) if cfg.n_shared_experts > 0 else None
         )
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         B, T, D = x_BTD.shape
         x_MD = x_BTD.reshape(B * T, D)
         idx_MK, weights_MK = route(x_MD, self.gate[...], self.e_score_correction_bias[...], self.cfg)
-        kernel = EXPERT_KERNELS[self.kernel]
-        ws = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        if self.quantized:
+            kernel, ws = self._quantized_kernel()
+        else:
+            kernel = EXPERT_KERNELS[self.kernel]
+            ws = (self.w_gate[...], self.w_up[...], self.w_down[...])
         mesh = self.mesh
         if mesh is None or (mesh.shape["expert"] == 1 and mesh.shape["tensor"] == 1):
             y_MD = kernel(x_MD, idx_MK, weights_MK, *ws, 0)
@@ -152,6 +203,30 @@ class MoE(nnx.Module):
             y_BTD = y_BTD + self.shared_experts(x_BTD)
         return y_BTD
 
+    def _quantized_kernel(self):
+        """The dequantizing kernel and its weights: per stack (values, scales) arrays, with the
+        dequantizer bound by closure so shard_map sees only arrays."""
+        stacks = (self.w_gate, self.w_up, self.w_down)
+        deqs = [lambda v, s, st=st: st.dequant_one(v, s, jnp.float32) for st in stacks]
+        ws = tuple(st.arrays() for st in stacks)
+
+        def kernel(x_MD, idx_MK, weights_MK, wg, wu, wd, first):
+            g, u, d = ((*w, dq) for w, dq in zip((wg, wu, wd), deqs))
+            return experts_blocked_quantized(x_MD, idx_MK, weights_MK, g, u, d, first)
+
+        return kernel, ws
+
+    def _tensor_split(self, F: int, n_ten: int) -> bool:
+        """Whether expert width F can be split over ``tensor``: quantized stacks also need every
+        shard to hold whole INT4 groups / FP8 blocks, so a device dequantizes only its own slice."""
+        if F % n_ten:
+            return False
+        if not self.quantized:
+            return True
+        st = self.w_down
+        unit = st.group if isinstance(st, Int4Stack) else st.block[1]
+        return (F // n_ten) % unit == 0 and (isinstance(st, Int4Stack) or (F // n_ten) % st.block[0] == 0)
+
     def _sharded(self, kernel, x_MD, idx_MK, weights_MK, ws):
         mesh = self.mesh
         E = self.cfg.n_routed_experts
@@ -159,7 +234,7 @@ class MoE(nnx.Module):
         if E % n_exp:
             raise ValueError(f"{E} routed experts cannot be split over an expert axis of {n_exp}")
         F = self.cfg.moe_intermediate_size
-        ten = "tensor" if F % n_ten == 0 else None
+        ten = "tensor" if self._tensor_split(F, n_ten) else None
         rows = "data" if x_MD.shape[0] % mesh.shape["data"] == 0 else None
         local_experts = E // n_exp
 
@@ -168,11 +243,15 @@ class MoE(nnx.Module):
             y = kernel(x_MD, idx_MK, w_MK, wg, wu, wd, first)
             return jax.lax.psum(y, ("expert", "tensor") if ten else "expert")
 
+        if self.quantized:
+            # Checkpoint orientation: F is the out axis of gate/up and the in axis of down.
+            w_specs = ((P("expert", ten, None),) * 2, (P("expert", ten, None),) * 2, (P("expert", None, ten),) * 2)
+        else:
+            w_specs = (P("expert", None, ten), P("expert", None, ten), P("expert", ten, None))
         fn = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(P(rows, None), P(rows, None), P(rows, None),
-                      P("expert", None, ten), P("expert", None, ten), P("expert", ten, None)),
+            in_specs=(P(rows, None), P(rows, None), P(rows, None), *w_specs),
             out_specs=P(rows, None),
             check_vma=False,
         )
