@@ -161,3 +161,16 @@ def native_reader(cfg: TargetConfig, rules, dtype=None, where: str = "") -> Call
 
     return read
 
+
+
+def layout_from_config(cfg: TargetConfig) -> QuantLayout | None:
+    """The layout ``load_target`` will hold for a checkpoint of this config.json, without its
+    tensors (for planning): compressed-tensors INT4 -> INT4 routed experts with bf16 scales (as
+    Kimi-K2.5 ships them); block FP8 -> FP8 experts and linears with float32 scales (DeepSeek-V3)."""
+    scheme = quant.QuantScheme.from_hf_config(cfg.hf_config)
+    if scheme.method == "compressed-tensors":
+        check_native_config(cfg.hf_config, "config.json")
+        return QuantLayout(experts="int4", int4_group=scheme.int4_group)
+    if scheme.method == "fp8":
+        return QuantLayout(experts="fp8", linears="fp8", fp8_block=tuple(scheme.fp8_block))
+    return None

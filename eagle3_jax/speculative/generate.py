@@ -94,9 +94,23 @@ def _emit(state: LoopState, new_BJ, n_new_B, eos_E):
     return tokens_BN, n_out_B, finish_B.astype(jnp.int32), n_B
 
 
+def _chunks(x_BT, chunk):
+    """[B, T] -> [T / chunk, B, chunk] (T padded up to a multiple of chunk with zeros)."""
+    B, T = x_BT.shape
+    n = -(-T // chunk)
+    x_BT = jnp.pad(x_BT, ((0, 0), (0, n * chunk - T)))
+    return x_BT.reshape(B, n, chunk).transpose(1, 0, 2)
+
+
 def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, *, num_draft, max_new, capacity,
-             aux_ids, greedy) -> LoopState:
-    """Runs the prompts through the target (and the draft) and emits each row's first token."""
+             aux_ids, greedy, prefill_chunk=None) -> LoopState:
+    """Runs the prompts through the target (and the draft) and emits each row's first token.
+
+    ``prefill_chunk`` = C: the prompt block goes through the target C positions at a time (a scan
+    writing each chunk into the cache before the next attends to it), so the temporaries of one
+    call (MoE assignments, attention scores) scale with B x C instead of B x T. Same tokens, same
+    cache contents; None runs the whole block at once.
+    """
     K = num_draft if draft is not None else 0
     B, T = prompt_BT.shape
     rows_B = jnp.arange(B)
@@ -104,8 +118,14 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, *, num_d
     tcache = MLACache(constrain(tcache.latent_LBSC, (None, "batch", "cache_seq", "kv_lora")),
                       constrain(tcache.rope_LBSP, (None, "batch", "cache_seq", None)))
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    out = target(prompt_BT, positions_BT, tcache, aux_ids if draft is not None else ())
-    last_hidden_BD = out.hidden_BTD[rows_B, prompt_len_B - 1]
+    want_aux = aux_ids if draft is not None else ()
+    if prefill_chunk is None or prefill_chunk >= T:
+        out = target(prompt_BT, positions_BT, tcache, want_aux)
+        last_hidden_BD = out.hidden_BTD[rows_B, prompt_len_B - 1]
+        tcache, aux_BTX = out.cache, out.aux_BTX
+    else:
+        last_hidden_BD, tcache, aux_BTX = _chunked_target(target, prompt_BT, prompt_len_B, tcache, want_aux,
+                                                          prefill_chunk)
     key, k0 = jax.random.split(key)
     first_B = _choose(k0, target.logits(last_hidden_BD[:, None])[:, 0], greedy, sp)
 
@@ -117,7 +137,7 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, *, num_d
         n_out_B=jnp.zeros((B,), jnp.int32), budget_B=budget_B,
         budget_is_max_new_B=max_new_B <= room_B,
         finish_B=jnp.where(budget_B > 0, RUNNING, FINISH_CAPACITY).astype(jnp.int32),
-        lengths_B=prompt_len_B.astype(jnp.int32), last_B=first_B, tcache=out.cache, dcache=None,
+        lengths_B=prompt_len_B.astype(jnp.int32), last_B=first_B, tcache=tcache, dcache=None,
         dhidden_BD=None, dlogits_BW=None, key=key, rounds_B=jnp.zeros((B,), jnp.int32),
         round_tokens_B=jnp.zeros((B,), jnp.int32), accepted_BK=jnp.zeros((B, max(K, 1)), jnp.int32))
     state.tokens_BN, state.n_out_B, state.finish_B, _ = _emit(
@@ -127,12 +147,41 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, *, num_d
         # with the target's first new token at each row's end).
         shifted_BT = jnp.concatenate([prompt_BT[:, 1:], jnp.zeros((B, 1), prompt_BT.dtype)], axis=1)
         shifted_BT = shifted_BT.at[rows_B, prompt_len_B - 1].set(first_B)
-        dstep = draft(shifted_BT, draft.fuse(out.aux_BTX), positions_BT, target.embed_tokens[...],
+        dstep = draft(shifted_BT, draft.fuse(aux_BTX), positions_BT, target.embed_tokens[...],
                       draft.init_cache(B, capacity))
         state.dcache = dstep.cache
         state.dhidden_BD = dstep.hidden_BTD[rows_B, prompt_len_B - 1]
         state.dlogits_BW = dstep.logits_BTW[rows_B, prompt_len_B - 1]
     return state
+
+
+def _chunked_target(target, prompt_BT, prompt_len_B, tcache, aux_ids, chunk):
+    """The target over the prompt, ``chunk`` positions per step; returns (hidden at each row's last
+    prompt position [B, D], cache, aux states [B, T, X] or None)."""
+    B, T = prompt_BT.shape
+    rows_B = jnp.arange(B)
+    ids_NBC = _chunks(prompt_BT, chunk)
+    n = ids_NBC.shape[0]
+    # Padding positions past T write cache slots >= T, which hold no prompt token: they are
+    # masked by position like any stale slot and overwritten by the first decode steps.
+    pos_NBC = _chunks(jnp.broadcast_to(jnp.arange(n * chunk, dtype=jnp.int32), (B, n * chunk)), chunk)
+    last_B = prompt_len_B - 1
+
+    def step(carry, xs):
+        cache, last_hidden_BD = carry
+        ids_BC, pos_BC = xs
+        out = target(ids_BC, pos_BC, cache, aux_ids)
+        here_B = (last_B >= pos_BC[:, 0]) & (last_B < pos_BC[:, 0] + chunk)
+        h_BD = out.hidden_BTD[rows_B, jnp.clip(last_B - pos_BC[:, 0], 0, chunk - 1)]
+        last_hidden_BD = jnp.where(here_B[:, None], h_BD, last_hidden_BD)
+        return (out.cache, last_hidden_BD), out.aux_BTX
+
+    h0 = jnp.zeros((B, target.cfg.hidden_size), target.dtype)
+    (tcache, last_hidden_BD), aux_NBCX = jax.lax.scan(step, (tcache, h0), (ids_NBC, pos_NBC))
+    aux_BTX = None
+    if aux_ids:
+        aux_BTX = aux_NBCX.transpose(1, 0, 2, 3).reshape(B, n * chunk, -1)[:, :T]
+    return last_hidden_BD, tcache, aux_BTX
 
 
 def _round_fn(target, draft, sp: Sampling, *, num_draft, aux_ids, greedy):
@@ -214,27 +263,30 @@ def _merge_models(tgraph, tstate, dgraph, dstate):
 
 
 _STATIC = ("tgraph", "dgraph", "num_draft", "max_new", "capacity", "aux_ids", "greedy")
+_PREFILL_STATIC = _STATIC + ("prefill_chunk",)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_PREFILL_STATIC)
 def generate_loop(tgraph, tstate, dgraph, dstate, prompt_BT, prompt_len_B, key, sp: Sampling,
-                  *, num_draft: int, max_new: int, capacity: int, aux_ids: tuple, greedy: bool) -> LoopState:
+                  *, num_draft: int, max_new: int, capacity: int, aux_ids: tuple, greedy: bool,
+                  prefill_chunk: int | None = None) -> LoopState:
     """Prefill + rounds until every row is done, in one program."""
     target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
     state = _prefill(target, draft, prompt_BT, prompt_len_B, key, sp, num_draft=num_draft, max_new=max_new,
-                     capacity=capacity, aux_ids=aux_ids, greedy=greedy)
+                     capacity=capacity, aux_ids=aux_ids, greedy=greedy, prefill_chunk=prefill_chunk)
     body = _round_fn(target, draft, sp, num_draft=num_draft, aux_ids=aux_ids, greedy=greedy)
     return jax.lax.while_loop(lambda s: jnp.any(s.finish_B == RUNNING), body, state)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=_PREFILL_STATIC, donate_argnames=("state",))
 def admit_rows(tgraph, tstate, dgraph, dstate, state: LoopState, admit_B, prompt_BT, prompt_len_B, sp: Sampling,
-               *, num_draft: int, max_new: int, capacity: int, aux_ids: tuple, greedy: bool) -> LoopState:
+               *, num_draft: int, max_new: int, capacity: int, aux_ids: tuple, greedy: bool,
+               prefill_chunk: int | None = None) -> LoopState:
     """Prefills new prompts into the rows marked by ``admit_B``; other rows keep their state."""
     target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
     key, k_new = jax.random.split(state.key)
     fresh = _prefill(target, draft, prompt_BT, prompt_len_B, k_new, sp, num_draft=num_draft, max_new=max_new,
-                     capacity=capacity, aux_ids=aux_ids, greedy=greedy)
+                     capacity=capacity, aux_ids=aux_ids, greedy=greedy, prefill_chunk=prefill_chunk)
     fresh.key = key
     return _merge_rows(admit_B, fresh, state)
 

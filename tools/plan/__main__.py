@@ -10,6 +10,7 @@ JAX starts, as many as the largest mesh needs (or ``--devices``).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -58,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the draft's weights and AdamW moments while training")
     p.add_argument("--hidden-source", choices=["online", "offline"], default="online",
                    help="online: the frozen target runs inside the step; offline: its states come from disk")
+    p.add_argument("--weights", choices=["native", "bfloat16"], default="native",
+                   help="native (default): plan what load_target holds for the checkpoint's quantization "
+                        "(INT4 / FP8 values + scales); bfloat16: the dequantized model")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt positions per target call in prefill (default: the whole block, or with --hbm "
+                        "the largest halving of it whose prefill fits)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON to PATH")
     p.add_argument("--devices", type=int, default=None, help="fake CPU devices to create (default: largest mesh)")
     return p
 
@@ -88,6 +96,7 @@ def main(argv=None) -> int:
         bits = tuple(int(b) for b in args.expert_bits.split(",")) if args.expert_bits else (
             {"bfloat16": 16, "float16": 16, "float32": 32}[args.dtype],)
         hbm = core.parse_bytes(args.hbm) if args.hbm else None
+        json_meshes = []
         for mesh in meshes:
             settings = core.PlanSettings(
                 model=args.model, mesh=mesh, batch=args.batch, max_len=args.max_len,
@@ -96,12 +105,17 @@ def main(argv=None) -> int:
                 programs=tuple(p.strip() for p in args.programs.split(",") if p.strip()),
                 greedy=not args.sampled, moe_kernel=args.moe_kernel, train=args.train,
                 train_batch=args.train_batch, train_len=args.train_len, train_accum=args.grad_accum,
-                ttt_steps=args.ttt_steps, train_dtype=args.train_dtype, hidden_source=args.hidden_source)
+                ttt_steps=args.ttt_steps, train_dtype=args.train_dtype, hidden_source=args.hidden_source,
+                weights=args.weights, prefill_chunk=args.prefill_chunk, hbm=hbm)
             result = core.plan(settings, log=lambda msg: print(f"[plan] {msg}", file=sys.stderr, flush=True))
+            json_meshes.append(core.json_mesh(result, hbm))
             if mesh is meshes[0]:
                 print("\n".join(core.format_header(result)) + "\n")
             print("\n".join(core.format_mesh(result, hbm)) + "\n", flush=True)
         print("\n".join(core.format_notes(result)))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": args.model, "meshes": json_meshes}, f, indent=2)
     except (Eagle3Error, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -35,10 +35,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from eagle3_jax.api import resolve_dtype
+from eagle3_jax.checkpoint.quant_native import layout_from_config
 from eagle3_jax.config import DraftConfig, MeshConfig, TargetConfig
 from eagle3_jax.contracts import check_pairing, resolve_aux_ids
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.draft import Draft
+from eagle3_jax.models.quantized import QuantLayout
 from eagle3_jax.models.target import Target
 from eagle3_jax.sharding import make_mesh, sharding_for, state_shardings
 from eagle3_jax.speculative import generate as gen
@@ -96,6 +98,10 @@ class PlanSettings:
     ttt_steps: int = 7
     train_dtype: str = "float32"        # the draft's weights and AdamW moments while training
     hidden_source: str = "online"       # online: the frozen target runs in the step; offline: states read from disk
+    weights: str = "native"             # native: quantized weights as the checkpoint stores them (load_target's default)
+    prefill_chunk: int | None = None    # prompt positions per target call in prefill; None: the whole block,
+                                        # or with ``hbm`` the largest power-of-two split that fits
+    hbm: int | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,8 @@ class Plan:
     state: list[Leaf]
     programs: dict[str, ProgramMemory] = field(default_factory=dict)
     train: "TrainMemory | None" = None
+    quant: QuantLayout | None = None     # what load_target holds quantized (None: all in the model dtype)
+    prefill_chunk: int | None = None     # the chunk the prefill program was compiled with
 
     # -------------------------------------------------------------- per-device sums (planned dtype)
     @property
@@ -351,8 +359,10 @@ def plan(s: PlanSettings, log=None) -> Plan:
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, P()))
     sp = sampling_args(mesh)
 
+    layout = layout_from_config(cfg) if s.weights == "native" else None
+
     def models(dtype):
-        t = _abstract_model(lambda: Target(cfg, dtype, None, mesh=mesh, moe_kernel=s.moe_kernel), mesh)
+        t = _abstract_model(lambda: Target(cfg, dtype, None, mesh=mesh, moe_kernel=s.moe_kernel, quant=layout), mesh)
         d = _abstract_model(lambda: Draft(dcfg, len(aux_ids), dtype, None), mesh)
         return t, d
 
@@ -371,7 +381,7 @@ def plan(s: PlanSettings, log=None) -> Plan:
                       mesh_shape=dict(zip(mesh.axis_names, mesh.devices.shape)),
                       target_params=_leaves(ts, taxes, "target."), draft_params=_leaves(ds, daxes, "draft."),
                       state=[_leaf(jax.tree_util.keystr(p).lstrip("."), x)
-                             for p, x in jax.tree_util.tree_leaves_with_path(state)])
+                             for p, x in jax.tree_util.tree_leaves_with_path(state)], quant=layout)
         if compiled != planned and (s.programs or s.train):
             (tg, ts, _), (dg, ds, _) = models(compiled)
             if s.programs:
@@ -386,13 +396,32 @@ def plan(s: PlanSettings, log=None) -> Plan:
                                             prompt, rows, sp)
             else:
                 fn, args = gen.generate_loop, (tg, ts, dg, ds, prompt, rows, key, sp)
-            log(f"compiling {name} ({PROGRAM_DOC[name]}) ...")
-            mem = _compile(name, fn, args, static)
-            log(f"  lowered in {mem.lower_s:.1f} s, compiled in {mem.compile_s:.1f} s")
+            if name == "decode":
+                log(f"compiling {name} ({PROGRAM_DOC[name]}) ...")
+                mem = _compile(name, fn, args, static)
+                log(f"  lowered in {mem.lower_s:.1f} s, compiled in {mem.compile_s:.1f} s")
+            else:
+                mem = _compile_prefill(result, name, fn, args, static, log)
             result.programs[name] = mem
         if s.train:
             result.train = plan_train(s, cfg, dcfg, aux_ids, mesh, (tg, ts), planned, compiled, log)
     return result
+
+
+def _compile_prefill(result: Plan, name, fn, args, static, log) -> ProgramMemory:
+    """Compiles a program that prefills, with the settings' chunk; with ``hbm`` and no chunk given,
+    halves the chunk from the whole prompt block until the program's upper peak fits (or 16)."""
+    s = result.settings
+    chunk = s.prefill_chunk or s.prompt_len
+    while True:
+        log(f"compiling {name} ({PROGRAM_DOC[name]}), prefill chunk {chunk} ...")
+        mem = _compile(name, fn, args, dict(static, prefill_chunk=chunk))
+        log(f"  lowered in {mem.lower_s:.1f} s, compiled in {mem.compile_s:.1f} s")
+        result.programs[name] = mem
+        result.prefill_chunk = chunk
+        if s.prefill_chunk or not s.hbm or chunk <= 16 or result.totals(name)[0] <= s.hbm:
+            return mem
+        chunk //= 2
 
 
 @dataclass
@@ -513,7 +542,17 @@ def describe_draft(d: DraftConfig) -> str:
             f"{d.num_key_value_heads} kv x {d.head_dim}, draft vocab {d.draft_vocab_size}")
 
 
+def row_bits(plan: Plan) -> list[int | None]:
+    """One table row per expert width; None is the row of what ``load_target`` allocates (the
+    checkpoint's own storage with weights=native), the others are what-if widths."""
+    if plan.quant is not None:
+        return [None]
+    return [None if b >= 16 else b for b in plan.settings.expert_bits]
+
+
 def bits_label(plan: Plan, bits: int | None) -> str:
+    if bits is None and plan.quant is not None:
+        return plan.quant.name
     if bits is None or bits >= 16:
         return plan.settings.dtype
     per, n = plan.scale_layout(bits)
@@ -557,9 +596,8 @@ def format_mesh(plan: Plan, hbm: int | None = None) -> list[str]:
     if hbm:
         head.append("fits")
     rows = []
-    for bits in plan.settings.expert_bits:
-        b = None if bits >= 16 else bits
-        row = [bits_label(plan, b), _gb(plan.param_bytes(b)), _gb(plan.routed_expert_bytes(b)),
+    for b in row_bits(plan):
+        row = [bits_label(plan, b) + (" (runtime)" if b is None else " (what-if)"), _gb(plan.param_bytes(b)), _gb(plan.routed_expert_bytes(b)),
                _gb(plan.state_bytes("tcache")), _gb(plan.state_bytes("dcache")),
                _gb(plan.state_bytes() - plan.state_bytes("tcache") - plan.state_bytes("dcache"))]
         verdicts = []
@@ -585,15 +623,39 @@ def format_mesh(plan: Plan, hbm: int | None = None) -> list[str]:
 
 def format_notes(plan: Plan) -> list[str]:
     notes = []
-    if any(b < 16 for b in plan.settings.expert_bits):
-        notes.append("quantized expert rows are computed from the shapes (packed weights + scales, as the public "
-                     "checkpoints store them); this runtime dequantizes experts to the model dtype when loading, so "
-                     "today's footprint is the model-dtype row")
+    if plan.quant is not None:
+        notes.append(f"runtime row: the parameters load_target(weights='native') allocates ({plan.quant.name}: "
+                     "values and scales as the checkpoint stores them, dequantized per expert / per layer inside "
+                     "the matmuls); --weights bfloat16 plans the dequantized model")
+    elif any(b < 16 for b in plan.settings.expert_bits):
+        notes.append("what-if rows are computed from the shapes (packed weights + scales); the runtime row is the "
+                     "model dtype, what load_target allocates for this config")
+    if plan.prefill_chunk and "prefill" in plan.programs:
+        notes.append(f"prefill admits the {plan.settings.prompt_len}-token prompt block {plan.prefill_chunk} "
+                     "positions per target call (chunked prefill; the same tokens for every chunk size)")
     if plan.temp_ratio < 1:
         notes.append("temp and peak: upper / lower estimate (float32 compile, and that scaled to the 2-byte dtype)")
     notes.append("peak = params + loop state (caches, tokens) + temporaries; runtime reserves, collective "
                  "buffers and fragmentation are not included")
     return [f"# {n}" for n in notes]
+
+
+def json_mesh(plan: Plan, hbm: int | None = None) -> dict:
+    """One mesh for ``--json``: a row per expert width, each program's upper peak and verdict."""
+    rows = []
+    for b in row_bits(plan):
+        programs = {}
+        for name in plan.programs:
+            hi, lo = plan.totals(name, b)
+            entry = {"peak_bytes": int(hi), "peak_bytes_2byte_temps": int(lo),
+                     "fits": (hi <= hbm) if hbm else None}
+            if name != "decode":
+                entry["prefill_chunk"] = plan.prefill_chunk
+            programs[name] = entry
+        label = {4: "int4-experts", 8: "fp8-experts"}.get(b, plan.quant.name if plan.quant else plan.settings.dtype)
+        rows.append({"weights": label, "runtime": b is None, "param_bytes": int(plan.param_bytes(b)),
+                     "expert_bytes": int(plan.routed_expert_bytes(b)), "programs": programs})
+    return {"mesh": ",".join(f"{k}={v}" for k, v in plan.mesh_shape.items()), "hbm_bytes": hbm, "rows": rows}
 
 
 def format_plan(plan: Plan, hbm: int | None = None) -> str:
