@@ -147,12 +147,45 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, *, num_d
         # with the target's first new token at each row's end).
         shifted_BT = jnp.concatenate([prompt_BT[:, 1:], jnp.zeros((B, 1), prompt_BT.dtype)], axis=1)
         shifted_BT = shifted_BT.at[rows_B, prompt_len_B - 1].set(first_B)
-        dstep = draft(shifted_BT, draft.fuse(aux_BTX), positions_BT, target.embed_tokens[...],
-                      draft.init_cache(B, capacity))
-        state.dcache = dstep.cache
-        state.dhidden_BD = dstep.hidden_BTD[rows_B, prompt_len_B - 1]
-        state.dlogits_BW = dstep.logits_BTW[rows_B, prompt_len_B - 1]
+        dcache = draft.init_cache(B, capacity)
+        if prefill_chunk is None or prefill_chunk >= T:
+            dstep = draft(shifted_BT, draft.fuse(aux_BTX), positions_BT, target.embed_tokens[...], dcache)
+            state.dcache = dstep.cache
+            state.dhidden_BD = dstep.hidden_BTD[rows_B, prompt_len_B - 1]
+            state.dlogits_BW = dstep.logits_BTW[rows_B, prompt_len_B - 1]
+        else:
+            state.dcache, state.dhidden_BD, state.dlogits_BW = _chunked_draft(
+                draft, target, shifted_BT, aux_BTX, prompt_len_B, dcache, prefill_chunk)
     return state
+
+
+def _chunked_draft(draft, target, shifted_BT, aux_BTX, prompt_len_B, dcache, chunk):
+    """The draft prefill ``chunk`` positions per step (its attention over the whole cache and its
+    logits are the big temporaries); returns (cache, hidden [B, D] and logits [B, W] at each row's
+    last prompt position)."""
+    B, T = shifted_BT.shape
+    rows_B = jnp.arange(B)
+    n = -(-T // chunk)
+    ids_NBC = _chunks(shifted_BT, chunk)
+    pos_NBC = _chunks(jnp.broadcast_to(jnp.arange(n * chunk, dtype=jnp.int32), (B, n * chunk)), chunk)
+    aux_NBCX = jnp.pad(aux_BTX, ((0, 0), (0, n * chunk - T), (0, 0))).reshape(B, n, chunk, -1).transpose(1, 0, 2, 3)
+    embed_VD = target.embed_tokens[...]
+    last_B = prompt_len_B - 1
+
+    def step(carry, xs):
+        cache, h_BD, logits_BW = carry
+        ids_BC, pos_BC, aux_BCX = xs
+        out = draft(ids_BC, draft.fuse(aux_BCX), pos_BC, embed_VD, cache)
+        here_B = (last_B >= pos_BC[:, 0]) & (last_B < pos_BC[:, 0] + chunk)
+        at_B = jnp.clip(last_B - pos_BC[:, 0], 0, chunk - 1)
+        h_BD = jnp.where(here_B[:, None], out.hidden_BTD[rows_B, at_B].astype(h_BD.dtype), h_BD)
+        logits_BW = jnp.where(here_B[:, None], out.logits_BTW[rows_B, at_B], logits_BW)
+        return (out.cache, h_BD, logits_BW), None
+
+    h0 = jnp.zeros((B, draft.cfg.hidden_size), draft.dtype)
+    l0 = jnp.zeros((B, draft.cfg.draft_vocab_size), jnp.float32)
+    (dcache, h_BD, logits_BW), _ = jax.lax.scan(step, (dcache, h0, l0), (ids_NBC, pos_NBC, aux_NBCX))
+    return dcache, h_BD, logits_BW
 
 
 def _chunked_target(target, prompt_BT, prompt_len_B, tcache, aux_ids, chunk):
