@@ -83,17 +83,29 @@ def dequant_int4(packed_OW: jax.Array, scale_OG: jax.Array, cols: int, group: in
     words = jax.lax.bitcast_convert_type(packed_OW, jnp.uint32)
     shifts = jnp.arange(8, dtype=jnp.uint32) * 4
     nibbles = (words[..., None] >> shifts) & jnp.uint32(0xF)
-    q = nibbles.reshape(*packed_OW.shape[:-1], -1)[..., :cols].astype(jnp.int32) - 8
-    s = jnp.repeat(scale_OG.astype(jnp.float32), group, axis=-1)[..., :cols]
-    return (q.astype(jnp.float32) * s).astype(dtype)
+    q = nibbles.reshape(*packed_OW.shape[:-1], -1)[..., :cols].astype(jnp.float32) - 8.0
+    scale = scale_OG.astype(jnp.float32)
+    if cols % group == 0:
+        # [.., out, G, group] x [.., out, G, 1]: a broadcast, not a repeat (which XLA:CPU gathers)
+        w = (q.reshape(*q.shape[:-1], -1, group) * scale[..., None]).reshape(q.shape)
+    else:
+        w = q * jnp.repeat(scale, group, axis=-1)[..., :cols]
+    return w.astype(dtype)
 
 
 def dequant_fp8(w_OI: jax.Array, scale_RC: jax.Array, block: tuple[int, int], dtype) -> jax.Array:
     """float8 [..., out, in] x float32 tile scales [..., ceil(out/bo), ceil(in/bi)] -> ``dtype``."""
     rows, cols = w_OI.shape[-2:]
     bo, bi = block
-    s = jnp.repeat(jnp.repeat(scale_RC.astype(jnp.float32), bo, axis=-2), bi, axis=-1)[..., :rows, :cols]
-    return (w_OI.astype(jnp.float32) * s).astype(dtype)
+    w = w_OI.astype(jnp.float32)
+    s = scale_RC.astype(jnp.float32)
+    if rows % bo == 0 and cols % bi == 0:
+        # whole tiles: [.., R, bo, C, bi] x [.., R, 1, C, 1]
+        lead = w.shape[:-2]
+        tiles = w.reshape(*lead, rows // bo, bo, cols // bi, bi) * s[..., :, None, :, None]
+        return tiles.reshape(w.shape).astype(dtype)
+    s = jnp.repeat(jnp.repeat(s, bo, axis=-2), bi, axis=-1)[..., :rows, :cols]
+    return (w * s).astype(dtype)
 
 
 # ---------------------------------------------------------------------- containers
