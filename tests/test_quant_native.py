@@ -167,3 +167,20 @@ def test_to_jax_weights_bfloat16_expands(int4_dirs, tmp_path):
     assert meta["quant"] is None and meta["params"]["layers.1.mlp.w_up"]["dtype"] == "bfloat16"
     with pytest.raises(ConfigError, match="--weights 'int8'"):
         to_jax(int4_dirs[0], tmp_path / "jax2", weights="int8", progress=False)
+
+
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+def test_tiled_quantized_matmul_equals_whole_matrix(kind):
+    """Several input tiles per matmul (the tiny checkpoints above fit in one)."""
+    import jax
+
+    from eagle3_jax.models.quantized import QuantLayout, expert_stack, quantized_matmul
+
+    layout = QuantLayout(experts=kind, int4_scale_dtype="float32", fp8_block=(16, 16))
+    stack = expert_stack(2, 24, 160, ("expert", None, None), layout, nnx.Rngs(0))
+    values, scales = stack.arrays()
+    x_bI = jax.random.normal(jax.random.key(1), (5, 160), jnp.float32)
+    whole = x_bI @ stack.dequant_one(values[1], scales[1], jnp.float32).T
+    for tile in (32, 64, 160):  # 5 tiles, 2 tiles + a width that does not divide (falls to 32), 1 tile
+        got = quantized_matmul(x_bI, values[1], scales[1], stack, tile=tile)
+        assert rel_err(got, whole) <= 1e-6, tile

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.models.layers import SwiGLU, param
-from eagle3_jax.models.quantized import Int4Stack, QuantLayout, expert_stack
+from eagle3_jax.models.quantized import Int4Stack, QuantLayout, expert_stack, quantized_matmul
 
 
 def route(x_MD: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array, cfg: TargetConfig):
@@ -120,11 +120,11 @@ EXPERT_KERNELS = {"blocked": experts_blocked, "ragged": experts_ragged}
 def experts_blocked_quantized(x_MD, idx_MK, weights_MK, gate, up, down, first_expert):
     """``experts_blocked`` over quantized stacks: each block dequantizes only its own expert.
 
-    ``gate`` / ``up`` / ``down`` are (values, scales, dequant) with values/scales the stacked
-    ``[E, out, ...]`` arrays in checkpoint orientation and ``dequant(values_e, scales_e)`` giving one
-    expert's ``[out, in]`` matrix in the activation dtype; so the largest weight temporary is one
-    expert's matrix, never the stack. Whatever kernel name is configured, quantized experts run
-    this loop: ``ragged_dot`` would need the whole dequantized stack as one operand.
+    ``gate`` / ``up`` / ``down`` are (values, scales, container) with values/scales the stacked
+    ``[E, out, ...]`` arrays in checkpoint orientation; ``quantized_matmul`` dequantizes the chosen
+    expert one tile of input columns at a time, so the largest weight temporary is one tile, never
+    an expert stack. Whatever kernel name is configured, quantized experts run this loop:
+    ``ragged_dot`` would need the whole dequantized stack as one operand.
     """
     E = gate[0].shape[0]
     M, K = idx_MK.shape
@@ -136,9 +136,9 @@ def experts_blocked_quantized(x_MD, idx_MK, weights_MK, gate, up, down, first_ex
     starts_E = jnp.cumsum(counts_E) - counts_E
     rows_b = jnp.arange(b, dtype=jnp.int32)
 
-    def one(w, e):
-        values, scales, dequant = w
-        return dequant(values[e], scales[e]).astype(x_MD.dtype)
+    def matmul(x_bI, w, e):
+        values, scales, stack = w
+        return quantized_matmul(x_bI, values[e], scales[e], stack)
 
     def one_block(j, out_MD):
         e = jnp.searchsorted(block_end_E, j, side="right")
@@ -147,9 +147,9 @@ def experts_blocked_quantized(x_MD, idx_MK, weights_MK, gate, up, down, first_ex
         rows = jnp.where(valid_b, starts_E[e] + offset + rows_b, 0)
         tok_b = token_A[rows]
         x_bD = x_MD[tok_b]
-        g_bF = jnp.einsum("bd,fd->bf", x_bD, one(gate, e))
-        u_bF = jnp.einsum("bd,fd->bf", x_bD, one(up, e))
-        y_bD = jnp.einsum("bf,df->bd", jax.nn.silu(g_bF) * u_bF, one(down, e))
+        g_bF = matmul(x_bD, gate, e)
+        u_bF = matmul(x_bD, up, e)
+        y_bD = matmul(jax.nn.silu(g_bF) * u_bF, down, e)
         y_bD = y_bD * jnp.where(valid_b, weight_A[rows], 0.0)[:, None].astype(y_bD.dtype)
         return out_MD.at[tok_b].add(y_bD)
 
@@ -205,13 +205,12 @@ class MoE(nnx.Module):
 
     def _quantized_kernel(self):
         """The dequantizing kernel and its weights: per stack (values, scales) arrays, with the
-        dequantizer bound by closure so shard_map sees only arrays."""
+        containers (their static group / block sizes) bound by closure so shard_map sees only arrays."""
         stacks = (self.w_gate, self.w_up, self.w_down)
-        deqs = [lambda v, s, st=st: st.dequant_one(v, s, jnp.float32) for st in stacks]
         ws = tuple(st.arrays() for st in stacks)
 
         def kernel(x_MD, idx_MK, weights_MK, wg, wu, wd, first):
-            g, u, d = ((*w, dq) for w, dq in zip((wg, wu, wd), deqs))
+            g, u, d = ((*w, st) for w, st in zip((wg, wu, wd), stacks))
             return experts_blocked_quantized(x_MD, idx_MK, weights_MK, g, u, d, first)
 
         return kernel, ws

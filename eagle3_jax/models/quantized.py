@@ -77,14 +77,18 @@ class QuantLayout:
 def dequant_int4(packed_OW: jax.Array, scale_OG: jax.Array, cols: int, group: int, dtype) -> jax.Array:
     """int32 words [..., out, W] + scales [..., out, G] -> [..., out, cols] in ``dtype``.
 
-    ``cols`` may be less than 8 * W (zero-padded last word). Products are formed in float32,
-    where (q in [-8, 7]) x (a bf16 / f32 scale) is exact, then cast once.
+    ``cols`` may be less than 8 * W (zero-padded last word). Products are exact in float32
+    (q in [-8, 7] times a bf16 / f32 scale) and rounded once to ``dtype``.
     """
+    # In the scales' own dtype when that is the result dtype (bf16 scales, bf16 model): q * s is
+    # then rounded once, as the float32 product cast to bf16 would be, and no float32 copy of the
+    # scales exists (XLA:CPU materializes such a convert for the whole stack, outside the loop).
+    compute = scale_OG.dtype if jnp.dtype(dtype) == scale_OG.dtype else jnp.float32
     words = jax.lax.bitcast_convert_type(packed_OW, jnp.uint32)
     shifts = jnp.arange(8, dtype=jnp.uint32) * 4
     nibbles = (words[..., None] >> shifts) & jnp.uint32(0xF)
-    q = nibbles.reshape(*packed_OW.shape[:-1], -1)[..., :cols].astype(jnp.float32) - 8.0
-    scale = scale_OG.astype(jnp.float32)
+    q = nibbles.reshape(*packed_OW.shape[:-1], -1)[..., :cols].astype(compute) - 8
+    scale = scale_OG.astype(compute)
     if cols % group == 0:
         # [.., out, G, group] x [.., out, G, 1]: a broadcast, not a repeat (which XLA:CPU gathers)
         w = (q.reshape(*q.shape[:-1], -1, group) * scale[..., None]).reshape(q.shape)
@@ -109,6 +113,32 @@ def dequant_fp8(w_OI: jax.Array, scale_RC: jax.Array, block: tuple[int, int], dt
 
 
 # ---------------------------------------------------------------------- containers
+TILE_COLS = 512
+
+
+def quantized_matmul(x_bI: jax.Array, values, scales, stack, tile: int = TILE_COLS) -> jax.Array:
+    """``x [b, I] @ W.T`` for one quantized ``W [O, I]``, dequantizing ``tile`` input columns at a
+    time inside a loop: the largest weight temporary is one [O, tile] tile, not the matrix.
+
+    (XLA:CPU does not share the temporaries of separate loops, so a whole dequantized expert per
+    layer would add up over the layers of one program.) Partial products accumulate in float32.
+    """
+    I = x_bI.shape[-1]
+    unit = stack.col_unit
+    width = max((w for w in range(unit, min(tile, I) + 1, unit) if I % w == 0), default=None)
+    if width is None:  # columns not a multiple of whole groups / blocks: one piece
+        return jnp.einsum("bi,oi->bo", x_bI, stack.dequant_one(values, scales, x_bI.dtype))
+
+    def body(i, acc_bO):
+        start = i * width
+        w_OT = stack.dequant_cols(values, scales, start, width, x_bI.dtype)
+        x_bT = jax.lax.dynamic_slice_in_dim(x_bI, start, width, axis=-1)
+        return acc_bO + jnp.einsum("bt,ot->bo", x_bT, w_OT, preferred_element_type=jnp.float32)
+
+    acc_bO = jnp.zeros((x_bI.shape[0], values.shape[-2]), jnp.float32)
+    return jax.lax.fori_loop(0, I // width, body, acc_bO).astype(x_bI.dtype)
+
+
 def _qparam(value, axes) -> nnx.Param:
     return nnx.Param(value, axes=tuple(axes))
 
@@ -141,6 +171,17 @@ class Int4Stack(nnx.Module):
         # Under tensor sharding a device holds a slice of the packed axis; its columns are whole words.
         return dequant_int4(packed_OW, scale_OG, min(self.cols, packed_OW.shape[-1] * 8), self.group, dtype)
 
+    @property
+    def col_unit(self) -> int:
+        """Input columns of the smallest tile that holds whole words and whole groups."""
+        return math.lcm(8, self.group)
+
+    def dequant_cols(self, packed_OW, scale_OG, start, width: int, dtype) -> jax.Array:
+        """Columns [start, start + width) of one expert's matrix (start, width: multiples of col_unit)."""
+        w = jax.lax.dynamic_slice_in_dim(packed_OW, start // 8, width // 8, axis=-1)
+        s = jax.lax.dynamic_slice_in_dim(scale_OG, start // self.group, width // self.group, axis=-1)
+        return dequant_int4(w, s, width, self.group, dtype)
+
 
 class Fp8Stack(nnx.Module):
     """E experts' ``[out, in]`` matrices as float8_e4m3fn + 2-D block scales."""
@@ -155,6 +196,15 @@ class Fp8Stack(nnx.Module):
 
     def dequant_one(self, w_OI, scale_RC, dtype) -> jax.Array:
         return dequant_fp8(w_OI, scale_RC, self.block, dtype)
+
+    @property
+    def col_unit(self) -> int:
+        return self.block[1]
+
+    def dequant_cols(self, w_OI, scale_RC, start, width: int, dtype) -> jax.Array:
+        w = jax.lax.dynamic_slice_in_dim(w_OI, start, width, axis=-1)
+        s = jax.lax.dynamic_slice_in_dim(scale_RC, start // self.block[1], width // self.block[1], axis=-1)
+        return dequant_fp8(w, s, self.block, dtype)
 
 
 class Fp8Linear(nnx.Module):

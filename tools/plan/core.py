@@ -21,6 +21,7 @@ lower estimate. Both are printed and the verdict says which one the fit depends 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -362,7 +363,11 @@ def plan(s: PlanSettings, log=None) -> Plan:
     layout = layout_from_config(cfg) if s.weights == "native" else None
 
     def models(dtype):
-        t = _abstract_model(lambda: Target(cfg, dtype, None, mesh=mesh, moe_kernel=s.moe_kernel, quant=layout), mesh)
+        # The float32 compile holds INT4 scales in float32 too: a bf16 -> float32 convert of every
+        # scale stack is one of the CPU-only copies the float32 compile exists to avoid.
+        held = layout if dtype == planned or layout is None else dataclasses.replace(
+            layout, int4_scale_dtype=jnp.dtype(dtype).name)
+        t = _abstract_model(lambda: Target(cfg, dtype, None, mesh=mesh, moe_kernel=s.moe_kernel, quant=held), mesh)
         d = _abstract_model(lambda: Draft(dcfg, len(aux_ids), dtype, None), mesh)
         return t, d
 
