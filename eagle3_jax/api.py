@@ -20,6 +20,8 @@ from eagle3_jax.errors import CheckpointError, ConfigError
 from eagle3_jax.metrics import GenerationStats, check_acceptance
 from eagle3_jax.models.cache import MLACache
 from eagle3_jax.models.draft import Draft
+from eagle3_jax.models.footprint import weight_bytes_by_kind
+from eagle3_jax.models.quantized import QuantLayout
 from eagle3_jax.models.target import Target
 from eagle3_jax.sharding import mesh_context, resolve_mesh, shard_state
 from eagle3_jax.speculative.generate import generate_loop
@@ -50,6 +52,16 @@ class LoadedTarget:
     @property
     def dtype(self):
         return self.model.dtype
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes the parameters occupy on the devices, summed over all of them (a replicated
+        parameter counts once per device holding it)."""
+        return sum(self.param_bytes_by_kind().values())
+
+    def param_bytes_by_kind(self) -> dict[str, int]:
+        """``param_bytes`` split by kind of weight and storage, e.g. ``"routed experts (int4)"``."""
+        return weight_bytes_by_kind(self.model)
 
     def _aux_ids(self, aux_layer_ids) -> tuple[int, ...]:
         if aux_layer_ids is None:
@@ -99,35 +111,59 @@ class LoadedTarget:
 
 
 def build_target(cfg: TargetConfig, dtype="float32", mesh=None, seed: int | None = 0,
-                 moe_kernel: str | None = None) -> LoadedTarget:
-    """A target with random weights (tests, benchmarks, planning)."""
+                 moe_kernel: str | None = None, quant: QuantLayout | None = None) -> LoadedTarget:
+    """A target with random weights (tests, benchmarks, planning); ``quant`` holds the weights it
+    names quantized (random INT4 words / FP8 values and scales)."""
     dtype = resolve_dtype(dtype)
     mesh = resolve_mesh(mesh)
-    model = Target(cfg, dtype, nnx.Rngs(seed), mesh=mesh, moe_kernel=moe_kernel)
+    model = Target(cfg, dtype, nnx.Rngs(seed), mesh=mesh, moe_kernel=moe_kernel, quant=quant)
     if mesh is not None:
         graphdef, state = nnx.split(model)
         model = nnx.merge(graphdef, shard_state(state, mesh))
     return LoadedTarget(model, mesh)
 
 
-def load_target(path: str | os.PathLike, dtype="float32", mesh=None, moe_kernel: str | None = None) -> LoadedTarget:
+def load_target(path: str | os.PathLike, dtype="float32", mesh=None, moe_kernel: str | None = None,
+                weights: str = "native") -> LoadedTarget:
     """Loads a Hugging Face DeepseekV3 / Kimi-K2 / Kimi-K2.5 checkpoint directory (bf16/fp32, FP8
-    block-scaled or INT4 pack-quantized, dequantized on load) or one converted by ``tools.convert``."""
-    from eagle3_jax.checkpoint import quant, store
+    block-scaled or INT4 pack-quantized) or one converted by ``tools.convert``.
 
+    ``weights="native"`` (default) keeps quantized weights as stored: INT4 expert words and FP8
+    values stay on the devices with their scales and are dequantized inside the matmuls.
+    ``weights="bfloat16"`` dequantizes every weight into ``dtype`` while loading.
+    """
+    from eagle3_jax.checkpoint import quant, quant_native, store
+
+    if weights not in quant_native.WEIGHTS_CHOICES:
+        raise ConfigError(f"weights='{weights}' is not supported; use one of {quant_native.WEIGHTS_CHOICES}")
     path = os.fspath(path)
     cfg = TargetConfig.from_path(path)
     dtype = resolve_dtype(dtype)
     mesh = resolve_mesh(mesh)
-    abstract = nnx.eval_shape(lambda: Target(cfg, dtype, None, mesh=mesh, moe_kernel=moe_kernel))
+    jax_ckpt = store.is_jax_checkpoint(path)
+    reader = None
+    if jax_ckpt:
+        layout = QuantLayout.from_json(store.read_meta(path).get("quant"))
+        if layout is not None and weights != "native":
+            raise ConfigError(
+                f"{path} holds quantized weights ({layout.name}); load it with weights='native', or convert "
+                "the original checkpoint with `python -m tools.convert to-jax --weights bfloat16`")
+    else:
+        reader = CheckpointReader(path)
+        layout = quant_native.detect_layout(reader, cfg, where=path) if weights == "native" else None
+    abstract = nnx.eval_shape(lambda: Target(cfg, dtype, None, mesh=mesh, moe_kernel=moe_kernel, quant=layout))
     graphdef, abstract_state = nnx.split(abstract)
-    if store.is_jax_checkpoint(path):
+    if jax_ckpt:
         state = store.restore_state(path, abstract_state, mesh, kind="target")
         return LoadedTarget(nnx.merge(graphdef, state), mesh)
-    reader = CheckpointReader(path)
-    state = load_state(reader, target_rules(cfg), abstract_state, prefix=cfg.weight_prefix,
-                       ignore=lambda k: is_ignored_key(cfg, k), mesh=mesh, where=path,
-                       read=quant.dequantizing_reader(cfg.hf_config, dtype, where=path))
+    if layout is None:
+        rules = target_rules(cfg)
+        read = quant.dequantizing_reader(cfg.hf_config, dtype, where=path)
+    else:
+        rules = quant_native.native_rules(cfg, layout)
+        read = quant_native.native_reader(cfg, rules, dtype, where=path)
+    state = load_state(reader, rules, abstract_state, prefix=cfg.weight_prefix,
+                       ignore=lambda k: is_ignored_key(cfg, k), mesh=mesh, where=path, read=read)
     return LoadedTarget(nnx.merge(graphdef, state), mesh)
 
 

@@ -303,11 +303,11 @@ def test_quantized_checkpoint_loads_and_converts(hf_target_dirs, tmp_path, kind)
     src = hf_target_dirs["qlora_groups_yarn"][0]
     qdir, ref_dir = quantized_pair(src, tmp_path, kind)
     # loads directly as a target: every parameter equals the independently dequantized reference
-    got, ref = flat_params(e3.load_target(qdir)), flat_params(e3.load_target(ref_dir))
+    got, ref = flat_params(e3.load_target(qdir, weights="bfloat16")), flat_params(e3.load_target(ref_dir))
     for path in ref:
         np.testing.assert_array_equal(got[path], ref[path], err_msg=str(path))
     # to-jax dequantizes to bf16; to-hf writes bf16 weights and drops quantization_config
-    meta = to_jax(qdir, tmp_path / "jax")
+    meta = to_jax(qdir, tmp_path / "jax", weights="bfloat16")
     n_quantized = sum(1 for k in read_all(ref_dir) if (is_fp8_target(k) if kind == "fp8" else is_routed_expert(k)))
     assert meta["hf"]["dequantized"] == {kind: n_quantized}
     assert meta["params"]["layers.1.mlp.w_up"]["dtype"] == "bfloat16"

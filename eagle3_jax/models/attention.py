@@ -8,7 +8,8 @@ from flax import nnx
 
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.models.cache import causal_slot_mask, write_slots
-from eagle3_jax.models.layers import RMSNorm, apply_rope, param
+from eagle3_jax.models.layers import RMSNorm, apply_rope
+from eagle3_jax.models.quantized import QuantLayout, linear_param
 
 
 def masked_softmax(scores_BTNS: jax.Array, mask_BTS: jax.Array) -> jax.Array:
@@ -24,21 +25,25 @@ class MLAttention(nnx.Module):
     values are never expanded per head: the work per cached token is O(N·C), independent of H.
     """
 
-    def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs | None, quant: QuantLayout | None = None):
         D, N = cfg.hidden_size, cfg.num_attention_heads
         C, P = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         self.cfg = cfg
+
+        def linear(shape, axes, in_ndim=1):
+            return linear_param(rngs, shape, axes, dtype, quant, in_ndim)
+
         if cfg.q_lora_rank is None:
-            self.q_proj = param(rngs, (D, N, cfg.qk_head_dim), ("embed", "heads", "head_dim"), dtype)
+            self.q_proj = linear((D, N, cfg.qk_head_dim), ("embed", "heads", "head_dim"))
         else:
             Q = cfg.q_lora_rank
-            self.q_a_proj = param(rngs, (D, Q), ("embed", "q_lora"), dtype)
+            self.q_a_proj = linear((D, Q), ("embed", "q_lora"))
             self.q_a_layernorm = RMSNorm(Q, cfg.latent_rms_norm_eps, dtype, axes=("q_lora",))
-            self.q_b_proj = param(rngs, (Q, N, cfg.qk_head_dim), ("q_lora", "heads", "head_dim"), dtype)
-        self.kv_a_proj_with_mqa = param(rngs, (D, C + P), ("embed", "kv_lora"), dtype)
+            self.q_b_proj = linear((Q, N, cfg.qk_head_dim), ("q_lora", "heads", "head_dim"))
+        self.kv_a_proj_with_mqa = linear((D, C + P), ("embed", "kv_lora"))
         self.kv_a_layernorm = RMSNorm(C, cfg.latent_rms_norm_eps, dtype, axes=("kv_lora",))
-        self.kv_b_proj = param(rngs, (C, N, cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora", "heads", "head_dim"), dtype)
-        self.o_proj = param(rngs, (N, cfg.v_head_dim, D), ("heads", "head_dim", "embed"), dtype)
+        self.kv_b_proj = linear((C, N, cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora", "heads", "head_dim"))
+        self.o_proj = linear((N, cfg.v_head_dim, D), ("heads", "head_dim", "embed"), in_ndim=2)
 
     def __call__(self, x_BTD, positions_BT, cos_BTP, sin_BTP, latent_BSC, rope_BSP, softmax_scale):
         cfg = self.cfg

@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from eagle3_jax.config import RopeConfig
+from eagle3_jax.models.quantized import QuantLayout, linear_param
 
 
 def param(rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str | None], dtype, init: str = "normal",
@@ -123,10 +124,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) 
 class SwiGLU(nnx.Module):
     """down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, dim: int, width: int, dtype, rngs: nnx.Rngs | None, width_axis: str = "mlp"):
-        self.gate = param(rngs, (dim, width), ("embed", width_axis), dtype)
-        self.up = param(rngs, (dim, width), ("embed", width_axis), dtype)
-        self.down = param(rngs, (width, dim), (width_axis, "embed"), dtype)
+    def __init__(self, dim: int, width: int, dtype, rngs: nnx.Rngs | None, width_axis: str = "mlp",
+                 quant: QuantLayout | None = None):
+        self.gate = linear_param(rngs, (dim, width), ("embed", width_axis), dtype, quant)
+        self.up = linear_param(rngs, (dim, width), ("embed", width_axis), dtype, quant)
+        self.down = linear_param(rngs, (width, dim), (width_axis, "embed"), dtype, quant)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         g_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate[...])

@@ -32,17 +32,17 @@ Routing statistics: ``capture_routes(fn)`` returns the expert ids every MoE laye
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from typing import Callable
-
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.layers import SwiGLU, param
+from eagle3_jax.models.quantized import Int4Stack, QuantLayout, expert_stack, quantized_matmul
 from eagle3_jax.sharding import mesh_axis
 
 # (x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert) -> y_MD. Experts
@@ -138,6 +138,45 @@ def experts_ragged(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, f
 PADDED_BLOCK_ROWS = 128
 
 
+def experts_blocked_quantized(x_MD, idx_MK, weights_MK, gate, up, down, first_expert):
+    """``experts_blocked`` over quantized stacks: each block dequantizes only its own expert.
+
+    ``gate`` / ``up`` / ``down`` are (values, scales, container) with values/scales the stacked
+    ``[E, out, ...]`` arrays in checkpoint orientation; ``quantized_matmul`` dequantizes the chosen
+    expert one tile of input columns at a time, so the largest weight temporary is one tile, never
+    an expert stack. Whatever kernel name is configured, quantized experts run this loop:
+    ``ragged_dot`` would need the whole dequantized stack as one operand.
+    """
+    E = gate[0].shape[0]
+    M, K = idx_MK.shape
+    token_A, weight_A, counts_E = sort_assignments(idx_MK, weights_MK, first_expert, E)
+    b = block_rows(M * K, E)
+    blocks_E = (counts_E + b - 1) // b
+    block_end_E = jnp.cumsum(blocks_E)
+    block_start_E = block_end_E - blocks_E
+    starts_E = jnp.cumsum(counts_E) - counts_E
+    rows_b = jnp.arange(b, dtype=jnp.int32)
+
+    def matmul(x_bI, w, e):
+        values, scales, stack = w
+        return quantized_matmul(x_bI, values[e], scales[e], stack)
+
+    def one_block(j, out_MD):
+        e = jnp.searchsorted(block_end_E, j, side="right")
+        offset = (j - block_start_E[e]) * b
+        valid_b = offset + rows_b < counts_E[e]
+        rows = jnp.where(valid_b, starts_E[e] + offset + rows_b, 0)
+        tok_b = token_A[rows]
+        x_bD = x_MD[tok_b]
+        g_bF = matmul(x_bD, gate, e)
+        u_bF = matmul(x_bD, up, e)
+        y_bD = matmul(jax.nn.silu(g_bF) * u_bF, down, e)
+        y_bD = y_bD * jnp.where(valid_b, weight_A[rows], 0.0)[:, None].astype(y_bD.dtype)
+        return out_MD.at[tok_b].add(y_bD)
+
+    return jax.lax.fori_loop(0, block_end_E[-1], one_block, jnp.zeros_like(x_MD))
+
+
 def experts_padded_blocks(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert):
     E = w_gate_EDF.shape[0]
     M, K = idx_MK.shape
@@ -193,7 +232,7 @@ def get_kernel(name: str) -> ExpertKernel:
 
 class MoE(nnx.Module):
     def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs | None, mesh=None, kernel: str | None = None,
-                 record_routes: bool = False):
+                 record_routes: bool = False, quant: QuantLayout | None = None):
         D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         self.cfg = cfg
         self.mesh = mesh
@@ -203,11 +242,18 @@ class MoE(nnx.Module):
         # The router stays float32 whatever the model dtype, as in the reference checkpoints.
         self.gate = param(rngs, (D, E), ("embed", None), jnp.float32)
         self.e_score_correction_bias = param(None, (E,), (None,), jnp.float32, init="zeros")
-        self.w_gate = param(rngs, (E, D, F), ("expert", "embed", "moe_mlp"), dtype)
-        self.w_up = param(rngs, (E, D, F), ("expert", "embed", "moe_mlp"), dtype)
-        self.w_down = param(rngs, (E, F, D), ("expert", "moe_mlp", "embed"), dtype)
+        self.quantized = quant is not None and quant.experts is not None
+        if self.quantized:
+            # Checkpoint orientation [E, out, in]: gate/up are [E, F, D], down is [E, D, F].
+            self.w_gate = expert_stack(E, F, D, ("expert", "moe_mlp", "embed"), quant, rngs)
+            self.w_up = expert_stack(E, F, D, ("expert", "moe_mlp", "embed"), quant, rngs)
+            self.w_down = expert_stack(E, D, F, ("expert", "embed", "moe_mlp"), quant, rngs)
+        else:
+            self.w_gate = param(rngs, (E, D, F), ("expert", "embed", "moe_mlp"), dtype)
+            self.w_up = param(rngs, (E, D, F), ("expert", "embed", "moe_mlp"), dtype)
+            self.w_down = param(rngs, (E, F, D), ("expert", "moe_mlp", "embed"), dtype)
         self.shared_experts = (
-            SwiGLU(D, F * cfg.n_shared_experts, dtype, rngs) if cfg.n_shared_experts > 0 else None
+            SwiGLU(D, F * cfg.n_shared_experts, dtype, rngs, quant=quant) if cfg.n_shared_experts > 0 else None
         )
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
@@ -216,8 +262,11 @@ class MoE(nnx.Module):
         idx_MK, weights_MK = route(x_MD, self.gate[...], self.e_score_correction_bias[...], self.cfg)
         if self.record_routes:
             self.sow(nnx.Intermediate, "expert_ids", idx_MK)
-        kernel = get_kernel(self.kernel)
-        ws = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        if self.quantized:
+            kernel, ws = self._quantized_kernel()
+        else:
+            kernel = get_kernel(self.kernel)
+            ws = (self.w_gate[...], self.w_up[...], self.w_down[...])
         mesh = self.mesh
         if mesh is None or (mesh.shape[mesh_axis("expert")] == 1 and mesh.shape[mesh_axis("moe_mlp")] == 1):
             y_MD = kernel(x_MD, idx_MK, weights_MK, *ws, 0)
@@ -227,6 +276,29 @@ class MoE(nnx.Module):
         if self.shared_experts is not None:
             y_BTD = y_BTD + self.shared_experts(x_BTD)
         return y_BTD
+
+    def _quantized_kernel(self):
+        """The dequantizing kernel and its weights: per stack (values, scales) arrays, with the
+        containers (their static group / block sizes) bound by closure so shard_map sees only arrays."""
+        stacks = (self.w_gate, self.w_up, self.w_down)
+        ws = tuple(st.arrays() for st in stacks)
+
+        def kernel(x_MD, idx_MK, weights_MK, wg, wu, wd, first):
+            g, u, d = ((*w, st) for w, st in zip((wg, wu, wd), stacks))
+            return experts_blocked_quantized(x_MD, idx_MK, weights_MK, g, u, d, first)
+
+        return kernel, ws
+
+    def _tensor_split(self, F: int, n_ten: int) -> bool:
+        """Whether expert width F can be split over ``tensor``: quantized stacks also need every
+        shard to hold whole INT4 groups / FP8 blocks, so a device dequantizes only its own slice."""
+        if F % n_ten:
+            return False
+        if not self.quantized:
+            return True
+        st = self.w_down
+        unit = st.group if isinstance(st, Int4Stack) else st.block[1]
+        return (F // n_ten) % unit == 0 and (isinstance(st, Int4Stack) or (F // n_ten) % st.block[0] == 0)
 
     def _sharded(self, kernel, x_MD, idx_MK, weights_MK, ws):
         mesh = self.mesh
@@ -238,7 +310,7 @@ class MoE(nnx.Module):
                               f"(mesh {dict(mesh.shape)}); pick an expert-axis size that divides {E}")
         F = self.cfg.moe_intermediate_size
         # Uneven splits replicate, as sharding.py does for parameters (small models on big meshes).
-        ten = ten_ax if F % n_ten == 0 else None
+        ten = ten_ax if self._tensor_split(F, n_ten) else None
         rows = row_ax if x_MD.shape[0] % mesh.shape[row_ax] == 0 else None
         local_experts = E // n_exp
 
@@ -247,11 +319,15 @@ class MoE(nnx.Module):
             y = kernel(x_MD, idx_MK, w_MK, wg, wu, wd, first)
             return jax.lax.psum(y, (exp_ax, ten_ax) if ten else exp_ax)
 
+        if self.quantized:
+            # Checkpoint orientation: F is the out axis of gate/up and the in axis of down.
+            w_specs = ((P(exp_ax, ten, None),) * 2, (P(exp_ax, ten, None),) * 2, (P(exp_ax, None, ten),) * 2)
+        else:
+            w_specs = (P(exp_ax, None, ten), P(exp_ax, None, ten), P(exp_ax, ten, None))
         fn = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(P(rows, None), P(rows, None), P(rows, None),
-                      P(exp_ax, None, ten), P(exp_ax, None, ten), P(exp_ax, ten, None)),
+            in_specs=(P(rows, None), P(rows, None), P(rows, None), *w_specs),
             out_specs=P(rows, None),
             check_vma=False,
         )

@@ -19,19 +19,21 @@ from eagle3_jax.models.attention import MLAttention
 from eagle3_jax.models.cache import MLACache
 from eagle3_jax.models.layers import RMSNorm, SwiGLU, param, rope_cos_sin, rope_inv_freq, yarn_softmax_scale
 from eagle3_jax.models.moe import MoE
+from eagle3_jax.models.quantized import QuantLayout
 from eagle3_jax.sharding import constrain
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TargetConfig, layer: int, dtype, rngs, mesh=None, moe_kernel=None):
+    def __init__(self, cfg: TargetConfig, layer: int, dtype, rngs, mesh=None, moe_kernel=None,
+                 quant: QuantLayout | None = None):
         D = cfg.hidden_size
         self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
-        self.self_attn = MLAttention(cfg, dtype, rngs)
+        self.self_attn = MLAttention(cfg, dtype, rngs, quant)
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         if cfg.is_moe_layer(layer):
-            self.mlp = MoE(cfg, dtype, rngs, mesh=mesh, kernel=moe_kernel)
+            self.mlp = MoE(cfg, dtype, rngs, mesh=mesh, kernel=moe_kernel, quant=quant)
         else:
-            self.mlp = SwiGLU(D, cfg.intermediate_size, dtype, rngs)
+            self.mlp = SwiGLU(D, cfg.intermediate_size, dtype, rngs, quant=quant)
 
     def __call__(self, x_BTD, positions_BT, cos_BTP, sin_BTP, latent_BSC, rope_BSP, softmax_scale):
         h_BTD, latent_BSC, rope_BSP = self.self_attn(
@@ -52,13 +54,16 @@ class TargetStep:
 
 class Target(nnx.Module):
     def __init__(self, cfg: TargetConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None, mesh=None,
-                 moe_kernel: str | None = None):
+                 moe_kernel: str | None = None, quant: QuantLayout | None = None):
+        """``quant``: which weights are held quantized (None: all in ``dtype``)."""
         cfg.validate()
         self.cfg = cfg
         self.dtype = dtype
+        self.quant = quant
         D, V = cfg.hidden_size, cfg.vocab_size
         self.embed_tokens = param(rngs, (V, D), ("vocab", "embed"), dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs, mesh, moe_kernel) for i in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs, mesh, moe_kernel, quant)
+                                for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (D, V), ("embed", "vocab"), dtype)
         inv_freq, attn_factor = rope_inv_freq(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)

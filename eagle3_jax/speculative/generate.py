@@ -29,6 +29,7 @@ from flax import nnx
 from eagle3_jax.models.cache import KVCache, MLACache
 from eagle3_jax.sharding import constrain
 from eagle3_jax.speculative.accept import greedy_accept, rejection_accept, sample_from_probs, target_probs
+from eagle3_jax.speculative.prefill import chunked_draft, chunked_target
 
 RUNNING, FINISH_EOS, FINISH_LENGTH, FINISH_CAPACITY = 0, 1, 2, 3
 FINISH_NAMES = {FINISH_EOS: "eos", FINISH_LENGTH: "length", FINISH_CAPACITY: "max_len"}
@@ -69,6 +70,8 @@ class DecodeProgram:
     num_draft_tokens: int
     aux_layer_ids: tuple[int, ...]
     greedy: bool
+    # Prompt positions per target call in prefill (``prefill.py``); None runs the whole block at once.
+    prefill_chunk: int | None = None
 
 
 # Logical axes of LoopState's sharded arrays by field path (the target cache as constrained in this
@@ -134,8 +137,14 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
     tcache = MLACache(constrain(tcache.latent_LBSC, (None, "batch", "cache_seq", "kv_lora")),
                       constrain(tcache.rope_LBSP, (None, "batch", "cache_seq", None)))
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    out = target(prompt_BT, positions_BT, tcache, program.aux_layer_ids if draft is not None else ())
-    last_hidden_BD = out.hidden_BTD[rows_B, prompt_len_B - 1]
+    want_aux = program.aux_layer_ids if draft is not None else ()
+    chunk = program.prefill_chunk
+    if chunk is None or chunk >= T:
+        out = target(prompt_BT, positions_BT, tcache, want_aux)
+        last_hidden_BD = out.hidden_BTD[rows_B, prompt_len_B - 1]
+        tcache, aux_BTX = out.cache, out.aux_BTX
+    else:
+        last_hidden_BD, tcache, aux_BTX = chunked_target(target, prompt_BT, prompt_len_B, tcache, want_aux, chunk)
     key, k0 = jax.random.split(key)
     first_B = _choose(k0, target.logits(last_hidden_BD[:, None])[:, 0], program.greedy, sp)
 
@@ -147,7 +156,7 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
         n_out_B=jnp.zeros((B,), jnp.int32), budget_B=budget_B,
         budget_is_max_new_B=max_new_B <= room_B,
         finish_B=jnp.where(budget_B > 0, RUNNING, FINISH_CAPACITY).astype(jnp.int32),
-        lengths_B=prompt_len_B.astype(jnp.int32), last_B=first_B, tcache=out.cache, dcache=None,
+        lengths_B=prompt_len_B.astype(jnp.int32), last_B=first_B, tcache=tcache, dcache=None,
         dhidden_BD=None, dlogits_BW=None, key=key, rounds_B=jnp.zeros((B,), jnp.int32),
         round_tokens_B=jnp.zeros((B,), jnp.int32), accepted_BK=jnp.zeros((B, max(K, 1)), jnp.int32))
     state.tokens_BN, state.n_out_B, state.finish_B, _ = _emit(
@@ -157,11 +166,15 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
         # with the target's first new token at each row's end).
         shifted_BT = jnp.concatenate([prompt_BT[:, 1:], jnp.zeros((B, 1), prompt_BT.dtype)], axis=1)
         shifted_BT = shifted_BT.at[rows_B, prompt_len_B - 1].set(first_B)
-        dstep = draft(shifted_BT, draft.fuse(out.aux_BTX), positions_BT, target.embed_tokens[...],
-                      draft.init_cache(B, max_len))
-        state.dcache = dstep.cache
-        state.dhidden_BD = dstep.hidden_BTD[rows_B, prompt_len_B - 1]
-        state.dlogits_BW = dstep.logits_BTW[rows_B, prompt_len_B - 1]
+        dcache = draft.init_cache(B, max_len)
+        if chunk is None or chunk >= T:
+            dstep = draft(shifted_BT, draft.fuse(aux_BTX), positions_BT, target.embed_tokens[...], dcache)
+            state.dcache = dstep.cache
+            state.dhidden_BD = dstep.hidden_BTD[rows_B, prompt_len_B - 1]
+            state.dlogits_BW = dstep.logits_BTW[rows_B, prompt_len_B - 1]
+        else:
+            state.dcache, state.dhidden_BD, state.dlogits_BW = chunked_draft(
+                draft, target, shifted_BT, aux_BTX, prompt_len_B, dcache, chunk)
     return state
 
 

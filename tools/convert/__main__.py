@@ -24,7 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("dst", help="output directory (must not exist unless --overwrite)")
     a.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="cast float weights (routers stay float32); default: keep each tensor's source dtype "
-                        "(FP8 / INT4 weights are dequantized to bfloat16)")
+                        "(FP8 / INT4 weights dequantized by --weights bfloat16 become bfloat16)")
+    a.add_argument("--weights", choices=["native", "bfloat16"], default="native",
+                   help="native (default): keep INT4 / FP8 weights quantized as stored; bfloat16: dequantize them")
     a.add_argument("--mesh", default=None,
                    help="e.g. data=1,expert=8,tensor=1: lay arrays out in this mesh's shards as they are saved, "
                         "so restoring onto the same mesh reads each device's chunks only")
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
     try:
         if args.command == "to-jax":
             meta = core.to_jax(args.src, args.dst, dtype=args.dtype, mesh=args.mesh, overwrite=args.overwrite,
-                               part_size=args.part_size, progress=not args.no_progress)
+                               part_size=args.part_size, progress=not args.no_progress, weights=args.weights)
             hf = meta["hf"]
             print(f"wrote {args.dst}: {meta['kind']} {meta['architecture']}, {len(meta['params'])} arrays, "
                   f"{meta['num_values']:,} values, dtype {meta['dtype']}, {len(meta['parts'])} orbax part(s)"

@@ -11,9 +11,11 @@ Byte-identical round trip: to-jax without ``--dtype`` keeps every parameter in i
 and records the dtype of each on-disk tensor that differs from its parameter's (e.g. an fp32
 router beside bf16 weights), so to-hf writes back the same names, dtypes, shapes and bytes.
 Tensors the model does not use (DeepSeek-V3's MTP layer, Kimi-K2.5's vision tower, rotary
-caches) are dropped and listed in eagle3_jax.json. FP8 / INT4 weights are dequantized on to-jax
-(bf16 unless ``--dtype`` says otherwise) and exported as bf16: there is no requantization, and
-the exported config.json loses its quantization_config accordingly.
+caches) are dropped and listed in eagle3_jax.json. FP8 / INT4 weights stay quantized by default
+(their stored values and scales are copied, so to-hf writes back the same tensors and the same
+quantization_config); ``--weights bfloat16`` dequantizes them instead (bf16 unless ``--dtype``
+says otherwise), and then they are exported as bf16 without a quantization_config: there is no
+requantization.
 """
 
 from __future__ import annotations
@@ -32,15 +34,18 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from eagle3_jax.checkpoint import quant, store
+from eagle3_jax.checkpoint import quant, quant_native, store
 from eagle3_jax.checkpoint.hf_loader import check_keys
 from eagle3_jax.checkpoint.staging import staged_dir, write_json_atomic
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 from eagle3_jax.checkpoint.draft_io import read_draft_layout
 from eagle3_jax.checkpoint.safetensors_format import DTYPES, INDEX_FILE_NAME, dtype_code, parse_size
 from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
+from eagle3_jax.config import TargetConfig
 from eagle3_jax.errors import CheckpointError, ConfigError
+from eagle3_jax.models.quantized import QuantLayout
 from eagle3_jax.sharding import make_mesh, sharding_for
 from tools.convert.models import DRAFT, TARGET, ModelSpec, detect_kind, draft_spec, target_spec
 
@@ -117,12 +122,16 @@ def _progress(total: int, desc: str):
 
 
 # ---------------------------------------------------------------------- reading an HF directory
-def hf_spec(src: Path, reader: CheckpointReader, dtype=jnp.float32) -> ModelSpec:
+def hf_spec(src: Path, reader: CheckpointReader, dtype=jnp.float32, weights: str = "native") -> ModelSpec:
+    """``weights="native"``: a quantized target's INT4 / FP8 tensors are kept as stored."""
     hf = read_json(src / "config.json")
     where = str(src / "config.json")
     kind, arch = detect_kind(hf, where)
     if kind == TARGET:
-        return target_spec(hf, arch, dtype, where)
+        layout = None
+        if weights == "native":
+            layout = quant_native.detect_layout(reader, TargetConfig.from_hf_dict(hf, where), where=str(src))
+        return target_spec(hf, arch, dtype, where, quant=layout)
     from eagle3_jax.config import DraftConfig
 
     wiring = read_draft_layout(src, reader).wiring(DraftConfig.from_hf_dict(hf, where).target_hidden_size)
@@ -133,7 +142,7 @@ def jax_spec(src: Path, meta: dict, dtype=jnp.float32) -> ModelSpec:
     hf = read_json(src / "config.json")
     where = str(src / "config.json")
     if meta.get("kind") == TARGET:
-        return target_spec(hf, meta.get("architecture", ""), dtype, where)
+        return target_spec(hf, meta.get("architecture", ""), dtype, where, quant=QuantLayout.from_json(meta.get("quant")))
     if meta.get("kind") == DRAFT:
         return draft_spec(hf, meta.get("architecture", ""), meta["wiring"], dtype, where)
     raise CheckpointError(f"{src}: {store.META_FILE} has kind {meta.get('kind')!r}, expected target or draft")
@@ -158,6 +167,10 @@ def preflight(reader: CheckpointReader, spec: ModelSpec, where: str) -> dict:
     for rule in spec.rules:
         var = spec.flat[rule.path]
         count, readable = 0, True
+        if isinstance(rule, quant_native.NativeRule):
+            # Quantized values / scales are copied as stored; their shapes are checked on conversion.
+            kinds.update((spec.prefix + k, quant.PLAIN) for k in rule.hf_keys)
+            continue
         for k in rule.hf_keys:
             key = spec.prefix + k
             try:
@@ -193,7 +206,10 @@ def _convert_rule(reader, spec: ModelSpec, rule, kinds: dict, scheme, keep_sourc
     differs from the parameter's (what to-hf needs to write them back as they were)."""
     var = spec.flat[rule.path]
     keys = [spec.prefix + k for k in rule.hf_keys]
-    if _is_float(var.value.dtype):
+    if isinstance(rule, quant_native.NativeRule):  # INT4 words, FP8 values, scales: as stored
+        want = np.dtype(var.value.dtype)
+        arrays = _Lazy(keys, reader.read)
+    elif _is_float(var.value.dtype):
         want = _common_float(quant.source_dtype(reader, k) for k in keys) if keep_source else np.dtype(var.value.dtype)
         arrays = _Lazy(keys, lambda k: quant.read_dequantized(reader, k, want, scheme))
     else:  # vocab maps: integers / bools, converted by the rule itself
@@ -217,8 +233,13 @@ def _convert_rule(reader, spec: ModelSpec, rule, kinds: dict, scheme, keep_sourc
 
 
 def to_jax(src, dst, dtype: str | None = None, mesh: str | None = None, overwrite: bool = False,
-           part_size=store.DEFAULT_PART_BYTES, progress: bool = True) -> dict:
-    """HF safetensors directory -> our JAX checkpoint directory. Returns the written metadata."""
+           part_size=store.DEFAULT_PART_BYTES, progress: bool = True, weights: str = "native") -> dict:
+    """HF safetensors directory -> our JAX checkpoint directory. Returns the written metadata.
+
+    ``weights="native"`` keeps INT4 / FP8 weights quantized (values and scales as stored);
+    ``"bfloat16"`` dequantizes them (to ``dtype``, bf16 by default)."""
+    if weights not in quant_native.WEIGHTS_CHOICES:
+        raise ConfigError(f"--weights {weights!r} is not supported; use one of {quant_native.WEIGHTS_CHOICES}")
     src, dst = Path(src), Path(dst)
     if store.is_jax_checkpoint(src):
         raise CheckpointError(f"{src} is already an eagle3-jax checkpoint; use to-hf to export it")
@@ -227,7 +248,7 @@ def to_jax(src, dst, dtype: str | None = None, mesh: str | None = None, overwrit
     part_bytes = parse_size(part_size)
     the_mesh = make_mesh(mesh) if mesh else None
     with staged_dir(dst, overwrite) as tmp, CheckpointReader(src) as reader:
-        spec = hf_spec(src, reader, DTYPE_NAMES[dtype] if dtype else jnp.float32)
+        spec = hf_spec(src, reader, DTYPE_NAMES[dtype] if dtype else jnp.float32, weights)
         scheme = quant.QuantScheme.from_hf_config(spec.hf_config, str(src / "config.json"))
         plan = preflight(reader, spec, str(src))
         if plan["dropped"]:
@@ -261,6 +282,7 @@ def to_jax(src, dst, dtype: str | None = None, mesh: str | None = None, overwrit
                 "num_values": int(n_values),
                 "wiring": spec.wiring,
                 "saved_with_mesh": mesh,
+                "quant": spec.quant.to_json() if spec.quant else None,
                 "hf": {
                     "weight_prefix": spec.prefix,
                     # on-disk dtype of each tensor whose dtype differs from its parameter's
@@ -386,6 +408,21 @@ def _wiring_lines(spec: ModelSpec, target_cfg=None) -> list[str]:
     return lines
 
 
+def _memory_lines(spec: ModelSpec) -> list[str]:
+    """Bytes ``load_target`` allocates for each kind of weight (one copy, before any replication)."""
+    if spec.kind != TARGET:
+        return []
+    from eagle3_jax.models.footprint import weight_bytes_by_kind
+    from eagle3_jax.models.target import Target
+
+    cfg, layout = spec.cfg, spec.quant
+    by_kind = weight_bytes_by_kind(nnx.eval_shape(lambda: Target(cfg, jnp.bfloat16, None, quant=layout)))
+    width = max(len(k) for k in by_kind)
+    head = (f"in memory with weights=native, dtype=bfloat16 ({layout.name if layout else 'nothing quantized'}): "
+            f"{sum(by_kind.values()) / 1e9:.3f} GB")
+    return [head] + [f"  {k:<{width}}  {v / 1e9:10.3f} GB" for k, v in by_kind.items()]
+
+
 def inspect(path) -> str:
     path = Path(path)
     out = [f"path: {path}"]
@@ -399,6 +436,7 @@ def inspect(path) -> str:
                 f"kind: {meta['kind']}   architecture: {meta['architecture']}   dtype: {meta['dtype']}"]
         out += _wiring_lines(spec)
         out.append(f"parameters: {n:,} values in {len(params)} arrays, {nbytes / 1e9:.3f} GB")
+        out += _memory_lines(spec)
         deq = meta["hf"].get("dequantized") or {}
         if deq:
             out.append("dequantized from: " + ", ".join(f"{v} {k} tensors" for k, v in deq.items())
@@ -423,6 +461,7 @@ def inspect(path) -> str:
                    + (f" (INT4 group {scheme.int4_group})" if scheme.method == "compressed-tensors" else ""))
         out.append(f"tensors: {len(reader)} (" + ", ".join(f"{c} {n}" for c, n in codes.most_common()) + ")")
         out.append(f"parameters used by the model: {n_model:,}")
+        out += _memory_lines(spec)
         out.append(f"not used (dropped by to-jax): {len(dropped)} tensor(s)" + (f", e.g. {dropped[:3]}" if dropped else ""))
         out.append("tensors:")
         out += _summarize((k, reader.shape(k), reader.dtype_code(k)) for k in reader.keys())

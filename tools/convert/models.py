@@ -11,9 +11,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax.checkpoint.draft_map import draft_rules
-from eagle3_jax.checkpoint.target_map import is_ignored_key, target_rules
+from eagle3_jax.checkpoint.quant_native import native_rules
+from eagle3_jax.checkpoint.target_map import is_ignored_key
 from eagle3_jax.config import DRAFT_ARCHITECTURES, TARGET_ARCHITECTURES, TARGET_MODEL_TYPES, DraftConfig, TargetConfig
 from eagle3_jax.errors import ConfigError
+from eagle3_jax.models.quantized import QuantLayout
 
 TARGET, DRAFT = "target", "draft"
 
@@ -28,6 +30,7 @@ class ModelSpec:
     ignore: Callable[[str], bool]             # on-disk tensors the model does not use
     flat: dict                                # our param path -> abstract nnx.Variable
     wiring: dict = field(default_factory=dict)  # JSON-able facts needed to rebuild the rules
+    quant: QuantLayout | None = None          # weights held quantized (targets only)
 
     @property
     def hf_config(self) -> dict:
@@ -60,12 +63,15 @@ def _flat(module_fn) -> dict:
     return {tuple(p): v for p, v in nnx.to_flat_state(state)}
 
 
-def target_spec(hf: dict, architecture: str, dtype=jnp.float32, where: str = "config.json") -> ModelSpec:
+def target_spec(hf: dict, architecture: str, dtype=jnp.float32, where: str = "config.json",
+                quant: QuantLayout | None = None) -> ModelSpec:
+    """``quant``: the weights kept quantized (their rules copy the stored tensors as they are)."""
     from eagle3_jax.models.target import Target
 
     cfg = TargetConfig.from_hf_dict(hf, where)
-    return ModelSpec(TARGET, architecture, cfg, target_rules(cfg), cfg.weight_prefix,
-                     lambda k: is_ignored_key(cfg, k), _flat(lambda: Target(cfg, dtype, None)))
+    return ModelSpec(TARGET, architecture, cfg, native_rules(cfg, quant), cfg.weight_prefix,
+                     lambda k: is_ignored_key(cfg, k), _flat(lambda: Target(cfg, dtype, None, quant=quant)),
+                     quant=quant)
 
 
 def draft_spec(hf: dict, architecture: str, wiring: dict, dtype=jnp.float32,

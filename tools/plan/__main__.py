@@ -10,6 +10,7 @@ JAX starts, as many as the largest mesh needs (or ``--devices``).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -50,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "Kimi-K2.5's checkpoint stores them; 8: FP8 + f32 block scales as DeepSeek-V3's); "
                         "default: the dtype's width")
     p.add_argument("--hbm", default=None, help="memory per device to fit, e.g. 141GB (10^9) or 96GiB (2^30)")
+    p.add_argument("--weights", choices=["native", "bfloat16"], default="native",
+                   help="native (default): plan what load_target holds for the checkpoint's quantization "
+                        "(INT4 / FP8 values + scales); bfloat16: the dequantized model")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt positions per target call in prefill (default: the whole block, or with --hbm "
+                        "the largest halving of it whose prefill fits)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON to PATH")
     p.add_argument("--draft", default=None,
                    help="draft config.json to plan for (default: a published shape for this target from "
                         "tools/plan/drafts/, else one derived from the target)")
@@ -99,6 +107,7 @@ def main(argv=None) -> int:
         bits = tuple(int(b) for b in args.expert_bits.split(",")) if args.expert_bits else (
             {"bfloat16": 16, "float16": 16, "float32": 32}[args.dtype],)
         hbm = serve.parse_bytes(args.hbm) if args.hbm else None
+        json_meshes = []
         for mesh in meshes:
             settings = serve.PlanSettings(
                 model=args.model, mesh=mesh, batch=args.batch, max_len=args.max_len,
@@ -107,12 +116,17 @@ def main(argv=None) -> int:
                 programs=tuple(p.strip() for p in args.programs.split(",") if p.strip()),
                 greedy=not args.sampled, moe_kernel=args.moe_kernel, train=args.train,
                 train_batch=args.train_batch, train_len=args.train_len, train_accum=args.grad_accum,
-                ttt_steps=args.ttt_steps, train_dtype=args.train_dtype, hidden_source=args.hidden_source)
+                ttt_steps=args.ttt_steps, train_dtype=args.train_dtype, hidden_source=args.hidden_source,
+                weights=args.weights, prefill_chunk=args.prefill_chunk, hbm=hbm)
             result = serve.plan(settings, log=lambda msg: print(f"[plan] {msg}", file=sys.stderr, flush=True))
+            json_meshes.append(report.json_mesh(result, hbm))
             if mesh is meshes[0]:
                 print("\n".join(report.format_header(result)) + "\n")
             print("\n".join(report.format_mesh(result, hbm)) + "\n", flush=True)
         print("\n".join(report.format_notes(result)))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": args.model, "meshes": json_meshes}, f, indent=2)
     except (Eagle3Error, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

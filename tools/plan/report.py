@@ -39,7 +39,17 @@ def describe_draft(d: DraftConfig) -> str:
             f"{d.num_key_value_heads} kv x {d.head_dim}, draft vocab {d.draft_vocab_size}")
 
 
+def row_bits(plan: Plan) -> list[int | None]:
+    """One table row per expert width; None is the row of what ``load_target`` allocates (the
+    checkpoint's own storage with weights=native), the others are what-if widths."""
+    if plan.quant is not None:
+        return [None]
+    return [None if b >= 16 else b for b in plan.settings.expert_bits]
+
+
 def bits_label(plan: Plan, bits: int | None) -> str:
+    if bits is None and plan.quant is not None:
+        return plan.quant.name
     if bits is None or bits >= 16:
         return plan.settings.dtype
     per, n = plan.scale_layout(bits)
@@ -83,9 +93,9 @@ def format_mesh(plan: Plan, hbm: int | None = None) -> list[str]:
     if hbm:
         head.append("fits")
     rows = []
-    for bits in plan.settings.expert_bits:
-        b = None if bits >= 16 else bits
-        row = [bits_label(plan, b), _gb(plan.param_bytes(b)), _gb(plan.routed_expert_bytes(b)),
+    for b in row_bits(plan):
+        label = bits_label(plan, b) + (" (runtime)" if b is None else " (what-if)")
+        row = [label, _gb(plan.param_bytes(b)), _gb(plan.routed_expert_bytes(b)),
                _gb(plan.state_bytes("tcache")), _gb(plan.state_bytes("dcache")),
                _gb(plan.state_bytes() - plan.state_bytes("tcache") - plan.state_bytes("dcache"))]
         verdicts = []
@@ -111,15 +121,39 @@ def format_mesh(plan: Plan, hbm: int | None = None) -> list[str]:
 
 def format_notes(plan: Plan) -> list[str]:
     notes = []
-    if any(b < 16 for b in plan.settings.expert_bits):
-        notes.append("quantized expert rows are computed from the shapes (packed weights + scales, as the public "
-                     "checkpoints store them); this runtime dequantizes experts to the model dtype when loading, so "
-                     "today's footprint is the model-dtype row")
+    if plan.quant is not None:
+        notes.append(f"runtime row: the parameters load_target(weights='native') allocates ({plan.quant.name}: "
+                     "values and scales as the checkpoint stores them, dequantized per expert / per layer inside "
+                     "the matmuls); --weights bfloat16 plans the dequantized model")
+    elif any(b < 16 for b in plan.settings.expert_bits):
+        notes.append("what-if rows are computed from the shapes (packed weights + scales); the runtime row is the "
+                     "model dtype, what load_target allocates for this config")
+    if plan.prefill_chunk and "prefill" in plan.programs:
+        notes.append(f"prefill admits the {plan.settings.prompt_len}-token prompt block {plan.prefill_chunk} "
+                     "positions per target call (chunked prefill; the same tokens for every chunk size)")
     if plan.temp_ratio < 1:
         notes.append("temp and peak: upper / lower estimate (float32 compile, and that scaled to the 2-byte dtype)")
     notes.append("peak = params + loop state (caches, tokens) + temporaries; runtime reserves, collective "
                  "buffers and fragmentation are not included")
     return [f"# {n}" for n in notes]
+
+
+def json_mesh(plan: Plan, hbm: int | None = None) -> dict:
+    """One mesh for ``--json``: a row per expert width, each program's upper peak and verdict."""
+    rows = []
+    for b in row_bits(plan):
+        programs = {}
+        for name in plan.programs:
+            hi, lo = plan.totals(name, b)
+            entry = {"peak_bytes": int(hi), "peak_bytes_2byte_temps": int(lo),
+                     "fits": (hi <= hbm) if hbm else None}
+            if name != "decode":
+                entry["prefill_chunk"] = plan.prefill_chunk
+            programs[name] = entry
+        label = {4: "int4-experts", 8: "fp8-experts"}.get(b, plan.quant.name if plan.quant else plan.settings.dtype)
+        rows.append({"weights": label, "runtime": b is None, "param_bytes": int(plan.param_bytes(b)),
+                     "expert_bytes": int(plan.routed_expert_bytes(b)), "programs": programs})
+    return {"mesh": ",".join(f"{k}={v}" for k, v in plan.mesh_shape.items()), "hbm_bytes": hbm, "rows": rows}
 
 
 def format_plan(plan: Plan, hbm: int | None = None) -> str:

@@ -23,6 +23,7 @@ lower estimate. Both are printed and the verdict says which one the fit depends 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -36,10 +37,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from eagle3_jax.checkpoint.quant_native import layout_from_config
 from eagle3_jax.config import DraftConfig, MeshConfig, TargetConfig, resolve_dtype
 from eagle3_jax.contracts import check_pairing, resolve_aux_ids
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.draft import Draft
+from eagle3_jax.models.quantized import QuantLayout
 from eagle3_jax.models.target import Target
 from eagle3_jax.sharding import make_mesh, sharding_for, state_shardings
 from eagle3_jax.speculative import generate as gen
@@ -87,6 +90,10 @@ class PlanSettings:
     ttt_steps: int = 7
     train_dtype: str = "float32"        # the draft's weights and AdamW moments while training
     hidden_source: str = "online"       # online: the frozen target runs in the step; offline: states read from disk
+    weights: str = "native"             # native: quantized weights as the checkpoint stores them (load_target's default)
+    prefill_chunk: int | None = None    # prompt positions per target call in prefill; None: the whole block,
+                                        # or with ``hbm`` the largest power-of-two split that fits
+    hbm: int | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +149,8 @@ class Plan:
     state: list[Leaf]
     programs: dict[str, ProgramMemory] = field(default_factory=dict)
     train: "TrainMemory | None" = None
+    quant: QuantLayout | None = None     # what load_target holds quantized (None: all in the model dtype)
+    prefill_chunk: int | None = None     # the chunk the prefill program was compiled with
 
     # -------------------------------------------------------------- per-device sums (planned dtype)
     @property
@@ -291,6 +300,23 @@ def sampling_args(mesh) -> gen.Sampling:
                         _sds(mesh, (1,), jnp.int32, (None,)))
 
 
+def _compile_prefill(result: Plan, name, fn, args, static, log) -> ProgramMemory:
+    """Compiles a program that prefills, with the settings' chunk; with ``hbm`` and no chunk given,
+    halves the chunk from the whole prompt block until the program's upper peak fits (or 16)."""
+    s = result.settings
+    chunk = s.prefill_chunk or s.prompt_len
+    while True:
+        log(f"compiling {name} ({PROGRAM_DOC[name]}), prefill chunk {chunk} ...")
+        program = dataclasses.replace(static["program"], prefill_chunk=chunk)
+        mem = compile_program(name, fn, args, dict(static, program=program))
+        log(f"  lowered in {mem.lower_s:.1f} s, compiled in {mem.compile_s:.1f} s")
+        result.programs[name] = mem
+        result.prefill_chunk = chunk
+        if s.prefill_chunk or not s.hbm or chunk <= 16 or result.totals(name)[0] <= s.hbm:
+            return mem
+        chunk //= 2
+
+
 def compile_program(name, fn, args, kwargs) -> ProgramMemory:
     t0 = time.perf_counter()
     lowered = fn.lower(*args, **kwargs)
@@ -343,8 +369,14 @@ def plan(s: PlanSettings, log=None) -> Plan:
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, P()))
     sp = sampling_args(mesh)
 
+    layout = layout_from_config(cfg) if s.weights == "native" else None
+
     def models(dtype):
-        t = _abstract_model(lambda: Target(cfg, dtype, None, mesh=mesh, moe_kernel=s.moe_kernel), mesh)
+        # The float32 compile holds INT4 scales in float32 too: a bf16 -> float32 convert of every
+        # scale stack is one of the CPU-only copies the float32 compile exists to avoid.
+        held = layout if dtype == planned or layout is None else dataclasses.replace(
+            layout, int4_scale_dtype=jnp.dtype(dtype).name)
+        t = _abstract_model(lambda: Target(cfg, dtype, None, mesh=mesh, moe_kernel=s.moe_kernel, quant=held), mesh)
         d = _abstract_model(lambda: Draft(dcfg, len(aux_ids), dtype, None), mesh)
         return t, d
 
@@ -363,7 +395,7 @@ def plan(s: PlanSettings, log=None) -> Plan:
                       mesh_shape=dict(zip(mesh.axis_names, mesh.devices.shape)),
                       target_params=_leaves(ts, taxes, "target."), draft_params=_leaves(ds, daxes, "draft."),
                       state=[_leaf(jax.tree_util.keystr(p).lstrip("."), x)
-                             for p, x in jax.tree_util.tree_leaves_with_path(state)])
+                             for p, x in jax.tree_util.tree_leaves_with_path(state)], quant=layout)
         if compiled != planned and (s.programs or s.train):
             (tg, ts, _), (dg, ds, _) = models(compiled)
             if s.programs:
@@ -378,9 +410,12 @@ def plan(s: PlanSettings, log=None) -> Plan:
                                             prompt, rows, sp)
             else:
                 fn, args = gen.generate_loop, (tg, ts, dg, ds, prompt, rows, key, sp)
-            log(f"compiling {name} ({PROGRAM_DOC[name]}) ...")
-            mem = compile_program(name, fn, args, static)
-            log(f"  lowered in {mem.lower_s:.1f} s, compiled in {mem.compile_s:.1f} s")
+            if name == "decode":
+                log(f"compiling {name} ({PROGRAM_DOC[name]}) ...")
+                mem = compile_program(name, fn, args, static)
+                log(f"  lowered in {mem.lower_s:.1f} s, compiled in {mem.compile_s:.1f} s")
+            else:
+                mem = _compile_prefill(result, name, fn, args, static, log)
             result.programs[name] = mem
         if s.train:
             from tools.plan.train import plan_train  # train.py builds on this module

@@ -1,0 +1,262 @@
+"""Quantized weights held as they are stored: INT4 words or float8 values, plus their scales.
+
+Two layouts, both kept in the checkpoint's own ``[out, in]`` orientation (so the words read from
+disk are the words held on the devices and the words written back, bit for bit):
+
+``Int4Stack``  routed experts, compressed-tensors ``pack-quantized`` (Kimi-K2.5):
+    ``packed`` int32 ``[E, out, ceil(in/8)]``: eight offset-binary nibbles per word, least
+    significant first; ``scale`` ``[E, out, ceil(in/group)]`` in the checkpoint's scale dtype.
+    ``w[e, o, i] = (nibble(e, o, i) - 8) * scale[e, o, i // group]``.
+``Fp8Stack`` / ``Fp8Linear``  block-scaled FP8 (DeepSeek-V3, Kimi-K2):
+    ``weight`` float8_e4m3fn ``[(E,) out, in]``, ``scale_inv`` float32
+    ``[(E,) ceil(out/bo), ceil(in/bi)]``; ``w = weight * scale_inv[o // bo, i // bi]``.
+
+Values and scales carry the same logical axes (the grouped axis keeps its name), so
+``sharding.LOGICAL_AXIS_RULES`` shards both the same way. Nothing here dequantizes a whole expert
+stack: ``dequant_int4`` / ``dequant_fp8`` turn ONE expert's (or one dense layer's) matrix into the
+compute dtype, at the matmul that uses it.
+
+Why packed int32 words and not ``jnp.int4``: XLA:CPU allocates one byte per ``int4`` element
+(``jnp.zeros((1024, 1024), jnp.int4).on_device_size_in_bytes()`` is 1 MiB, measured with jax
+0.10), twice the packed size; int32 words are 0.5 byte per value on every backend and are the
+checkpoint's own words.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+NATIVE_INT4_GROUP = 32
+
+
+@dataclass(frozen=True)
+class QuantLayout:
+    """Which weights a target holds quantized, and how (read from the checkpoint's headers).
+
+    ``experts``: None | "int4" | "fp8" (the routed expert stacks); ``linears``: None | "fp8"
+    (attention projections, dense MLPs, shared experts). The dtypes are the checkpoint's, kept so
+    that an export writes the same bytes back.
+    """
+
+    experts: str | None = None
+    linears: str | None = None
+    int4_group: int = NATIVE_INT4_GROUP
+    int4_scale_dtype: str = "bfloat16"
+    int4_shape_dtype: str = "int32"
+    fp8_block: tuple[int, int] = (128, 128)
+    fp8_scale_dtype: str = "float32"
+
+    def to_json(self) -> dict:
+        d = dict(self.__dict__)
+        d["fp8_block"] = list(self.fp8_block)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> "QuantLayout | None":
+        if not d:
+            return None
+        d = dict(d)
+        d["fp8_block"] = tuple(d.get("fp8_block", (128, 128)))
+        return cls(**d)
+
+    @property
+    def name(self) -> str:
+        parts = [f"{self.experts}-experts"] if self.experts else []
+        if self.linears:
+            parts.append(f"{self.linears}-linears")
+        return "+".join(parts) or "float"
+
+
+# ---------------------------------------------------------------------- dequantization (jnp)
+def dequant_int4(packed_OW: jax.Array, scale_OG: jax.Array, cols: int, group: int, dtype) -> jax.Array:
+    """int32 words [..., out, W] + scales [..., out, G] -> [..., out, cols] in ``dtype``.
+
+    ``cols`` may be less than 8 * W (zero-padded last word). Products are exact in float32
+    (q in [-8, 7] times a bf16 / f32 scale) and rounded once to ``dtype``.
+    """
+    # In the scales' own dtype when that is the result dtype (bf16 scales, bf16 model): q * s is
+    # then rounded once, as the float32 product cast to bf16 would be, and no float32 copy of the
+    # scales exists (XLA:CPU materializes such a convert for the whole stack, outside the loop).
+    compute = scale_OG.dtype if jnp.dtype(dtype) == scale_OG.dtype else jnp.float32
+    words = jax.lax.bitcast_convert_type(packed_OW, jnp.uint32)
+    shifts = jnp.arange(8, dtype=jnp.uint32) * 4
+    nibbles = (words[..., None] >> shifts) & jnp.uint32(0xF)
+    q = nibbles.reshape(*packed_OW.shape[:-1], -1)[..., :cols].astype(compute) - 8
+    scale = scale_OG.astype(compute)
+    if cols % group == 0:
+        # [.., out, G, group] x [.., out, G, 1]: a broadcast, not a repeat (which XLA:CPU gathers)
+        w = (q.reshape(*q.shape[:-1], -1, group) * scale[..., None]).reshape(q.shape)
+    else:
+        w = q * jnp.repeat(scale, group, axis=-1)[..., :cols]
+    return w.astype(dtype)
+
+
+def dequant_fp8(w_OI: jax.Array, scale_RC: jax.Array, block: tuple[int, int], dtype) -> jax.Array:
+    """float8 [..., out, in] x float32 tile scales [..., ceil(out/bo), ceil(in/bi)] -> ``dtype``."""
+    rows, cols = w_OI.shape[-2:]
+    bo, bi = block
+    w = w_OI.astype(jnp.float32)
+    s = scale_RC.astype(jnp.float32)
+    if rows % bo == 0 and cols % bi == 0:
+        # whole tiles: [.., R, bo, C, bi] x [.., R, 1, C, 1]
+        lead = w.shape[:-2]
+        tiles = w.reshape(*lead, rows // bo, bo, cols // bi, bi) * s[..., :, None, :, None]
+        return tiles.reshape(w.shape).astype(dtype)
+    s = jnp.repeat(jnp.repeat(s, bo, axis=-2), bi, axis=-1)[..., :rows, :cols]
+    return (w * s).astype(dtype)
+
+
+# ---------------------------------------------------------------------- containers
+TILE_COLS = 512
+
+
+def quantized_matmul(x_bI: jax.Array, values, scales, stack, tile: int = TILE_COLS) -> jax.Array:
+    """``x [b, I] @ W.T`` for one quantized ``W [O, I]``, dequantizing ``tile`` input columns at a
+    time inside a loop: the largest weight temporary is one [O, tile] tile, not the matrix.
+
+    (XLA:CPU does not share the temporaries of separate loops, so a whole dequantized expert per
+    layer would add up over the layers of one program.) Partial products accumulate in float32.
+    """
+    I = x_bI.shape[-1]
+    unit = stack.col_unit
+    width = max((w for w in range(unit, min(tile, I) + 1, unit) if I % w == 0), default=None)
+    if width is None:  # columns not a multiple of whole groups / blocks: one piece
+        return jnp.einsum("bi,oi->bo", x_bI, stack.dequant_one(values, scales, x_bI.dtype))
+
+    def body(i, acc_bO):
+        start = i * width
+        w_OT = stack.dequant_cols(values, scales, start, width, x_bI.dtype)
+        x_bT = jax.lax.dynamic_slice_in_dim(x_bI, start, width, axis=-1)
+        return acc_bO + jnp.einsum("bt,ot->bo", x_bT, w_OT, preferred_element_type=jnp.float32)
+
+    acc_bO = jnp.zeros((x_bI.shape[0], values.shape[-2]), jnp.float32)
+    return jax.lax.fori_loop(0, I // width, body, acc_bO).astype(x_bI.dtype)
+
+
+def _qparam(value, axes) -> nnx.Param:
+    return nnx.Param(value, axes=tuple(axes))
+
+
+class Int4Stack(nnx.Module):
+    """E experts' ``[out, in]`` matrices as INT4 words + group scales (see module doc)."""
+
+    def __init__(self, E: int, out: int, cols: int, axes: Sequence[str | None], layout: QuantLayout,
+                 rngs: nnx.Rngs | None):
+        g = layout.int4_group
+        words, groups = math.ceil(cols / 8), math.ceil(cols / g)
+        scale_dtype = jnp.dtype(layout.int4_scale_dtype)
+        if rngs is None:
+            packed = jnp.zeros((E, out, words), jnp.int32)
+            scale = jnp.zeros((E, out, groups), scale_dtype)
+        else:
+            bits = jax.random.bits(rngs.params(), (E, out, words), jnp.uint32)
+            packed = jax.lax.bitcast_convert_type(bits, jnp.int32)
+            # |q| <= 8, so a scale of 0.02 / 4 gives weights of about the float init's size.
+            scale = (0.005 * (0.5 + jax.random.uniform(rngs.params(), (E, out, groups)))).astype(scale_dtype)
+        self.packed = _qparam(packed, axes)
+        self.scale = _qparam(scale, axes)
+        self.cols = cols
+        self.group = g
+
+    def arrays(self) -> tuple[jax.Array, jax.Array]:
+        return self.packed[...], self.scale[...]
+
+    def dequant_one(self, packed_OW, scale_OG, dtype) -> jax.Array:
+        # Under tensor sharding a device holds a slice of the packed axis; its columns are whole words.
+        return dequant_int4(packed_OW, scale_OG, min(self.cols, packed_OW.shape[-1] * 8), self.group, dtype)
+
+    @property
+    def col_unit(self) -> int:
+        """Input columns of the smallest tile that holds whole words and whole groups."""
+        return math.lcm(8, self.group)
+
+    def dequant_cols(self, packed_OW, scale_OG, start, width: int, dtype) -> jax.Array:
+        """Columns [start, start + width) of one expert's matrix (start, width: multiples of col_unit)."""
+        w = jax.lax.dynamic_slice_in_dim(packed_OW, start // 8, width // 8, axis=-1)
+        s = jax.lax.dynamic_slice_in_dim(scale_OG, start // self.group, width // self.group, axis=-1)
+        return dequant_int4(w, s, width, self.group, dtype)
+
+
+class Fp8Stack(nnx.Module):
+    """E experts' ``[out, in]`` matrices as float8_e4m3fn + 2-D block scales."""
+
+    def __init__(self, E: int, out: int, cols: int, axes: Sequence[str | None], layout: QuantLayout,
+                 rngs: nnx.Rngs | None):
+        self.weight, self.scale_inv = _fp8_pair((E,), out, cols, axes, layout, rngs)
+        self.block = tuple(layout.fp8_block)
+
+    def arrays(self) -> tuple[jax.Array, jax.Array]:
+        return self.weight[...], self.scale_inv[...]
+
+    def dequant_one(self, w_OI, scale_RC, dtype) -> jax.Array:
+        return dequant_fp8(w_OI, scale_RC, self.block, dtype)
+
+    @property
+    def col_unit(self) -> int:
+        return self.block[1]
+
+    def dequant_cols(self, w_OI, scale_RC, start, width: int, dtype) -> jax.Array:
+        w = jax.lax.dynamic_slice_in_dim(w_OI, start, width, axis=-1)
+        s = jax.lax.dynamic_slice_in_dim(scale_RC, start // self.block[1], width // self.block[1], axis=-1)
+        return dequant_fp8(w, s, self.block, dtype)
+
+
+class Fp8Linear(nnx.Module):
+    """One dense ``[out, in]`` FP8 matrix standing in for a float parameter of shape ``ours_shape``
+    (our einsum-ready layout: the ``in_ndim`` leading dims are the input, the rest the output)."""
+
+    def __init__(self, ours_shape: Sequence[int], in_ndim: int, axes: Sequence[str | None],
+                 layout: QuantLayout, dtype, rngs: nnx.Rngs | None):
+        ours_shape = tuple(int(s) for s in ours_shape)
+        cols, out = math.prod(ours_shape[:in_ndim]), math.prod(ours_shape[in_ndim:])
+        # [out, in] gets the names of the first output and first input dims of our layout.
+        self.weight, self.scale_inv = _fp8_pair((), out, cols, (axes[in_ndim], axes[0]), layout, rngs)
+        self.block = tuple(layout.fp8_block)
+        self.ours_shape = ours_shape
+        self.dtype = dtype
+
+    def __getitem__(self, _):
+        """The dequantized matrix in our layout, so call sites read it like an ``nnx.Param``.
+
+        One layer's matrix at a time, at its matmul (XLA fuses the scaling into the dot's operand
+        on accelerators); never more than one dense layer's worth.
+        """
+        w_OI = dequant_fp8(self.weight[...], self.scale_inv[...], self.block, self.dtype)
+        return w_OI.T.reshape(self.ours_shape)
+
+
+def _fp8_pair(lead, out, cols, axes, layout: QuantLayout, rngs):
+    bo, bi = layout.fp8_block
+    shape, sshape = lead + (out, cols), lead + (math.ceil(out / bo), math.ceil(cols / bi))
+    sdtype = jnp.dtype(layout.fp8_scale_dtype)
+    if rngs is None:
+        w, s = jnp.zeros(shape, jnp.float8_e4m3fn), jnp.zeros(sshape, sdtype)
+    else:
+        w = jax.random.normal(rngs.params(), shape, jnp.float32).astype(jnp.float8_e4m3fn)
+        s = (0.02 * (0.5 + jax.random.uniform(rngs.params(), sshape))).astype(sdtype)
+    return _qparam(w, axes), _qparam(s, axes)
+
+
+def expert_stack(E: int, out: int, cols: int, axes: Sequence[str | None], layout: QuantLayout,
+                 rngs: nnx.Rngs | None):
+    """The quantized container for one routed-expert stack (axes name [E, out, in])."""
+    cls = Int4Stack if layout.experts == "int4" else Fp8Stack
+    return cls(E, out, cols, axes, layout, rngs)
+
+
+def linear_param(rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str | None], dtype,
+                 layout: QuantLayout | None, in_ndim: int = 1):
+    """A dense projection: an ``Fp8Linear`` when the layout quantizes linears, else a float Param."""
+    if layout is not None and layout.linears == "fp8":
+        return Fp8Linear(shape, in_ndim, axes, layout, dtype, rngs)
+    from eagle3_jax.models.layers import param  # layers imports this module for SwiGLU
+    return param(rngs, shape, axes, dtype)
+
+
+QUANTIZED_CONTAINERS = (Int4Stack, Fp8Stack, Fp8Linear)
