@@ -11,7 +11,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from eagle3_jax.checkpoint.safetensors import CheckpointReader, CheckpointWriter
+from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
+from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
 
 FP8 = ml_dtypes.float8_e4m3fn
 
