@@ -40,3 +40,29 @@ def test_greedy_output_is_the_same_for_every_chunk_size(tiny_target, trained_dra
         tokens, finish = run(tiny_target, draft, prompts, chunk)
         assert tokens == whole[0], chunk
         np.testing.assert_array_equal(finish, whole[1])
+
+
+def test_admitting_into_a_running_state_in_chunks(tiny_target, trained_draft_dir, prompts):
+    """admit_rows writes new prompts into the running caches (chunked) and leaves other rows alone:
+    admitting rows 0 and 2 first, then 1 and 3 into the same state, gives generate_loop's tokens."""
+    from eagle3_jax.speculative.generate import admit_rows, blank_state, run_rounds
+
+    draft = e3.load_draft(trained_draft_dir, tiny_target)
+    want, _ = run(tiny_target, draft, prompts, None)
+    ids = np.zeros((len(prompts), 16), np.int32)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = p
+    sp = Sampling(jnp.float32(1e-6), jnp.int32(0), jnp.float32(1.0), jnp.asarray([-1], jnp.int32))
+    models = (tiny_target.graphdef, tiny_target.state, draft.graphdef, draft.state)
+    static = dict(num_draft=3, max_new=12, capacity=48, aux_ids=draft.aux_layer_ids, greedy=True)
+    state = blank_state(*models, len(prompts), jax.random.key(0), sp, **static)
+    for rows in ([0, 2], [1, 3]):
+        admit = np.isin(np.arange(len(prompts)), rows)
+        state = admit_rows(*models, state, jnp.asarray(admit), jnp.asarray(ids), jnp.asarray(lengths), sp,
+                           prefill_chunk=5, **static)
+        if rows == [0, 2]:  # rows 0 and 2 run a few rounds before 1 and 3 arrive
+            state = run_rounds(*models, state, jnp.int32(2), sp, **static)
+    state = run_rounds(*models, state, jnp.int32(100), sp, **static)
+    n = np.asarray(state.n_out_B)
+    assert [np.asarray(state.tokens_BN)[b, :n[b]].tolist() for b in range(len(prompts))] == want

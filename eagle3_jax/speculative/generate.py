@@ -103,21 +103,32 @@ def _chunks(x_BT, chunk):
 
 
 def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, *, num_draft, max_new, capacity,
-             aux_ids, greedy, prefill_chunk=None) -> LoopState:
+             aux_ids, greedy, prefill_chunk=None, into: LoopState | None = None, write_B=None) -> LoopState:
     """Runs the prompts through the target (and the draft) and emits each row's first token.
 
     ``prefill_chunk`` = C: the prompt block goes through the target C positions at a time (a scan
     writing each chunk into the cache before the next attends to it), so the temporaries of one
     call (MoE assignments, attention scores) scale with B x C instead of B x T. Same tokens, same
     cache contents; None runs the whole block at once.
+
+    ``into`` / ``write_B``: write the prompts of the rows marked by ``write_B`` into the caches of
+    the running state ``into`` instead of fresh caches (no second set of caches exists). The other
+    rows run at positions past the capacity, so their cache writes are dropped and their cache
+    entries stay as they were; their outputs are junk for the caller to discard. Slots an admitted
+    row's previous occupant left past the new prompt are masked by position like any stale slot.
     """
     K = num_draft if draft is not None else 0
     B, T = prompt_BT.shape
     rows_B = jnp.arange(B)
-    tcache = target.init_cache(B, capacity)
-    tcache = MLACache(constrain(tcache.latent_LBSC, (None, "batch", "cache_seq", "kv_lora")),
-                      constrain(tcache.rope_LBSP, (None, "batch", "cache_seq", None)))
-    positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    if into is None:
+        tcache = target.init_cache(B, capacity)
+        tcache = MLACache(constrain(tcache.latent_LBSC, (None, "batch", "cache_seq", "kv_lora")),
+                          constrain(tcache.rope_LBSP, (None, "batch", "cache_seq", None)))
+        offset_B = jnp.zeros((B,), jnp.int32)
+    else:
+        tcache = into.tcache
+        offset_B = jnp.where(write_B, 0, capacity).astype(jnp.int32)
+    positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) + offset_B[:, None]
     want_aux = aux_ids if draft is not None else ()
     if prefill_chunk is None or prefill_chunk >= T:
         out = target(prompt_BT, positions_BT, tcache, want_aux)
@@ -125,7 +136,7 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, *, num_d
         tcache, aux_BTX = out.cache, out.aux_BTX
     else:
         last_hidden_BD, tcache, aux_BTX = _chunked_target(target, prompt_BT, prompt_len_B, tcache, want_aux,
-                                                          prefill_chunk)
+                                                          prefill_chunk, offset_B)
     key, k0 = jax.random.split(key)
     first_B = _choose(k0, target.logits(last_hidden_BD[:, None])[:, 0], greedy, sp)
 
@@ -147,7 +158,7 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, *, num_d
         # with the target's first new token at each row's end).
         shifted_BT = jnp.concatenate([prompt_BT[:, 1:], jnp.zeros((B, 1), prompt_BT.dtype)], axis=1)
         shifted_BT = shifted_BT.at[rows_B, prompt_len_B - 1].set(first_B)
-        dcache = draft.init_cache(B, capacity)
+        dcache = draft.init_cache(B, capacity) if into is None else into.dcache
         if prefill_chunk is None or prefill_chunk >= T:
             dstep = draft(shifted_BT, draft.fuse(aux_BTX), positions_BT, target.embed_tokens[...], dcache)
             state.dcache = dstep.cache
@@ -155,11 +166,11 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, *, num_d
             state.dlogits_BW = dstep.logits_BTW[rows_B, prompt_len_B - 1]
         else:
             state.dcache, state.dhidden_BD, state.dlogits_BW = _chunked_draft(
-                draft, target, shifted_BT, aux_BTX, prompt_len_B, dcache, prefill_chunk)
+                draft, target, shifted_BT, aux_BTX, prompt_len_B, dcache, prefill_chunk, offset_B)
     return state
 
 
-def _chunked_draft(draft, target, shifted_BT, aux_BTX, prompt_len_B, dcache, chunk):
+def _chunked_draft(draft, target, shifted_BT, aux_BTX, prompt_len_B, dcache, chunk, offset_B):
     """The draft prefill ``chunk`` positions per step (its attention over the whole cache and its
     logits are the big temporaries); returns (cache, hidden [B, D] and logits [B, W] at each row's
     last prompt position)."""
@@ -167,10 +178,10 @@ def _chunked_draft(draft, target, shifted_BT, aux_BTX, prompt_len_B, dcache, chu
     rows_B = jnp.arange(B)
     n = -(-T // chunk)
     ids_NBC = _chunks(shifted_BT, chunk)
-    pos_NBC = _chunks(jnp.broadcast_to(jnp.arange(n * chunk, dtype=jnp.int32), (B, n * chunk)), chunk)
+    pos_NBC = _chunks(jnp.arange(n * chunk, dtype=jnp.int32)[None, :] + offset_B[:, None], chunk)
     aux_NBCX = jnp.pad(aux_BTX, ((0, 0), (0, n * chunk - T), (0, 0))).reshape(B, n, chunk, -1).transpose(1, 0, 2, 3)
     embed_VD = target.embed_tokens[...]
-    last_B = prompt_len_B - 1
+    last_B = prompt_len_B - 1 + offset_B
 
     def step(carry, xs):
         cache, h_BD, logits_BW = carry
@@ -188,7 +199,7 @@ def _chunked_draft(draft, target, shifted_BT, aux_BTX, prompt_len_B, dcache, chu
     return dcache, h_BD, logits_BW
 
 
-def _chunked_target(target, prompt_BT, prompt_len_B, tcache, aux_ids, chunk):
+def _chunked_target(target, prompt_BT, prompt_len_B, tcache, aux_ids, chunk, offset_B):
     """The target over the prompt, ``chunk`` positions per step; returns (hidden at each row's last
     prompt position [B, D], cache, aux states [B, T, X] or None)."""
     B, T = prompt_BT.shape
@@ -197,8 +208,8 @@ def _chunked_target(target, prompt_BT, prompt_len_B, tcache, aux_ids, chunk):
     n = ids_NBC.shape[0]
     # Padding positions past T write cache slots >= T, which hold no prompt token: they are
     # masked by position like any stale slot and overwritten by the first decode steps.
-    pos_NBC = _chunks(jnp.broadcast_to(jnp.arange(n * chunk, dtype=jnp.int32), (B, n * chunk)), chunk)
-    last_B = prompt_len_B - 1
+    pos_NBC = _chunks(jnp.arange(n * chunk, dtype=jnp.int32)[None, :] + offset_B[:, None], chunk)
+    last_B = prompt_len_B - 1 + offset_B
 
     def step(carry, xs):
         cache, last_hidden_BD = carry
@@ -319,9 +330,13 @@ def admit_rows(tgraph, tstate, dgraph, dstate, state: LoopState, admit_B, prompt
     target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
     key, k_new = jax.random.split(state.key)
     fresh = _prefill(target, draft, prompt_BT, prompt_len_B, k_new, sp, num_draft=num_draft, max_new=max_new,
-                     capacity=capacity, aux_ids=aux_ids, greedy=greedy, prefill_chunk=prefill_chunk)
+                     capacity=capacity, aux_ids=aux_ids, greedy=greedy, prefill_chunk=prefill_chunk,
+                     into=state, write_B=admit_B)
     fresh.key = key
-    return _merge_rows(admit_B, fresh, state)
+    # The caches were written in place (admitted rows only): no row-wise select, no second copy.
+    merged = _merge_rows(admit_B, dataclasses.replace(fresh, tcache=None, dcache=None),
+                         dataclasses.replace(state, tcache=None, dcache=None))
+    return dataclasses.replace(merged, tcache=fresh.tcache, dcache=fresh.dcache)
 
 
 def _merge_rows(mask_B, new: LoopState, old: LoopState) -> LoopState:
