@@ -13,8 +13,8 @@ disk are the words held on the devices and the words written back, bit for bit):
 
 Values and scales carry the same logical axes (the grouped axis keeps its name), so
 ``sharding.LOGICAL_AXIS_RULES`` shards both the same way. Nothing here dequantizes a whole expert
-stack: ``dequant_int4`` / ``dequant_fp8`` turn ONE expert's (or one dense layer's) matrix into the
-compute dtype, at the matmul that uses it.
+stack: ``quantized_matmul`` dequantizes one expert's matrix one tile of input columns at a time
+inside the matmul; an ``Fp8Linear`` dequantizes one dense layer's matrix at its matmul.
 
 Why packed int32 words and not ``jnp.int4``: XLA:CPU allocates one byte per ``int4`` element
 (``jnp.zeros((1024, 1024), jnp.int4).on_device_size_in_bytes()`` is 1 MiB, measured with jax
