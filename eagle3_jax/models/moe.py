@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.layers import SwiGLU, param
-from eagle3_jax.models.quantized import Int4Stack, QuantLayout, expert_stack, quantized_matmul
+from eagle3_jax.models.quantized import Int4Stack, QuantLayout, expert_stack, quantized_matmul, take_expert
 from eagle3_jax.sharding import mesh_axis
 
 # (x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert) -> y_MD. Experts
@@ -159,7 +159,7 @@ def experts_blocked_quantized(x_MD, idx_MK, weights_MK, gate, up, down, first_ex
 
     def matmul(x_bI, w, e):
         values, scales, stack = w
-        return quantized_matmul(x_bI, values[e], scales[e], stack)
+        return quantized_matmul(x_bI, take_expert(values, e), scales[e], stack)
 
     def one_block(j, out_MD):
         e = jnp.searchsorted(block_end_E, j, side="right")

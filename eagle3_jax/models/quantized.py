@@ -13,8 +13,8 @@ disk are the words held on the devices and the words written back, bit for bit):
 
 Values and scales carry the same logical axes (the grouped axis keeps its name), so
 ``sharding.LOGICAL_AXIS_RULES`` shards both the same way. Nothing here dequantizes a whole expert
-stack: ``dequant_int4`` / ``dequant_fp8`` turn ONE expert's (or one dense layer's) matrix into the
-compute dtype, at the matmul that uses it.
+stack: ``quantized_matmul`` dequantizes one expert's matrix one tile of input columns at a time
+inside the matmul; an ``Fp8Linear`` dequantizes one dense layer's matrix at its matmul.
 
 Why packed int32 words and not ``jnp.int4``: XLA:CPU allocates one byte per ``int4`` element
 (``jnp.zeros((1024, 1024), jnp.int4).on_device_size_in_bytes()`` is 1 MiB, measured with jax
@@ -116,6 +116,15 @@ def dequant_fp8(w_OI: jax.Array, scale_RC: jax.Array, block: tuple[int, int], dt
 TILE_COLS = 512
 
 
+def take_expert(stack_E_, e) -> jax.Array:
+    """``stack[e]`` for a quantized stack. Float8 is indexed as bytes: a backend without float8
+    arithmetic (XLA:CPU) otherwise widens the whole stack to 16 bits, ahead of the loop, to slice it."""
+    if jnp.dtype(stack_E_.dtype).itemsize == 1 and jnp.issubdtype(stack_E_.dtype, jnp.floating):
+        raw = jax.lax.bitcast_convert_type(stack_E_, jnp.uint8)
+        return jax.lax.bitcast_convert_type(raw[e], stack_E_.dtype)
+    return stack_E_[e]
+
+
 def quantized_matmul(x_bI: jax.Array, values, scales, stack, tile: int = TILE_COLS) -> jax.Array:
     """``x [b, I] @ W.T`` for one quantized ``W [O, I]``, dequantizing ``tile`` input columns at a
     time inside a loop: the largest weight temporary is one [O, tile] tile, not the matrix.
@@ -202,7 +211,10 @@ class Fp8Stack(nnx.Module):
         return self.block[1]
 
     def dequant_cols(self, w_OI, scale_RC, start, width: int, dtype) -> jax.Array:
-        w = jax.lax.dynamic_slice_in_dim(w_OI, start, width, axis=-1)
+        # Sliced as bytes: a backend without float8 arithmetic (XLA:CPU) otherwise widens the
+        # whole float8 stack to 16 bits ahead of the loop to slice it.
+        w = jax.lax.dynamic_slice_in_dim(jax.lax.bitcast_convert_type(w_OI, jnp.uint8), start, width, axis=-1)
+        w = jax.lax.bitcast_convert_type(w, w_OI.dtype)
         s = jax.lax.dynamic_slice_in_dim(scale_RC, start // self.block[1], width // self.block[1], axis=-1)
         return dequant_fp8(w, s, self.block, dtype)
 

@@ -68,9 +68,11 @@ def format_header(plan: Plan) -> list[str]:
     total_params = sum(leaf.total_bytes for leaf in plan.target_params)
     return [
         f"# plan  model: {s.model}: {describe_target(plan.target)}",
-        f"#   target: {_count(sum(math.prod(leaf.shape) for leaf in plan.target_params))} parameters, "
-        f"{_count(total_params)}B in {s.dtype}; draft: "
-        f"{_count(sum(math.prod(leaf.shape) for leaf in plan.draft_params))} parameters",
+        (f"#   target: {total_params / 1e9:,.1f} GB as held ({plan.quant.name}, {s.dtype} elsewhere); draft: "
+         if plan.quant else
+         f"#   target: {_count(sum(math.prod(leaf.shape) for leaf in plan.target_params))} parameters, "
+         f"{_count(total_params)}B in {s.dtype}; draft: ")
+        + f"{_count(sum(math.prod(leaf.shape) for leaf in plan.draft_params))} parameters",
         f"# draft: {plan.draft_source}: {describe_draft(plan.draft)}, aux layers {list(plan.aux_ids)}",
         f"# batch {s.batch}, max_len {s.max_len}, K={s.num_draft_tokens} draft tokens, prompt block {s.prompt_len}, "
         f"{'greedy' if s.greedy else 'sampled'}; weights {s.dtype}; compiled in {s.compile_dtype} on "
@@ -139,14 +141,18 @@ def format_notes(plan: Plan) -> list[str]:
 
 
 def json_mesh(plan: Plan, hbm: int | None = None) -> dict:
-    """One mesh for ``--json``: a row per expert width, each program's upper peak and verdict."""
+    """One mesh for ``--json``: a row per expert width, each program's peak and verdict.
+
+    ``peak_bytes`` / ``fits`` count temporaries in the planned (2-byte) dtype, as an accelerator
+    computes a bf16 model; ``peak_bytes_f32_temps`` / ``fits_f32_temps`` are the float32 compile's
+    upper estimate (the table prints both)."""
     rows = []
     for b in row_bits(plan):
         programs = {}
         for name in plan.programs:
             hi, lo = plan.totals(name, b)
-            entry = {"peak_bytes": int(hi), "peak_bytes_2byte_temps": int(lo),
-                     "fits": (hi <= hbm) if hbm else None}
+            entry = {"peak_bytes": int(lo), "fits": (lo <= hbm) if hbm else None,
+                     "peak_bytes_f32_temps": int(hi), "fits_f32_temps": (hi <= hbm) if hbm else None}
             if name != "decode":
                 entry["prefill_chunk"] = plan.prefill_chunk
             programs[name] = entry
