@@ -58,9 +58,11 @@ class LoopState:
 class DecodeProgram:
     """The static description of one compiled decode program (hashable: a jit static argument).
 
-    ``num_draft_tokens`` is K, the draft tokens per round (0: plain target decoding);
+    ``num_draft_tokens`` is K, the draft tokens per round of this program (0: target-only rounds,
+    which leave a draft's state untouched); ``max_draft_tokens`` the largest K of the session, which
+    fixes the loop state's layout, so programs of every K <= it run on the same state;
     ``max_len`` the per-row capacity of the caches (prompt + generation); ``aux_layer_ids`` the
-    target layers whose outputs feed the draft.
+    target layers whose outputs feed the draft (empty without a draft).
     """
 
     batch_size: int
@@ -69,6 +71,16 @@ class DecodeProgram:
     num_draft_tokens: int
     aux_layer_ids: tuple[int, ...]
     greedy: bool
+    max_draft_tokens: int | None = None   # None: num_draft_tokens
+
+    def __post_init__(self):
+        if self.max_draft_tokens is None:
+            object.__setattr__(self, "max_draft_tokens", self.num_draft_tokens)
+
+    def with_draft_tokens(self, num_draft_tokens: int) -> "DecodeProgram":
+        if not 0 <= num_draft_tokens <= self.max_draft_tokens:
+            raise ValueError(f"num_draft_tokens must be in 0..{self.max_draft_tokens}, found {num_draft_tokens}")
+        return dataclasses.replace(self, num_draft_tokens=num_draft_tokens)
 
 
 @jax.tree_util.register_dataclass
@@ -113,7 +125,7 @@ def _emit(state: LoopState, new_BJ, n_new_B, eos_E):
 
 def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program: DecodeProgram) -> LoopState:
     """Runs the prompts through the target (and the draft) and emits each row's first token."""
-    K = program.num_draft_tokens if draft is not None else 0
+    K = program.max_draft_tokens if draft is not None else 0
     max_len, max_new_tokens = program.max_len, program.max_new_tokens
     B, T = prompt_BT.shape
     rows_B = jnp.arange(B)
@@ -201,7 +213,9 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
 
         # Catch-up: the draft re-reads positions n..n+K with the target's true aux states.
         cstep = draft(out_BK1, draft.fuse(tout.aux_BTX), pos_BK1, embed_VD, dcache)
-        accepted_BK = s.accepted_BK + ((jnp.arange(K)[None, :] < n_acc_B[:, None]) & running_B[:, None])
+        # The state's layout is K_max wide (every K of the session shares it); this round fills 0..K-1.
+        hit_BK = (jnp.arange(K)[None, :] < n_acc_B[:, None]) & running_B[:, None]
+        accepted_BK = s.accepted_BK.at[:, :K].add(hit_BK.astype(jnp.int32))
         return dataclasses.replace(
             s, tokens_BN=tokens_BN, n_out_B=n_out_B, finish_B=finish_B,
             lengths_B=jnp.where(running_B, s.lengths_B + n_acc_B + 1, s.lengths_B),
@@ -245,26 +259,30 @@ def generate_loop(tgraph, tstate, dgraph, dstate, prompt_BT, prompt_len_B, key, 
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
-def admit_rows(tgraph, tstate, dgraph, dstate, state: LoopState, admit_B, prompt_BT, prompt_len_B, sp: Sampling,
+def admit_rows(tgraph, tstate, dgraph, dstate, state: LoopState, rows_A, prompt_AT, prompt_len_A, sp: Sampling,
                *, program: DecodeProgram) -> LoopState:
-    """Prefills new prompts into the rows marked by ``admit_B``; other rows keep their state."""
+    """Prefills A new prompts (A = ``rows_A.shape[0]``) and writes them into rows ``rows_A`` of the
+    running state; every other row is untouched. Only the admitted rows are prefilled, so admitting
+    one prompt costs a one-row prefill, not a whole batch. An entry of ``rows_A`` that is out of
+    range (``>= batch_size``) is padding: its prefill is computed and dropped."""
     target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
     key, k_new = jax.random.split(state.key)
-    fresh = _prefill(target, draft, prompt_BT, prompt_len_B, k_new, sp, program)
-    fresh.key = key
-    return _merge_rows(admit_B, fresh, state)
-def _merge_rows(mask_B, new: LoopState, old: LoopState) -> LoopState:
-    """Row-wise select between two loop states; the target cache keeps layers first, batch second."""
+    fresh = _prefill(target, draft, prompt_AT, prompt_len_A, k_new, sp, program)
+    return _scatter_rows(rows_A, fresh, dataclasses.replace(state, key=key))
 
-    def rows(axis):
-        def sel(n, o):
-            m = mask_B.reshape((1,) * axis + (-1,) + (1,) * (n.ndim - axis - 1))
-            return jnp.where(m, n, o)
-        return sel
 
-    merged = jax.tree_util.tree_map(rows(0), dataclasses.replace(new, tcache=None, key=None),
-                                    dataclasses.replace(old, tcache=None, key=None))
-    return dataclasses.replace(merged, tcache=jax.tree_util.tree_map(rows(1), new.tcache, old.tcache), key=new.key)
+def _scatter_rows(rows_A, new: LoopState, old: LoopState) -> LoopState:
+    """old[rows_A] = new, row by row (out-of-range rows dropped); the key stays old's. The target
+    cache keeps layers first and batch second; everything else is batch-first."""
+
+    def put(axis):
+        def scatter(o, n):
+            return o.at[(slice(None),) * axis + (rows_A,)].set(n.astype(o.dtype), mode="drop")
+        return scatter
+
+    rest = jax.tree_util.tree_map(put(0), dataclasses.replace(old, tcache=None, key=None),
+                                  dataclasses.replace(new, tcache=None, key=None))
+    return dataclasses.replace(rest, tcache=jax.tree_util.tree_map(put(1), old.tcache, new.tcache), key=old.key)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
@@ -290,5 +308,7 @@ def blank_state(tgraph, tstate, dgraph, dstate, key, sp: Sampling, *, program: D
     """A loop state with every row idle, ready for ``admit_rows``."""
     target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
     B = program.batch_size
+    # Its contents never matter (idle rows do not advance and admission overwrites a row whole);
+    # a one-token prefill is simply the cheapest way to build the layout.
     state = _prefill(target, draft, jnp.zeros((B, 1), jnp.int32), jnp.ones((B,), jnp.int32), key, sp, program)
     return dataclasses.replace(state, finish_B=jnp.full((B,), FINISH_IDLE, jnp.int32))
