@@ -19,7 +19,7 @@ def test_choice_follows_costs_and_acceptance():
     auto = AutoDraft(costs, 4, acc)
     assert auto.choose() == 3   # prior 0.7: tau(3) = 2.56 -> 1.6 tok/s per round cost, best
     for _ in range(20):         # every draft rejected: speculation cannot pay
-        auto.observe(1, 10, 1.0, 20, 20, [0, 0, 0, 0])
+        auto.observe(1, 10, 13.0, 20, 20, [0, 0, 0, 0])   # 10 iterations at the calibrated 1.3 s
     assert auto.choose() == 0
     assert acc.tau(0) == 1.0 and acc.tau(1) < 1.03
     acc2 = AcceptanceModel(4)
@@ -99,3 +99,16 @@ def test_generator_refills_when_prompts_outnumber_rows(tiny_target, draft):
 def test_bad_setting_is_refused(tiny_target, draft):
     with pytest.raises(e3.ConfigError, match="integer or 'auto'"):
         e3.Generator(tiny_target, draft, num_draft_tokens="fast")
+
+
+def test_live_timings_outvote_a_bad_calibration():
+    costs = RoundCosts({0: 1.0, 1: 1.1})   # calibrated under load: K = 1 looked nearly free
+    acc = AcceptanceModel(1)
+    acc.observe(1, 100, [50])               # a_1 = 0.5: tau(1) = 1.5
+    auto = AutoDraft(costs, 1, acc)
+    assert auto.choose() == 1
+    for _ in range(3):                      # live K = 1 rounds cost 2 target steps
+        auto.observe(1, 8, 16.0, 8, 12, [4])
+    assert costs.cost(1) == 2.0 and auto.choose() == 0
+    auto.observe(1, 2, 100.0, 2, 3, [1])    # too short a run to time: ignored
+    assert costs.cost(1) == 2.0

@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--temperature", type=float, help="0 = greedy (default); > 0 samples")
     a("--top-p", type=float, help="nucleus sampling mass (default 1.0 = off)")
     a("--top-k", type=int, help="sample from the k most likely tokens (default 0 = off)")
-    a("--num-draft-tokens", type=int, help="draft tokens per verify round (default 4)")
+    a("--num-draft-tokens", help="draft tokens per verify round, or 'auto' (default): chosen from measured "
+      "round costs and live acceptance, 0 (target-only) when speculation does not pay")
     a("--batch-size", type=int, help="rows generated together (default 8)")
     a("--max-len", type=int, help="prompt + generation capacity per row in tokens (default 2048)")
     a("--mesh", help="device mesh, e.g. data=1,expert=8,tensor=1; 'auto' (default) puts every device on expert, "
@@ -185,7 +186,11 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
                              "(tokenizer_config.json 'chat_template' or chat_template.jinja); add one or give "
                              "plain 'prompt' inputs")
 
-    k = s.num_draft_tokens if s.draft else 0
+    # Statistics are as wide as the largest K a round may use; under auto the per-round K varies,
+    # and the acceptance watchdog runs in the Engine on speculating rounds only.
+    from eagle3_jax.speculative.autodraft import DEFAULT_MAX_DRAFT_TOKENS
+
+    k = (DEFAULT_MAX_DRAFT_TOKENS if s.num_draft_tokens == "auto" else s.num_draft_tokens) if s.draft else 0
     fingerprint = s.fingerprint(dtype, tok.eos_token_ids, tok.kind)
     stats = RunStats(k)
     with ResumableOutput(s.output, fingerprint, s.overwrite) as out:
@@ -231,7 +236,7 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
         target, draft=draft, num_draft_tokens=s.num_draft_tokens, max_len=s.max_len, batch_size=s.batch_size,
         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
         eos_token_ids=tuple(tok.eos_token_ids))
-    watchdog = Watchdog(k, context=s.output)
+    watchdog = Watchdog(0 if s.num_draft_tokens == "auto" else k, context=s.output)
     stats.start_clock()
     with logging_redirect_tqdm(), tqdm(total=len(requests), unit="prompt", desc="serve", dynamic_ncols=True,
                                        mininterval=0.5) as bar:

@@ -18,6 +18,7 @@ from eagle3_jax.config import read_yaml_mapping
 from eagle3_jax.errors import ConfigError
 
 EMIT_CHOICES = ("text", "training")
+AUTO_OK = {"num_draft_tokens": " or 'auto'"}   # settings that also take the word auto
 
 
 @dataclass
@@ -30,7 +31,8 @@ class ServeSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    num_draft_tokens: int = 4
+    # "auto": K chosen per batch from measured round costs and live acceptance (0 = target-only).
+    num_draft_tokens: int | str = "auto"
     batch_size: int = 8
     max_len: int = 2048
     # "auto": every visible device on the expert axis (no mesh on a single device); "none": no mesh.
@@ -72,12 +74,14 @@ class ServeSettings:
                  "seed": int, "temperature": float, "top_p": float}
         for name, typ in types.items():
             v = getattr(self, name)
+            if name == "num_draft_tokens" and v == "auto":
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-                raise ConfigError(f"setting {name}: expected a number, found {v!r}")
+                raise ConfigError(f"setting {name}: expected a number{AUTO_OK.get(name, '')}, found {v!r}")
             try:
                 converted = typ(v)
             except ValueError:
-                raise ConfigError(f"setting {name}: expected {typ.__name__}, found {v!r}") from None
+                raise ConfigError(f"setting {name}: expected {typ.__name__}{AUTO_OK.get(name, '')}, found {v!r}") from None
             if typ is int and isinstance(v, float) and v != converted:
                 raise ConfigError(f"setting {name}: expected an integer, found {v!r}")
             setattr(self, name, converted)
@@ -103,7 +107,7 @@ class ServeSettings:
             problems.append(f"top_p must be in (0, 1], found {self.top_p}")
         if self.top_k < 0:
             problems.append(f"top_k must be >= 0 (0 = off), found {self.top_k}")
-        if self.draft and self.num_draft_tokens < 1:
+        if self.draft and self.num_draft_tokens != "auto" and self.num_draft_tokens < 1:
             problems.append(f"num_draft_tokens must be >= 1 with a draft, found {self.num_draft_tokens}")
         if self.batch_size < 1:
             problems.append(f"batch_size must be >= 1, found {self.batch_size}")

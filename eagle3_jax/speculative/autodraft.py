@@ -9,7 +9,8 @@ maximizes τ(K) / c(K); when speculation does not pay, that is K = 0.
 Costs depend on the pair, the device kind, the batch size, the cache capacity and greedy vs
 sampling, not on the weights' values or the text (every shape is static), so they are measured
 once by ``calibrate`` and cached on disk under ``$EAGLE3_JAX_CACHE`` (default
-``~/.cache/eagle3_jax``). Acceptance starts from a prior and is updated from every bounded run.
+``~/.cache/eagle3_jax``), then refined by the timings of the real runs (``RoundCosts.cost``).
+Acceptance starts from a prior and is updated from every bounded run.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ PRIOR_ROUNDS = 8
 CACHE_ENV = "EAGLE3_JAX_CACHE"
 CALIBRATION_ROUNDS = 8
 CALIBRATION_REPEATS = 3
+# Live round timings: the latest few per K count, and only runs long enough to time meaningfully.
+LIVE_SAMPLES = 8
+LIVE_MIN_ITERATIONS = 4
 
 
 def cache_dir() -> str:
@@ -71,10 +75,19 @@ class RoundCosts:
 
     seconds: dict[int, float]
     calibration_seconds: float = 0.0   # wall time of the calibration, compiles included (0: from disk)
+    live: dict[int, list[float]] = field(default_factory=dict)   # seconds per round seen in real runs
+
+    def cost(self, k: int) -> float:
+        """The median of the calibrated cost and the latest LIVE_SAMPLES live ones: a calibration
+        disturbed by load (or a stale disk entry) is outvoted once K has run a few times."""
+        return statistics.median([self.seconds[k]] + self.live.get(k, [])[-LIVE_SAMPLES:])
+
+    def observe(self, k: int, seconds_per_round: float) -> None:
+        self.live.setdefault(k, []).append(seconds_per_round)
 
     def predicted_throughput(self, k: int, tau: float) -> float:
         """Tokens per second per row."""
-        return tau / self.seconds[k]
+        return tau / self.cost(k)
 
 
 def cost_key(fingerprint: str, program) -> str:
@@ -215,6 +228,8 @@ class AutoDraft:
         if k:
             self.spec_row_rounds += row_rounds
             self.spec_round_tokens += round_tokens
+        if iterations >= LIVE_MIN_ITERATIONS:
+            self.costs.observe(k, seconds / iterations)
         if iterations and row_rounds:
             self.run_seconds += seconds
             self.run_row_tokens += iterations * round_tokens / row_rounds

@@ -28,7 +28,7 @@ from flax import nnx
 
 from eagle3_jax.models.cache import KVCache, MLACache
 from eagle3_jax.sharding import constrain
-from eagle3_jax.speculative.accept import greedy_accept, rejection_accept, sample_from_probs, target_probs
+from eagle3_jax.speculative.accept import first_argmax, greedy_accept, rejection_accept, sample_from_probs, target_probs
 
 RUNNING, FINISH_EOS, FINISH_LENGTH, FINISH_CAPACITY = 0, 1, 2, 3
 FINISH_NAMES = {FINISH_EOS: "eos", FINISH_LENGTH: "length", FINISH_CAPACITY: "max_len"}
@@ -96,7 +96,7 @@ class Sampling:
 
 def _choose(key, logits_BV, greedy, sp: Sampling):
     if greedy:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        return first_argmax(logits_BV)
     return sample_from_probs(key, target_probs(logits_BV, sp.temperature, sp.top_k, sp.top_p))
 
 
@@ -135,7 +135,7 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     out = target(prompt_BT, positions_BT, tcache, program.aux_layer_ids if draft is not None else ())
     last_hidden_BD = out.hidden_BTD[rows_B, prompt_len_B - 1]
-    key, k0 = jax.random.split(key)
+    key, k0 = (key, key) if program.greedy else jax.random.split(key)
     first_B = _choose(k0, target.logits(last_hidden_BD[:, None])[:, 0], program.greedy, sp)
 
     max_new_B = jnp.full((B,), max_new_tokens, jnp.int32)
@@ -171,7 +171,7 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
 
     def draft_pick(key, logits_BW):
         if greedy:
-            return jnp.argmax(logits_BW, axis=-1).astype(jnp.int32), None
+            return first_argmax(logits_BW), None
         q_BW = jax.nn.softmax(logits_BW / jnp.maximum(sp.temperature, 1e-6), axis=-1)
         return sample_from_probs(key, q_BW), q_BW
 
@@ -179,8 +179,11 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
         K = program.num_draft_tokens
         B = s.last_B.shape[0]
         rows_B = jnp.arange(B)
-        key, k_draft, k_accept = jax.random.split(s.key, 3)
-        draft_keys = jax.random.split(k_draft, K)
+        if greedy:   # greedy rounds draw no random numbers: no key work either
+            key, k_accept, draft_keys = s.key, None, [None] * K
+        else:
+            key, k_draft, k_accept = jax.random.split(s.key, 3)
+            draft_keys = jax.random.split(k_draft, K)
         d_ids, q_list = [], []
         d_B, q_BW = draft_pick(draft_keys[0], s.dlogits_BW)
         d_ids.append(d_B)
@@ -227,7 +230,7 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
             accepted_BK=accepted_BK.astype(jnp.int32))
 
     def target_round(s: LoopState) -> LoopState:
-        key, k = jax.random.split(s.key)
+        key, k = (s.key, s.key) if greedy else jax.random.split(s.key)
         tout = target(s.last_B[:, None], s.lengths_B[:, None], s.tcache, ())
         next_B = _choose(k, target.logits(tout.hidden_BTD)[:, 0], greedy, sp)
         running_B = s.finish_B == RUNNING
