@@ -38,6 +38,7 @@ PRIOR_ROUNDS = 8
 CACHE_ENV = "EAGLE3_JAX_CACHE"
 CALIBRATION_ROUNDS = 8
 CALIBRATION_REPEATS = 3
+CALIBRATION_PROMPT_LEN = 16
 # Live round timings: the latest few per K count, and only runs long enough to time meaningfully.
 LIVE_SAMPLES = 8
 LIVE_MIN_ITERATIONS = 4
@@ -123,7 +124,7 @@ def save_costs(key: str, costs: RoundCosts) -> None:
 
 
 def calibrate(session, program, sp) -> RoundCosts:
-    """Times whole rounds for each K on a batch of one-token dummy prompts: CALIBRATION_REPEATS
+    """Times whole rounds for each K on a batch of random prompts: CALIBRATION_REPEATS
     interleaved runs of CALIBRATION_ROUNDS rounds per K (after one untimed run that compiles),
     the median seconds per executed round. Static shapes make the cost independent of the text."""
     from eagle3_jax.speculative.generate import admit_rows, blank_state, run_rounds
@@ -131,7 +132,12 @@ def calibrate(session, program, sp) -> RoundCosts:
     start = time.perf_counter()
     models = session.models()
     B = program.batch_size
-    ids, lengths, _ = session.pack_prompts({b: [1] for b in range(B)}, B)
+    # Random prompts, one per row: the MoE cost depends on how many distinct experts the tokens
+    # route to, so identical dummy rows would time a round far cheaper than real text makes it.
+    rng = np.random.default_rng(0)
+    vocab = session.target.config.vocab_size
+    T = min(CALIBRATION_PROMPT_LEN, session.max_len - 1)
+    ids, lengths, _ = session.pack_prompts({b: rng.integers(0, vocab, T).tolist() for b in range(B)}, B)
     rows = jnp.arange(B, dtype=jnp.int32)
 
     def timed(k: int) -> float:
