@@ -112,3 +112,13 @@ def test_live_timings_outvote_a_bad_calibration():
     assert costs.cost(1) == 2.0 and auto.choose() == 0
     auto.observe(1, 2, 100.0, 2, 3, [1])    # too short a run to time: ignored
     assert costs.cost(1) == 2.0
+
+
+def test_every_sixteenth_run_explores_the_other_kind():
+    costs = RoundCosts({0: 1.0, 1: 1.1, 2: 1.2})
+    auto = AutoDraft(costs, 2, AcceptanceModel(2))
+    picks = [auto.next_k() for _ in range(32)]
+    assert picks.count(0) == 2 and picks[15] == 0 and picks[31] == 0 and set(picks) == {0, auto.choose()}
+    slow = AutoDraft(RoundCosts({0: 1.0, 1: 5.0, 2: 9.0}), 2, AcceptanceModel(2))
+    picks = [slow.next_k() for _ in range(16)]
+    assert picks[:15] == [0] * 15 and picks[15] == 1

@@ -42,6 +42,7 @@ CALIBRATION_PROMPT_LEN = 16
 # Live round timings: the latest few per K count, and only runs long enough to time meaningfully.
 LIVE_SAMPLES = 8
 LIVE_MIN_ITERATIONS = 4
+EXPLORE_EVERY = 16
 
 
 def cache_dir() -> str:
@@ -210,6 +211,7 @@ class AutoDraft:
         self.acceptance = acceptance
         self.max_draft_tokens = max_draft_tokens
         self.rounds_per_k: dict[int, int] = {}
+        self.runs = 0
         self.spec_row_rounds = 0    # rounds with K >= 1, summed over rows, and the tokens they emitted
         self.spec_round_tokens = 0
         self.run_seconds = 0.0
@@ -223,6 +225,20 @@ class AutoDraft:
         """argmax_K τ(K) / c(K); ties go to the smaller K (cheaper to be wrong)."""
         ks = range(self.max_draft_tokens + 1)
         return max(ks, key=lambda k: (self.predicted(k), -k))
+
+    def next_k(self) -> int:
+        """The K of the next run: ``choose()``, except that every EXPLORE_EVERY-th run takes the best
+        K of the other kind (target-only when speculating, the best K >= 1 when not). Without it,
+        target-only's cost would only ever be the calibrated one (taken under whatever load the
+        machine had then) while the chosen K's cost follows live timings, and acceptance could not
+        be learnt while K = 0."""
+        self.runs += 1
+        best = self.choose()
+        if self.runs % EXPLORE_EVERY:
+            return best
+        if best:
+            return 0
+        return max(range(1, self.max_draft_tokens + 1), key=lambda k: (self.predicted(k), -k))
 
     def observe(self, k: int, iterations: int, seconds: float, row_rounds: int, round_tokens: int,
                 accepted_per_position) -> None:

@@ -135,7 +135,7 @@ class Engine:
                         arr[list(new)] = 0
                 if all(o is None for o in occupant):
                     break
-                k = auto.choose() if auto is not None else program.num_draft_tokens
+                k = auto.next_k() if auto is not None else program.num_draft_tokens
                 if auto is not None:
                     jax.block_until_ready(state)   # time the rounds alone
                 t = time.perf_counter()
