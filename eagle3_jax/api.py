@@ -274,27 +274,37 @@ class GenerationResult:
 class Generator:
     """Batch generation with an optional EAGLE-3 draft; ``draft=None`` is target-only decoding.
 
-    A thin front end over ``DecodeSession``: one call of ``generate`` is one static batch, run as
-    one compiled program (prefill + the whole loop)."""
+    A thin front end over ``DecodeSession``. With a fixed K and at most ``batch_size`` prompts (all
+    of them when ``batch_size`` is None), one call of ``generate`` is one static batch run as one
+    compiled program (prefill + the whole loop). With more prompts than rows, or with
+    ``num_draft_tokens="auto"`` (K re-chosen between bounded runs), it runs through the refill
+    ``Engine`` on ``batch_size`` rows, so no row waits for the slowest one while prompts wait.
+    Greedy output is the same either way."""
 
-    def __init__(self, target: LoadedTarget, draft: LoadedDraft | None = None, num_draft_tokens: int = 4,
-                 max_len: int = 2048, mesh=None):
+    def __init__(self, target: LoadedTarget, draft: LoadedDraft | None = None, num_draft_tokens: int | str = 4,
+                 max_len: int = 2048, mesh=None, batch_size: int | None = None, max_draft_tokens: int | None = None):
         if mesh is not None and target.mesh is not None and mesh is not target.mesh:
             raise ConfigError("Generator mesh differs from the mesh the target was loaded on; load it with mesh=...")
-        self.session = DecodeSession(target, draft, num_draft_tokens, max_len)
+        if batch_size is not None and batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1 (or None: one batch of all prompts), found {batch_size}")
+        self.session = DecodeSession(target, draft, num_draft_tokens, max_len, max_draft_tokens)
         self.target, self.draft = target, draft
         self.num_draft_tokens = self.session.num_draft_tokens
+        self.max_draft_tokens = self.session.max_draft_tokens
         self.max_len = max_len
         self.mesh = target.mesh
+        self.batch_size = batch_size
+        self.draft_choice = None   # under "auto": the latest DraftChoice (K, predicted vs measured speedup)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, eos_token_ids: Sequence[int] = (),
-                 prompt_len: int | None = None) -> GenerationResult:
-        """Generates for ``prompts`` (token id lists) in one batch.
+                 prompt_len: int | None = None, rounds_per_sync: int = 16) -> GenerationResult:
+        """Generates for ``prompts`` (token id lists); results are in prompt order.
 
-        The compiled program depends on the batch size, ``max_new_tokens`` and the padded prompt
-        length (the longest prompt rounded up to 16, or ``prompt_len`` when given): batches that
-        pin one ``prompt_len`` share one compilation.
+        A static batch's compiled program depends on the batch size, ``max_new_tokens`` and the
+        padded prompt length (the longest prompt rounded up to 16, or ``prompt_len`` when given):
+        batches that pin one ``prompt_len`` share one compilation. ``rounds_per_sync``: rounds between
+        refills when the Engine runs (see the class docstring).
         """
         import time
 
@@ -302,19 +312,40 @@ class Generator:
         sampling = SamplingSettings(temperature, top_p, top_k, seed, tuple(eos_token_ids))
         if not prompts:
             raise ConfigError("generate() got no prompts")
+        rows = min(len(prompts), self.batch_size or len(prompts))
+        if session.auto or rows < len(prompts):
+            return self._generate_refilled(prompts, rows, max_new_tokens, sampling, rounds_per_sync)
         program = session.program(len(prompts), max_new_tokens, sampling)
         ids, lengths, _ = session.pack_prompts(dict(enumerate(prompts)), program.batch_size, prompt_len)
         start = time.perf_counter()
         with session.activate():
             out = generate_loop(*session.models(), jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(seed),
                                 sampling.traced(), program=program)
-            rows = session.row_results(out, range(len(prompts)), program.num_draft_tokens)
+            rows = session.row_results(out, range(len(prompts)), program.max_draft_tokens)
         stats = GenerationStats.combine(r[2] for r in rows)
         stats.seconds = time.perf_counter() - start
         session.record(stats)
         if self.draft is not None:
             check_acceptance(stats, self.num_draft_tokens)
         return GenerationResult(tokens=[r[0] for r in rows], finish_reasons=[r[1] for r in rows], stats=stats)
+
+    def _generate_refilled(self, prompts, rows: int, max_new_tokens: int, sampling: SamplingSettings,
+                           rounds_per_sync: int) -> GenerationResult:
+        import time
+
+        from eagle3_jax.speculative.engine import Engine, Request
+
+        engine = Engine(None, batch_size=rows, max_new_tokens=max_new_tokens, temperature=sampling.temperature,
+                        top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
+                        eos_token_ids=sampling.eos_token_ids, rounds_per_sync=rounds_per_sync, session=self.session)
+        start = time.perf_counter()
+        by_key = {int(f.key): f for f in engine.run(Request(str(i), list(p)) for i, p in enumerate(prompts))}
+        done = [by_key[i] for i in range(len(prompts))]
+        stats = GenerationStats.combine(f.stats for f in done)
+        stats.seconds = time.perf_counter() - start
+        self.draft_choice = engine.draft_choice
+        return GenerationResult(tokens=[f.tokens for f in done], finish_reasons=[f.finish_reason for f in done],
+                                stats=stats)
 
 
 def save_draft(draft: LoadedDraft, path: str | os.PathLike, config_overrides: dict | None = None,

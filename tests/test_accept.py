@@ -393,3 +393,20 @@ def test_full_pipeline_jit_with_traced_sampling_params():
             nb = int(n_acc[b])
             assert probs[b, nb, int(out[b, nb])] > 0
     assert len(traces) == 1
+
+
+def test_first_argmax_equals_argmax_including_ties():
+    from eagle3_jax.speculative.accept import first_argmax
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 3, size=(4, 5, 301)).astype(np.float32)   # small integers: many ties
+    x[0, 0] = 7.0                                                    # an all-equal row
+    x[1, 2, [5, 17, 300]] = 9.0                                      # a three-way tie for the max
+    x[2, 1, -1] = 100.0                                              # max at the last id
+    x[3, 3] = -np.inf
+    x[3, 3, 42] = -1e30                                              # -inf everywhere else
+    got = np.asarray(first_argmax(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert got.dtype == np.int32 and got[0, 0] == 0 and got[1, 2] == 5 and got[3, 3] == 42
+    big = jnp.asarray(rng.standard_normal((2, 3, 129280)).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(first_argmax(big)), np.asarray(jnp.argmax(big, axis=-1)))

@@ -39,3 +39,16 @@ def test_prompt_too_long_is_refused(tiny_target):
     eng = Engine(tiny_target, None, max_len=8, batch_size=1, max_new_tokens=2)
     with pytest.raises(e3.ConfigError, match="max_len - 1 = 7"):
         list(eng.run([Request("x", list(range(8)))]))
+
+
+@pytest.mark.parametrize("with_draft", [True, False])
+def test_several_admissions_per_sync_equal_one_at_a_time(tiny_target, trained_draft_dir, prompts, with_draft):
+    """Rows finish together and are refilled together: admissions of 1..4 rows, some padded (3 -> 4)."""
+    draft = e3.load_draft(trained_draft_dir, tiny_target) if with_draft else None
+    many = prompts + [p[::-1] for p in prompts]
+    one = e3.Generator(tiny_target, draft, num_draft_tokens=2, max_len=40)
+    expected = [one.generate([p], 7).tokens[0] for p in many]
+    eng = Engine(tiny_target, draft, num_draft_tokens=2, max_len=40, batch_size=4, max_new_tokens=7,
+                 rounds_per_sync=2)
+    got = {f.key: f.tokens for f in eng.run(Request(str(i), p) for i, p in enumerate(many))}
+    assert [got[str(i)] for i in range(len(many))] == expected

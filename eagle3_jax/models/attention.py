@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax.config import TargetConfig
-from eagle3_jax.models.cache import causal_slot_mask, write_slots
+from eagle3_jax.models.cache import MLACache, causal_slot_mask
 from eagle3_jax.models.layers import RMSNorm, apply_rope
 from eagle3_jax.models.quantized import QuantLayout, linear_param
 
@@ -45,7 +45,10 @@ class MLAttention(nnx.Module):
         self.kv_b_proj = linear((C, N, cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora", "heads", "head_dim"))
         self.o_proj = linear((N, cfg.v_head_dim, D), ("heads", "head_dim", "embed"), in_ndim=2)
 
-    def __call__(self, x_BTD, positions_BT, cos_BTP, sin_BTP, latent_BSC, rope_BSP, softmax_scale):
+    def __call__(self, x_BTD, positions_BT, cos_BTP, sin_BTP, cache: MLACache, layer: int, softmax_scale):
+        """Attends over layer ``layer`` of the stacked cache after writing this call's tokens into it;
+        returns (y, cache). Only the new slots are written, straight into the stacked buffer: slicing
+        the layer out and setting it back made XLA copy a whole layer of cache per call."""
         cfg = self.cfg
         nope, C = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank is None:
@@ -60,8 +63,8 @@ class MLAttention(nnx.Module):
         latent_BTC = self.kv_a_layernorm(kv_BTX[..., :C])
         k_rope_BTP = apply_rope(kv_BTX[..., C:], cos_BTP, sin_BTP, cfg.rope_interleave)
 
-        latent_BSC = write_slots(latent_BSC, latent_BTC, positions_BT)
-        rope_BSP = write_slots(rope_BSP, k_rope_BTP, positions_BT)
+        cache = cache.write(layer, latent_BTC, k_rope_BTP, positions_BT)
+        latent_BSC, rope_BSP = cache.latent_LBSC[layer], cache.rope_LBSP[layer]
 
         w_kv_CNX = self.kv_b_proj[...]
         wk_CNO, wv_CNO = w_kv_CNX[..., :nope], w_kv_CNX[..., nope:]
@@ -74,4 +77,4 @@ class MLAttention(nnx.Module):
         out_lat_BTNC = jnp.einsum("btns,bsc->btnc", probs_BTNS.astype(latent_BSC.dtype), latent_BSC)
         out_BTNO = jnp.einsum("btnc,cno->btno", out_lat_BTNC, wv_CNO)
         y_BTD = jnp.einsum("btno,nod->btd", out_BTNO, self.o_proj[...])
-        return y_BTD, latent_BSC, rope_BSP
+        return y_BTD, cache

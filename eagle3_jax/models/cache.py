@@ -37,29 +37,47 @@ class MLACache:
             rope_LBSP=jnp.zeros((num_layers, batch, capacity, rope_dim), dtype),
         )
 
+    def write(self, layer: int, latent_BTC: jax.Array, rope_BTP: jax.Array, positions_BT: jax.Array) -> "MLACache":
+        """Scatters one layer's new tokens into their slots (positions outside [0, S) are dropped)."""
+        b_BT = jnp.broadcast_to(jnp.arange(self.latent_LBSC.shape[1])[:, None], positions_BT.shape)
+
+        def put(cache_LBS_, new_BT_):
+            return cache_LBS_.at[layer, b_BT, positions_BT].set(new_BT_.astype(cache_LBS_.dtype), mode="drop")
+
+        return MLACache(latent_LBSC=put(self.latent_LBSC, latent_BTC), rope_LBSP=put(self.rope_LBSP, rope_BTP))
+
 
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    """Draft cache: plain per-head keys and values of its one decoder layer."""
+    """Draft cache: plain per-head keys and values of its one decoder layer.
 
-    k_BSGH: jax.Array
-    v_BSGH: jax.Array
+    Heads before slots: attention contracts over head_dim (scores) and slots (values) with batch
+    and head as the dot's batch dimensions, so this layout is read as stored; slots-first made XLA
+    transpose both whole buffers on every draft call.
+    """
+
+    k_BGSH: jax.Array
+    v_BGSH: jax.Array
 
     @property
     def capacity(self) -> int:
-        return self.k_BSGH.shape[1]
+        return self.k_BGSH.shape[2]
 
     @classmethod
     def zeros(cls, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
-        shape = (batch, capacity, kv_heads, head_dim)
-        return cls(k_BSGH=jnp.zeros(shape, dtype), v_BSGH=jnp.zeros(shape, dtype))
+        shape = (batch, kv_heads, capacity, head_dim)
+        return cls(k_BGSH=jnp.zeros(shape, dtype), v_BGSH=jnp.zeros(shape, dtype))
 
+    def write(self, k_BTGH: jax.Array, v_BTGH: jax.Array, positions_BT: jax.Array) -> "KVCache":
+        """Scatters only the new tokens into their slots (positions outside [0, S) are dropped)."""
+        b_BT = jnp.broadcast_to(jnp.arange(self.k_BGSH.shape[0])[:, None], positions_BT.shape)
 
-def write_slots(cache_BS_: jax.Array, new_BT_: jax.Array, positions_BT: jax.Array) -> jax.Array:
-    """cache[b, positions[b, t]] = new[b, t]; positions outside [0, S) are dropped."""
-    b_BT = jnp.broadcast_to(jnp.arange(cache_BS_.shape[0])[:, None], positions_BT.shape)
-    return cache_BS_.at[b_BT, positions_BT].set(new_BT_.astype(cache_BS_.dtype), mode="drop")
+        def put(cache_BGSH, new_BTGH):
+            # Indices split by a slice: the indexed view is [B, T, G, H], as new_BTGH is.
+            return cache_BGSH.at[b_BT, :, positions_BT].set(new_BTGH.astype(cache_BGSH.dtype), mode="drop")
+
+        return KVCache(k_BGSH=put(self.k_BGSH, k_BTGH), v_BGSH=put(self.v_BGSH, v_BTGH))
 
 
 def causal_slot_mask(positions_BT: jax.Array, capacity: int) -> jax.Array:

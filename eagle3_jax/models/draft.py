@@ -19,7 +19,7 @@ from flax import nnx
 
 from eagle3_jax.config import DraftConfig
 from eagle3_jax.models.attention import masked_softmax
-from eagle3_jax.models.cache import KVCache, causal_slot_mask, write_slots
+from eagle3_jax.models.cache import KVCache, causal_slot_mask
 from eagle3_jax.models.layers import RMSNorm, SwiGLU, apply_rope, param, rope_cos_sin, rope_inv_freq
 
 
@@ -55,19 +55,18 @@ class DraftAttention(nnx.Module):
             out_BTNH, state = attend(q_BTNH, k_BTGH, v_BTGH)
             return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...]), state
         if cache is None:  # one causal pass over the given tokens (training, TTT step 0)
-            k_BSGH, v_BSGH = k_BTGH, v_BTGH
+            k_BGSH, v_BGSH = k_BTGH.transpose(0, 2, 1, 3), v_BTGH.transpose(0, 2, 1, 3)
             mask_BTS = positions_BT[:, None, :] <= positions_BT[:, :, None]
         else:
-            k_BSGH = write_slots(cache.k_BSGH, k_BTGH, positions_BT)
-            v_BSGH = write_slots(cache.v_BSGH, v_BTGH, positions_BT)
-            mask_BTS = causal_slot_mask(positions_BT, k_BSGH.shape[1])
-            cache = KVCache(k_BSGH=k_BSGH, v_BSGH=v_BSGH)
+            cache = cache.write(k_BTGH, v_BTGH, positions_BT)
+            k_BGSH, v_BGSH = cache.k_BGSH, cache.v_BGSH
+            mask_BTS = causal_slot_mask(positions_BT, cache.capacity)
         B, T = q_BTNH.shape[:2]
         q_BTGRH = q_BTNH.reshape(B, T, G, R, cfg.head_dim)
-        scores_BTGRS = jnp.einsum("btgrh,bsgh->btgrs", q_BTGRH, k_BSGH) * cfg.head_dim ** -0.5
-        S = k_BSGH.shape[1]
+        scores_BTGRS = jnp.einsum("btgrh,bgsh->btgrs", q_BTGRH, k_BGSH) * cfg.head_dim ** -0.5
+        S = k_BGSH.shape[2]
         probs = masked_softmax(scores_BTGRS.reshape(B, T, G * R, S), mask_BTS).reshape(B, T, G, R, S)
-        out_BTGRH = jnp.einsum("btgrs,bsgh->btgrh", probs.astype(v_BSGH.dtype), v_BSGH)
+        out_BTGRH = jnp.einsum("btgrs,bgsh->btgrh", probs.astype(v_BGSH.dtype), v_BGSH)
         y_BTD = jnp.einsum("btnh,nhd->btd", out_BTGRH.reshape(B, T, G * R, cfg.head_dim), self.o_proj[...])
         return y_BTD, cache
 

@@ -35,12 +35,12 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = SwiGLU(D, cfg.intermediate_size, dtype, rngs, quant=quant)
 
-    def __call__(self, x_BTD, positions_BT, cos_BTP, sin_BTP, latent_BSC, rope_BSP, softmax_scale):
-        h_BTD, latent_BSC, rope_BSP = self.self_attn(
-            self.input_layernorm(x_BTD), positions_BT, cos_BTP, sin_BTP, latent_BSC, rope_BSP, softmax_scale)
+    def __call__(self, x_BTD, positions_BT, cos_BTP, sin_BTP, cache: MLACache, layer: int, softmax_scale):
+        h_BTD, cache = self.self_attn(
+            self.input_layernorm(x_BTD), positions_BT, cos_BTP, sin_BTP, cache, layer, softmax_scale)
         x_BTD = x_BTD + h_BTD
         x_BTD = x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
-        return constrain(x_BTD, ("batch", "seq", "embed")), latent_BSC, rope_BSP
+        return constrain(x_BTD, ("batch", "seq", "embed")), cache
 
 
 @dataclass
@@ -92,16 +92,11 @@ class Target(nnx.Module):
         cos_BTP, sin_BTP = rope_cos_sin(positions_BT, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attn_factor)
         aux_layer_ids = tuple(aux_layer_ids)
         aux = [None] * len(aux_layer_ids)
-        latent_LBSC, rope_LBSP = cache.latent_LBSC, cache.rope_LBSP
         for i, layer in enumerate(self.layers):
-            x_BTD, lat, rp = layer(x_BTD, positions_BT, cos_BTP, sin_BTP, latent_LBSC[i], rope_LBSP[i],
-                                   self.softmax_scale)
-            # In-place updates of the (donated) stacked cache, not a fresh stack per call.
-            latent_LBSC = latent_LBSC.at[i].set(lat)
-            rope_LBSP = rope_LBSP.at[i].set(rp)
+            # Each layer writes its new slots straight into the (donated) stacked cache.
+            x_BTD, cache = layer(x_BTD, positions_BT, cos_BTP, sin_BTP, cache, i, self.softmax_scale)
             for n, want in enumerate(aux_layer_ids):
                 if want == i:
                     aux[n] = x_BTD
-        new_cache = MLACache(latent_LBSC=latent_LBSC, rope_LBSP=rope_LBSP)
         aux_BTX = jnp.concatenate(aux, axis=-1) if aux else None
-        return TargetStep(hidden_BTD=self.norm(x_BTD), aux_BTX=aux_BTX, cache=new_cache)
+        return TargetStep(hidden_BTD=self.norm(x_BTD), aux_BTX=aux_BTX, cache=cache)

@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--temperature", type=float, help="0 = greedy (default); > 0 samples")
     a("--top-p", type=float, help="nucleus sampling mass (default 1.0 = off)")
     a("--top-k", type=int, help="sample from the k most likely tokens (default 0 = off)")
-    a("--num-draft-tokens", type=int, help="draft tokens per verify round (default 4)")
+    a("--num-draft-tokens", help="draft tokens per verify round, or 'auto' (default): chosen from measured "
+      "round costs and live acceptance, 0 (target-only) when speculation does not pay")
     a("--batch-size", type=int, help="rows generated together (default 8)")
     a("--max-len", type=int, help="prompt + generation capacity per row in tokens (default 2048); may change "
                                    "between runs of one output: longer prompts that failed are retried")
@@ -192,7 +193,11 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
             raise InputError(f"{s.input}: {len(bad)} malformed line(s); nothing was generated. Fix them or pass "
                              f"--skip-bad-lines:\n  {shown}")
         log.warning("%s: skipping %d malformed line(s):\n  %s", s.input, len(bad), shown)
-    stats = RunStats(s.num_draft_tokens if s.draft else 0)
+    # Statistics are as wide as the largest K a round may use (under auto the per-round K varies).
+    from eagle3_jax.speculative.autodraft import DEFAULT_MAX_DRAFT_TOKENS
+
+    k = (DEFAULT_MAX_DRAFT_TOKENS if s.num_draft_tokens == "auto" else s.num_draft_tokens) if s.draft else 0
+    stats = RunStats(k)
     if not records:
         print(f"{s.input} has no prompts; nothing to do.")
         _write_metrics(s, stats, 0, len(bad), dtype)
@@ -258,7 +263,8 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
         target, draft=draft, num_draft_tokens=s.num_draft_tokens, max_len=s.max_len, batch_size=s.batch_size,
         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
         eos_token_ids=tuple(tok.eos_token_ids))
-    watchdog = Watchdog(k, context=s.output, pair=(s.target, s.draft))
+    # Under auto the per-round K varies; the Engine runs the acceptance check on speculating rounds.
+    watchdog = Watchdog(0 if s.num_draft_tokens == "auto" else k, context=s.output, pair=(s.target, s.draft))
     buckets: set[int] = set()
     compiling = ["compiling the decode programs…"]   # what the progress line says while XLA compiles
 

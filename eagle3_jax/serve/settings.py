@@ -20,6 +20,15 @@ from eagle3_jax.errors import SettingsError
 EMIT_CHOICES = ("text", "training")
 
 
+def draft_tokens_setting(value: Any) -> Any:
+    """``num_draft_tokens``: a whole number or the word ``auto`` (chosen from measured costs)."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    raise SettingsError(f"num_draft_tokens: expected an integer or 'auto', found {type(value).__name__} {value!r}")
+
+
 @dataclass
 class ServeSettings:
     target: str | None = None
@@ -30,7 +39,8 @@ class ServeSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    num_draft_tokens: int = 4
+    # "auto": K chosen per batch from measured round costs and live acceptance (0 = target-only).
+    num_draft_tokens: int | str = "auto"
     batch_size: int = 8
     max_len: int = 2048
     # "auto": every visible device on the expert axis (no mesh on a single device); "none": no mesh.
@@ -64,7 +74,8 @@ class ServeSettings:
         """Defaults, then the YAML file's values, then every flag given on the command line (not None)."""
         layers = [(getattr(yaml_values, "source", "--config"), yaml_values)]
         layers += [(f"--{k.replace('_', '-')}", {k: v}) for k, v in cli_values.items() if v is not None]
-        return settings_io.from_layers(cls, layers, {"mesh": settings_io.mesh_text})
+        return settings_io.from_layers(cls, layers, {"mesh": settings_io.mesh_text,
+                                                     "num_draft_tokens": draft_tokens_setting})
 
     def validate(self) -> None:
         problems = []
@@ -82,7 +93,7 @@ class ServeSettings:
             problems.append(f"top_p must be in (0, 1], found {self.top_p}")
         if self.top_k < 0:
             problems.append(f"top_k must be >= 0 (0 = off), found {self.top_k}")
-        if self.draft and self.num_draft_tokens < 1:
+        if self.draft and self.num_draft_tokens != "auto" and self.num_draft_tokens < 1:
             problems.append(f"num_draft_tokens must be >= 1 with a draft, found {self.num_draft_tokens}")
         if self.batch_size < 1:
             problems.append(f"batch_size must be >= 1, found {self.batch_size}")

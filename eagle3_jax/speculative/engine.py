@@ -2,8 +2,9 @@
 between bounded runs of the loop, so one long answer does not hold a batch of finished rows hostage.
 
 The host only intervenes every ``rounds_per_sync`` rounds: it reads which rows finished, hands
-their results out, and prefills waiting prompts into the freed rows (``admit_rows``). Rows never
-interact, so each prompt's output is what it would be alone.
+their results out, and prefills waiting prompts into the freed rows (``admit_rows``: only those
+rows are prefilled, then written into the running state). Rows never interact, so each prompt's
+output is what it would be alone.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from typing import Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eagle3_jax.distributed import fetch
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import GenerationStats, check_acceptance
+from eagle3_jax.speculative.autodraft import DraftChoice
 from eagle3_jax.speculative.generate import RUNNING, admit_rows, blank_state, run_rounds
 from eagle3_jax.speculative.session import DecodeSession, SamplingSettings
 
@@ -54,34 +57,64 @@ class Finished:
 
 
 class Engine:
-    """Continuous batching: a thin front end over ``DecodeSession`` that keeps ``batch_size`` rows busy."""
+    """Continuous batching: a thin front end over ``DecodeSession`` that keeps ``batch_size`` rows busy.
 
-    def __init__(self, target, draft=None, num_draft_tokens: int = 4, max_len: int = 2048, batch_size: int = 8,
+    ``num_draft_tokens="auto"`` re-chooses K before every bounded run (autodraft.py); the choice and
+    how it went are in ``draft_choice``."""
+
+    def __init__(self, target, draft=None, num_draft_tokens: int | str = 4, max_len: int = 2048, batch_size: int = 8,
                  max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int = 0, eos_token_ids: Sequence[int] = (), rounds_per_sync: int = 16):
+                 seed: int = 0, eos_token_ids: Sequence[int] = (), rounds_per_sync: int = 16,
+                 max_draft_tokens: int | None = None, session: DecodeSession | None = None):
+        """``session``: run on an existing session (its target, draft and K setting; the arguments
+        naming them are then ignored), e.g. a Generator's, so statistics and acceptance carry over."""
         if rounds_per_sync < 1:
             raise ConfigError(f"rounds_per_sync must be >= 1, found {rounds_per_sync}")
-        self.session = DecodeSession(target, draft, num_draft_tokens, max_len)
-        self.target, self.draft = target, draft
+        self.session = session or DecodeSession(target, draft, num_draft_tokens, max_len, max_draft_tokens)
+        self.target, self.draft = self.session.target, self.session.draft
         self.sampling = SamplingSettings(temperature, top_p, top_k, seed, tuple(eos_token_ids))
         self.program = self.session.program(batch_size, max_new_tokens, self.sampling)
         self.batch_size = self.program.batch_size
-        self.max_len = max_len
+        self.max_len = self.session.max_len
         self.num_draft_tokens = self.session.num_draft_tokens
+        self.max_draft_tokens = self.session.max_draft_tokens
         self.rounds_per_sync = rounds_per_sync
+        self._auto = None
 
     @property
     def stats(self) -> GenerationStats:
         """Totals over every prompt finished so far; ``seconds`` is the wall time of the runs."""
         return self.session.stats
 
+    @property
+    def draft_choice(self) -> DraftChoice | None:
+        """Under ``num_draft_tokens="auto"``: the K of the latest run, predicted vs measured speedup."""
+        return self._auto.report() if self._auto is not None else None
+
+    def _admit(self, models, state, new: dict[int, list[int]], sp):
+        """Prefills only the admitted rows: A = the next power of two >= len(new) (capped at the
+        batch), so admissions compile at most log2(batch) + 1 programs per prompt bucket; the
+        padding entries point past the last row and are dropped."""
+        A = min(1 << (len(new) - 1).bit_length(), self.batch_size)
+        rows = list(new) + [self.batch_size] * (A - len(new))
+        ids, lengths, _ = self.session.pack_prompts(dict(enumerate(new.values())), A)
+        return admit_rows(*models, state, jnp.asarray(rows, jnp.int32), jnp.asarray(ids), jnp.asarray(lengths),
+                          sp, program=self.program)
+
     def run(self, requests: Iterable[Request]) -> Iterator[Finished]:
         """Yields each request's result as soon as its row finishes (completion order)."""
         session, program = self.session, self.program
         models = session.models()
         sp = self.sampling.traced()
+        if session.auto and self._auto is None:
+            self._auto = session.autodraft(program, sp)
+        auto = self._auto
         pending = iter(requests)
         occupant: list[Request | None] = [None] * self.batch_size
+        # Per-row counters after the previous run (admitted rows restart at zero): auto's deltas.
+        seen_rounds_B = np.zeros(self.batch_size, np.int64)
+        seen_tokens_B = np.zeros(self.batch_size, np.int64)
+        seen_acc_BK = np.zeros((self.batch_size, max(self.max_draft_tokens, 1)), np.int64)
         start = time.perf_counter()
         seconds_before = session.stats.seconds
         with session.activate():
@@ -97,20 +130,35 @@ class Engine:
                         new[b] = list(req.prompt)
                     exhausted = len(new) < len(free)
                 if new:
-                    ids, lengths, admit = session.pack_prompts(new, self.batch_size)
-                    state = admit_rows(*models, state, jnp.asarray(admit), jnp.asarray(ids), jnp.asarray(lengths),
-                                       sp, program=program)
+                    state = self._admit(models, state, new, sp)
+                    for arr in (seen_rounds_B, seen_tokens_B, seen_acc_BK):
+                        arr[list(new)] = 0
                 if all(o is None for o in occupant):
                     break
-                state = run_rounds(*models, state, jnp.int32(self.rounds_per_sync), sp, program=program)
+                k = auto.next_k() if auto is not None else program.num_draft_tokens
+                if auto is not None:
+                    jax.block_until_ready(state)   # time the rounds alone
+                t = time.perf_counter()
+                state = run_rounds(*models, state, jnp.int32(self.rounds_per_sync), sp,
+                                   program=program.with_draft_tokens(k))
                 finish = fetch(state.finish_B)
+                if auto is not None:
+                    seconds = time.perf_counter() - t
+                    rounds_B, tokens_B, acc_BK = (fetch(x).astype(np.int64) for x in (
+                        state.rounds_B, state.round_tokens_B, state.accepted_BK))
+                    d_rounds_B = rounds_B - seen_rounds_B
+                    auto.observe(k, int(d_rounds_B.max()), seconds, int(d_rounds_B.sum()),
+                                 int((tokens_B - seen_tokens_B).sum()), (acc_BK - seen_acc_BK).sum(0))
+                    seen_rounds_B, seen_tokens_B, seen_acc_BK = rounds_B, tokens_B, acc_BK
                 done = [b for b, req in enumerate(occupant) if req is not None and finish[b] != RUNNING]
                 for b, (tokens, reason, stats) in zip(done, session.row_results(state, done,
-                                                                               program.num_draft_tokens)):
+                                                                               program.max_draft_tokens)):
                     fin = Finished(key=occupant[b].key, tokens=tokens, finish_reason=reason, stats=stats)
                     occupant[b] = None
                     session.record(stats)
                     session.stats.seconds = seconds_before + time.perf_counter() - start
                     yield fin
-        if self.draft is not None:
+        if auto is not None:
+            check_acceptance(auto.speculative_stats(), self.max_draft_tokens, context="batch generation")
+        elif self.draft is not None:
             check_acceptance(self.stats, self.num_draft_tokens, context="batch generation")

@@ -28,7 +28,7 @@ from flax import nnx
 
 from eagle3_jax.models.cache import KVCache, MLACache
 from eagle3_jax.sharding import constrain
-from eagle3_jax.speculative.accept import greedy_accept, rejection_accept, sample_from_probs, target_probs
+from eagle3_jax.speculative.accept import first_argmax, greedy_accept, rejection_accept, sample_from_probs, target_probs
 from eagle3_jax.speculative.prefill import chunked_draft, chunked_target
 
 RUNNING, FINISH_EOS, FINISH_LENGTH, FINISH_CAPACITY = 0, 1, 2, 3
@@ -59,9 +59,11 @@ class LoopState:
 class DecodeProgram:
     """The static description of one compiled decode program (hashable: a jit static argument).
 
-    ``num_draft_tokens`` is K, the draft tokens per round (0: plain target decoding);
+    ``num_draft_tokens`` is K, the draft tokens per round of this program (0: target-only rounds,
+    which leave a draft's state untouched); ``max_draft_tokens`` the largest K of the session, which
+    fixes the loop state's layout, so programs of every K <= it run on the same state;
     ``max_len`` the per-row capacity of the caches (prompt + generation); ``aux_layer_ids`` the
-    target layers whose outputs feed the draft.
+    target layers whose outputs feed the draft (empty without a draft).
     """
 
     batch_size: int
@@ -72,6 +74,16 @@ class DecodeProgram:
     greedy: bool
     # Prompt positions per target call in prefill (``prefill.py``); None runs the whole block at once.
     prefill_chunk: int | None = None
+    max_draft_tokens: int | None = None   # None: num_draft_tokens
+
+    def __post_init__(self):
+        if self.max_draft_tokens is None:
+            object.__setattr__(self, "max_draft_tokens", self.num_draft_tokens)
+
+    def with_draft_tokens(self, num_draft_tokens: int) -> "DecodeProgram":
+        if not 0 <= num_draft_tokens <= self.max_draft_tokens:
+            raise ValueError(f"num_draft_tokens must be in 0..{self.max_draft_tokens}, found {num_draft_tokens}")
+        return dataclasses.replace(self, num_draft_tokens=num_draft_tokens)
 
 
 # Logical axes of LoopState's sharded arrays by field path (the target cache as constrained in this
@@ -80,8 +92,8 @@ class DecodeProgram:
 LOOP_STATE_AXES = {
     "tcache.latent_LBSC": (None, "batch", "cache_seq", "kv_lora"),
     "tcache.rope_LBSP": (None, "batch", "cache_seq", None),
-    "dcache.k_BSGH": ("batch", "cache_seq", "heads", "head_dim"),
-    "dcache.v_BSGH": ("batch", "cache_seq", "heads", "head_dim"),
+    "dcache.k_BGSH": ("batch", "heads", "cache_seq", "head_dim"),
+    "dcache.v_BGSH": ("batch", "heads", "cache_seq", "head_dim"),
     "dhidden_BD": ("batch", "embed"),
     "dlogits_BW": ("batch", "draft_vocab"),
 }
@@ -100,7 +112,7 @@ class Sampling:
 
 def _choose(key, logits_BV, greedy, sp: Sampling):
     if greedy:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        return first_argmax(logits_BV)
     return sample_from_probs(key, target_probs(logits_BV, sp.temperature, sp.top_k, sp.top_p))
 
 
@@ -129,7 +141,7 @@ def _emit(state: LoopState, new_BJ, n_new_B, eos_E):
 
 def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program: DecodeProgram) -> LoopState:
     """Runs the prompts through the target (and the draft) and emits each row's first token."""
-    K = program.num_draft_tokens if draft is not None else 0
+    K = program.max_draft_tokens if draft is not None else 0
     max_len, max_new_tokens = program.max_len, program.max_new_tokens
     B, T = prompt_BT.shape
     rows_B = jnp.arange(B)
@@ -145,7 +157,7 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
         tcache, aux_BTX = out.cache, out.aux_BTX
     else:
         last_hidden_BD, tcache, aux_BTX = chunked_target(target, prompt_BT, prompt_len_B, tcache, want_aux, chunk)
-    key, k0 = jax.random.split(key)
+    key, k0 = (key, key) if program.greedy else jax.random.split(key)
     first_B = _choose(k0, target.logits(last_hidden_BD[:, None])[:, 0], program.greedy, sp)
 
     max_new_B = jnp.full((B,), max_new_tokens, jnp.int32)
@@ -185,7 +197,7 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
 
     def draft_pick(key, logits_BW):
         if greedy:
-            return jnp.argmax(logits_BW, axis=-1).astype(jnp.int32), None
+            return first_argmax(logits_BW), None
         q_BW = jax.nn.softmax(logits_BW / jnp.maximum(sp.temperature, 1e-6), axis=-1)
         return sample_from_probs(key, q_BW), q_BW
 
@@ -193,8 +205,11 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
         K = program.num_draft_tokens
         B = s.last_B.shape[0]
         rows_B = jnp.arange(B)
-        key, k_draft, k_accept = jax.random.split(s.key, 3)
-        draft_keys = jax.random.split(k_draft, K)
+        if greedy:   # greedy rounds draw no random numbers: no key work either
+            key, k_accept, draft_keys = s.key, None, [None] * K
+        else:
+            key, k_draft, k_accept = jax.random.split(s.key, 3)
+            draft_keys = jax.random.split(k_draft, K)
         d_ids, q_list = [], []
         d_B, q_BW = draft_pick(draft_keys[0], s.dlogits_BW)
         d_ids.append(d_B)
@@ -227,7 +242,9 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
 
         # Catch-up: the draft re-reads positions n..n+K with the target's true aux states.
         cstep = draft(out_BK1, draft.fuse(tout.aux_BTX), pos_BK1, embed_VD, dcache)
-        accepted_BK = s.accepted_BK + ((jnp.arange(K)[None, :] < n_acc_B[:, None]) & running_B[:, None])
+        # The state's layout is K_max wide (every K of the session shares it); this round fills 0..K-1.
+        hit_BK = (jnp.arange(K)[None, :] < n_acc_B[:, None]) & running_B[:, None]
+        accepted_BK = s.accepted_BK.at[:, :K].add(hit_BK.astype(jnp.int32))
         return dataclasses.replace(
             s, tokens_BN=tokens_BN, n_out_B=n_out_B, finish_B=finish_B,
             lengths_B=jnp.where(running_B, s.lengths_B + n_acc_B + 1, s.lengths_B),
@@ -239,7 +256,7 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
             accepted_BK=accepted_BK.astype(jnp.int32))
 
     def target_round(s: LoopState) -> LoopState:
-        key, k = jax.random.split(s.key)
+        key, k = (s.key, s.key) if greedy else jax.random.split(s.key)
         tout = target(s.last_B[:, None], s.lengths_B[:, None], s.tcache, ())
         next_B = _choose(k, target.logits(tout.hidden_BTD)[:, 0], greedy, sp)
         running_B = s.finish_B == RUNNING
@@ -271,26 +288,30 @@ def generate_loop(tgraph, tstate, dgraph, dstate, prompt_BT, prompt_len_B, key, 
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
-def admit_rows(tgraph, tstate, dgraph, dstate, state: LoopState, admit_B, prompt_BT, prompt_len_B, sp: Sampling,
+def admit_rows(tgraph, tstate, dgraph, dstate, state: LoopState, rows_A, prompt_AT, prompt_len_A, sp: Sampling,
                *, program: DecodeProgram) -> LoopState:
-    """Prefills new prompts into the rows marked by ``admit_B``; other rows keep their state."""
+    """Prefills A new prompts (A = ``rows_A.shape[0]``) and writes them into rows ``rows_A`` of the
+    running state; every other row is untouched. Only the admitted rows are prefilled, so admitting
+    one prompt costs a one-row prefill, not a whole batch. An entry of ``rows_A`` that is out of
+    range (``>= batch_size``) is padding: its prefill is computed and dropped."""
     target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
     key, k_new = jax.random.split(state.key)
-    fresh = _prefill(target, draft, prompt_BT, prompt_len_B, k_new, sp, program)
-    fresh.key = key
-    return _merge_rows(admit_B, fresh, state)
-def _merge_rows(mask_B, new: LoopState, old: LoopState) -> LoopState:
-    """Row-wise select between two loop states; the target cache keeps layers first, batch second."""
+    fresh = _prefill(target, draft, prompt_AT, prompt_len_A, k_new, sp, program)
+    return _scatter_rows(rows_A, fresh, dataclasses.replace(state, key=key))
 
-    def rows(axis):
-        def sel(n, o):
-            m = mask_B.reshape((1,) * axis + (-1,) + (1,) * (n.ndim - axis - 1))
-            return jnp.where(m, n, o)
-        return sel
 
-    merged = jax.tree_util.tree_map(rows(0), dataclasses.replace(new, tcache=None, key=None),
-                                    dataclasses.replace(old, tcache=None, key=None))
-    return dataclasses.replace(merged, tcache=jax.tree_util.tree_map(rows(1), new.tcache, old.tcache), key=new.key)
+def _scatter_rows(rows_A, new: LoopState, old: LoopState) -> LoopState:
+    """old[rows_A] = new, row by row (out-of-range rows dropped); the key stays old's. The target
+    cache keeps layers first and batch second; everything else is batch-first."""
+
+    def put(axis):
+        def scatter(o, n):
+            return o.at[(slice(None),) * axis + (rows_A,)].set(n.astype(o.dtype), mode="drop")
+        return scatter
+
+    rest = jax.tree_util.tree_map(put(0), dataclasses.replace(old, tcache=None, key=None),
+                                  dataclasses.replace(new, tcache=None, key=None))
+    return dataclasses.replace(rest, tcache=jax.tree_util.tree_map(put(1), old.tcache, new.tcache), key=old.key)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
@@ -316,5 +337,7 @@ def blank_state(tgraph, tstate, dgraph, dstate, key, sp: Sampling, *, program: D
     """A loop state with every row idle, ready for ``admit_rows``."""
     target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
     B = program.batch_size
+    # Its contents never matter (idle rows do not advance and admission overwrites a row whole);
+    # a one-token prefill is simply the cheapest way to build the layout.
     state = _prefill(target, draft, jnp.zeros((B, 1), jnp.int32), jnp.ones((B,), jnp.int32), key, sp, program)
     return dataclasses.replace(state, finish_B=jnp.full((B,), FINISH_IDLE, jnp.int32))

@@ -10,6 +10,7 @@ program; the jitted functions in ``generate.py`` take it as their single static 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -20,6 +21,8 @@ from eagle3_jax.distributed import fetch
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import GenerationStats
 from eagle3_jax.sharding import data_parallel_size, mesh_context
+from eagle3_jax.speculative.autodraft import (AUTO, DEFAULT_MAX_DRAFT_TOKENS, AcceptanceModel, AutoDraft, calibrate,
+                                              cost_key, load_costs, pair_fingerprint, save_costs)
 from eagle3_jax.speculative.generate import FINISH_NAMES, DecodeProgram, LoopState, Sampling
 
 # Prompts are right-padded to a multiple of this, so nearby lengths share one compiled program.
@@ -60,19 +63,35 @@ def bucket_prompt_len(longest: int, max_len: int) -> int:
 class DecodeSession:
     """A target and an optional draft, validated once, with the mesh and statistics their programs share."""
 
-    def __init__(self, target, draft=None, num_draft_tokens: int = 4, max_len: int = 2048):
+    def __init__(self, target, draft=None, num_draft_tokens: int | str = 4, max_len: int = 2048,
+                 max_draft_tokens: int | None = None):
+        """``num_draft_tokens``: K per round, or ``"auto"`` (K in 0..max_draft_tokens chosen from measured
+        round costs and live acceptance, see autodraft.py; ``max_draft_tokens`` defaults to 6)."""
         if draft is not None and draft.target is not target:
             raise ConfigError("the draft was loaded for a different target object; pass target=... to load_draft")
-        if draft is not None and num_draft_tokens < 1:
-            raise ConfigError(f"num_draft_tokens must be >= 1 with a draft, found {num_draft_tokens}")
+        self.auto = num_draft_tokens == AUTO and draft is not None
+        if num_draft_tokens == AUTO:
+            max_draft_tokens = DEFAULT_MAX_DRAFT_TOKENS if max_draft_tokens is None else max_draft_tokens
+            if max_draft_tokens < 1:
+                raise ConfigError(f"max_draft_tokens must be >= 1, found {max_draft_tokens}")
+        elif not isinstance(num_draft_tokens, (int, np.integer)) or isinstance(num_draft_tokens, bool):
+            raise ConfigError(f"num_draft_tokens must be an integer or 'auto', found {num_draft_tokens!r}")
+        elif draft is not None and num_draft_tokens < 1:
+            raise ConfigError(f"num_draft_tokens must be >= 1 with a draft (or 'auto'), found {num_draft_tokens}")
+        else:
+            max_draft_tokens = int(num_draft_tokens)
         if max_len < 2:
             raise ConfigError(f"max_len must be >= 2, found {max_len}")
         self.target = target
         self.draft = draft
+        # The setting as given ("auto" or K; 0 without a draft) and the largest K any round may use.
         self.num_draft_tokens = num_draft_tokens if draft is not None else 0
+        self.max_draft_tokens = max_draft_tokens if draft is not None else 0
         self.max_len = max_len
         self.mesh = target.mesh
-        self.stats = GenerationStats.empty(self.num_draft_tokens)
+        self.stats = GenerationStats.empty(self.max_draft_tokens)
+        self.acceptance = AcceptanceModel(max(self.max_draft_tokens, 1))
+        self._auto: dict[DecodeProgram, AutoDraft] = {}
 
     # ---------------------------------------------------------------- settings
     def activate(self):
@@ -90,10 +109,26 @@ class DecodeSession:
                 num_draft_tokens: int | None = None) -> DecodeProgram:
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
+        """The program of one batch shape; its K is the fixed K, or K_max under auto (whose runs
+        switch with ``program.with_draft_tokens``)."""
         return DecodeProgram(
             batch_size=self.padded_batch(batch_size), max_len=self.max_len, max_new_tokens=int(max_new_tokens),
-            num_draft_tokens=self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
+            num_draft_tokens=self.max_draft_tokens if num_draft_tokens is None else num_draft_tokens,
+            max_draft_tokens=self.max_draft_tokens,
             aux_layer_ids=self.draft.aux_layer_ids if self.draft is not None else (), greedy=sampling.greedy)
+
+    def autodraft(self, program: DecodeProgram, sp) -> AutoDraft:
+        """The K chooser of this batch shape: round costs from the disk cache, or calibrated now
+        (compiles one round program per K, which later runs reuse)."""
+        key = dataclasses.replace(program, max_new_tokens=0)
+        if key not in self._auto:
+            ckey = cost_key(pair_fingerprint(self.target, self.draft), program)
+            costs = load_costs(ckey)
+            if costs is None:
+                costs = calibrate(self, program, sp)
+                save_costs(ckey, costs)
+            self._auto[key] = AutoDraft(costs, self.max_draft_tokens, self.acceptance)
+        return self._auto[key]
 
     def models(self) -> tuple:
         """(target graphdef, target state, draft graphdef, draft state): the loop's leading arguments."""

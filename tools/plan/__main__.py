@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt positions per target call in prefill (default: the whole block, or with --hbm "
                         "the largest halving of it whose prefill fits)")
+    p.add_argument("--admit-rows", type=int, default=None,
+                   help="rows one prefill call admits (serving's max_admit_rows; default: the whole batch)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON to PATH")
     p.add_argument("--draft", default=None,
                    help="draft config.json to plan for (default: a published shape for this target from "
@@ -117,7 +119,8 @@ def main(argv=None) -> int:
                 greedy=not args.sampled, moe_kernel=args.moe_kernel, train=args.train,
                 train_batch=args.train_batch, train_len=args.train_len, train_accum=args.grad_accum,
                 ttt_steps=args.ttt_steps, train_dtype=args.train_dtype, hidden_source=args.hidden_source,
-                weights=args.weights, prefill_chunk=args.prefill_chunk, hbm=hbm)
+                weights=args.weights, prefill_chunk=args.prefill_chunk, hbm=hbm,
+                admit_rows=args.admit_rows)
             result = serve.plan(settings, log=lambda msg: print(f"[plan] {msg}", file=sys.stderr, flush=True))
             json_meshes.append(report.json_mesh(result, hbm))
             if mesh is meshes[0]:

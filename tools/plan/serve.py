@@ -57,7 +57,7 @@ DEFAULT_DRAFT_VOCAB = 32000
 PROGRAMS = ("decode", "prefill", "generate")
 PROGRAM_DOC = {
     "decode": "run_rounds: the steady-state speculative loop (draft K, verify K+1, accept), state donated",
-    "prefill": "admit_rows: prefill of a [batch, prompt_len] block into the running state, state donated",
+    "prefill": "admit_rows: prefill of [admit_rows, prompt_len] prompts into rows of the running state, state donated",
     "generate": "generate_loop: prefill + rounds in one program (Generator.generate)",
 }
 # Scale layouts of quantized expert weights: (bits, scale bytes, weights per scale) as the public
@@ -94,6 +94,7 @@ class PlanSettings:
     prefill_chunk: int | None = None    # prompt positions per target call in prefill; None: the whole block,
                                         # or with ``hbm`` the largest power-of-two split that fits
     hbm: int | None = None
+    admit_rows: int | None = None       # rows one prefill call admits (the Engine's max_admit_rows); None: batch
 
 
 @dataclass(frozen=True)
@@ -339,6 +340,9 @@ def check_settings(s: PlanSettings, cfg: TargetConfig, mesh_cfg: MeshConfig) -> 
                           "pick an expert axis that divides the expert count")
     if s.batch % mesh_cfg.data:
         raise ConfigError(f"batch {s.batch} does not split over data={mesh_cfg.data}; use a multiple of it")
+    if s.admit_rows is not None and (not 1 <= s.admit_rows <= s.batch or s.admit_rows % mesh_cfg.data):
+        raise ConfigError(f"admit_rows {s.admit_rows} must lie in [1, batch={s.batch}] and split over "
+                          f"data={mesh_cfg.data}")
     if not 1 <= s.prompt_len < s.max_len:
         raise ConfigError(f"prompt_len {s.prompt_len} must lie in [1, max_len={s.max_len})")
     if s.num_draft_tokens < 1:
@@ -406,8 +410,10 @@ def plan(s: PlanSettings, log=None) -> Plan:
             if name == "decode":
                 fn, args = gen.run_rounds, (tg, ts, dg, ds, state, _sds(mesh, (), jnp.int32), sp)
             elif name == "prefill":
-                fn, args = gen.admit_rows, (tg, ts, dg, ds, state, _sds(mesh, (B,), jnp.bool_, ("batch",)),
-                                            prompt, rows, sp)
+                A = s.admit_rows or B
+                fn, args = gen.admit_rows, (tg, ts, dg, ds, state, _sds(mesh, (A,), jnp.int32, ("batch",)),
+                                            _sds(mesh, (A, s.prompt_len), jnp.int32, ("batch", None)),
+                                            _sds(mesh, (A,), jnp.int32, ("batch",)), sp)
             else:
                 fn, args = gen.generate_loop, (tg, ts, dg, ds, prompt, rows, key, sp)
             if name == "decode":

@@ -1,0 +1,124 @@
+"""num_draft_tokens="auto": the choice follows costs and acceptance, and never changes greedy output."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+import eagle3_jax as e3
+from eagle3_jax.speculative import autodraft, session as session_mod
+from eagle3_jax.speculative.autodraft import AcceptanceModel, AutoDraft, RoundCosts
+from eagle3_jax.speculative.engine import Engine, Request
+
+
+def test_choice_follows_costs_and_acceptance():
+    # verify of K+1 tokens grows with K; target-only round = 1.0
+    costs = RoundCosts({0: 1.0, 1: 1.3, 2: 1.45, 3: 1.6, 4: 1.8})
+    acc = AcceptanceModel(4)
+    auto = AutoDraft(costs, 4, acc)
+    assert auto.choose() == 3   # prior 0.7: tau(3) = 2.56 -> 1.6 tok/s per round cost, best
+    for _ in range(20):         # every draft rejected: speculation cannot pay
+        auto.observe(1, 10, 13.0, 20, 20, [0, 0, 0, 0])   # 10 iterations at the calibrated 1.3 s
+    assert auto.choose() == 0
+    assert acc.tau(0) == 1.0 and acc.tau(1) < 1.03
+    acc2 = AcceptanceModel(4)
+    acc2.observe(4, 1000, [900, 810, 729, 656])   # a_j = 0.9 everywhere
+    np.testing.assert_allclose(acc2.conditional(), 0.9, atol=0.01)
+    assert AutoDraft(costs, 4, acc2).choose() == 4
+    # verify twice as dear as above: tau(4) = 4.1 does not pay 5.5 target steps, nor any smaller K
+    expensive = RoundCosts({0: 1.0, 1: 2.5, 2: 3.5, 3: 4.5, 4: 5.5})
+    assert AutoDraft(expensive, 4, acc2).choose() == 0
+
+
+def test_costs_are_cached_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv(autodraft.CACHE_ENV, str(tmp_path))
+    costs = RoundCosts({0: 0.5, 1: 0.75})
+    autodraft.save_costs("pair|cpu|B=2", costs)
+    assert autodraft.load_costs("pair|cpu|B=2").seconds == costs.seconds
+    assert autodraft.load_costs("other") is None
+    assert json.loads((tmp_path / "round_costs.json").read_text())["pair|cpu|B=2"] == {"0": 0.5, "1": 0.75}
+
+
+@pytest.fixture
+def draft(tiny_target, trained_draft_dir):
+    return e3.load_draft(trained_draft_dir, tiny_target)
+
+
+def test_forced_switches_stay_lossless(tiny_target, draft, monkeypatch, tmp_path):
+    """K switches between every bounded run (including K = 0 with a draft present): greedy output
+    equals target-only decoding of each prompt alone."""
+    monkeypatch.setenv(autodraft.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(session_mod, "calibrate",
+                        lambda *a: RoundCosts({k: 1.0 + 0.1 * k for k in range(4)}, calibration_seconds=1.0))
+    schedule = itertools.cycle([3, 0, 1, 2, 0, 0, 3, 1])
+    monkeypatch.setattr(AutoDraft, "choose", lambda self: next(schedule))
+    # the draft was trained on the first rows of this corpus (long accepted runs), the last is unseen
+    trained = np.random.default_rng(0).integers(2, tiny_target.config.vocab_size, size=(48, 6)).tolist()
+    prompts = trained[:4] + [np.random.default_rng(3).integers(2, 256, size=7).tolist()]
+    ref = e3.Generator(tiny_target, None, max_len=40)
+    expected = [ref.generate([p], 18).tokens[0] for p in prompts]
+    eng = Engine(tiny_target, draft, num_draft_tokens="auto", max_draft_tokens=3, max_len=40, batch_size=2,
+                 max_new_tokens=18, rounds_per_sync=2)
+    got = {f.key: f.tokens for f in eng.run(Request(str(i), p) for i, p in enumerate(prompts))}
+    assert [got[str(i)] for i in range(len(prompts))] == expected
+    choice = eng.draft_choice
+    assert set(choice.rounds_per_k) == {0, 1, 2, 3}
+    assert choice.compiled_programs == 4 and np.isfinite(choice.measured_speedup)
+    assert eng._auto.speculative_stats().mean_accept_length > 1.2   # multi-token acceptance was exercised
+
+
+def test_generator_auto_calibrates_once_and_matches_target_only(tiny_target, draft, monkeypatch, tmp_path):
+    monkeypatch.setenv(autodraft.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(autodraft, "CALIBRATION_REPEATS", 1)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(2, 256, size=n).tolist() for n in (4, 6, 3)]
+    expected = e3.Generator(tiny_target, None, max_len=32).generate(prompts, 12).tokens
+    gen = e3.Generator(tiny_target, draft, num_draft_tokens="auto", max_draft_tokens=2, max_len=32)
+    assert gen.generate(prompts, 12).tokens == expected
+    entries = json.loads((tmp_path / "round_costs.json").read_text())
+    assert len(entries) == 1 and set(next(iter(entries.values()))) == {"0", "1", "2"}
+    assert gen.draft_choice.num_draft_tokens in (0, 1, 2) and gen.draft_choice.calibration_seconds > 0
+    # a new session for the same pair and shape reads the costs instead of calibrating again
+    monkeypatch.setattr(session_mod, "calibrate", lambda *a: pytest.fail("calibrated again"))
+    again = e3.Generator(tiny_target, draft, num_draft_tokens="auto", max_draft_tokens=2, max_len=32)
+    assert again.generate(prompts, 12).tokens == expected
+    assert again.draft_choice.calibration_seconds == 0
+
+
+def test_generator_refills_when_prompts_outnumber_rows(tiny_target, draft):
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(2, 256, size=n).tolist() for n in (4, 6, 3, 8, 5)]
+    one = e3.Generator(tiny_target, draft, num_draft_tokens=2, max_len=32)
+    expected = [one.generate([p], 10).tokens[0] for p in prompts]
+    gen = e3.Generator(tiny_target, draft, num_draft_tokens=2, max_len=32, batch_size=2)
+    res = gen.generate(prompts, 10)
+    assert res.tokens == expected and res.stats.tokens == sum(map(len, expected))
+
+
+def test_bad_setting_is_refused(tiny_target, draft):
+    with pytest.raises(e3.ConfigError, match="integer or 'auto'"):
+        e3.Generator(tiny_target, draft, num_draft_tokens="fast")
+
+
+def test_live_timings_outvote_a_bad_calibration():
+    costs = RoundCosts({0: 1.0, 1: 1.1})   # calibrated under load: K = 1 looked nearly free
+    acc = AcceptanceModel(1)
+    acc.observe(1, 100, [50])               # a_1 = 0.5: tau(1) = 1.5
+    auto = AutoDraft(costs, 1, acc)
+    assert auto.choose() == 1
+    for _ in range(3):                      # live K = 1 rounds cost 2 target steps
+        auto.observe(1, 8, 16.0, 8, 12, [4])
+    assert costs.cost(1) == 2.0 and auto.choose() == 0
+    auto.observe(1, 2, 100.0, 2, 3, [1])    # too short a run to time: ignored
+    assert costs.cost(1) == 2.0
+
+
+def test_every_sixteenth_run_explores_the_other_kind():
+    costs = RoundCosts({0: 1.0, 1: 1.1, 2: 1.2})
+    auto = AutoDraft(costs, 2, AcceptanceModel(2))
+    picks = [auto.next_k() for _ in range(32)]
+    assert picks.count(0) == 2 and picks[15] == 0 and picks[31] == 0 and set(picks) == {0, auto.choose()}
+    slow = AutoDraft(RoundCosts({0: 1.0, 1: 5.0, 2: 9.0}), 2, AcceptanceModel(2))
+    picks = [slow.next_k() for _ in range(16)]
+    assert picks[:15] == [0] * 15 and picks[15] == 1
