@@ -42,3 +42,29 @@ def test_greedy_output_is_the_same_for_every_chunk_size(tiny_target, trained_dra
         tokens, finish = run(tiny_target, draft, prompts, chunk)
         assert tokens == whole[0], chunk
         np.testing.assert_array_equal(finish, whole[1])
+
+
+def test_admitting_rows_into_a_running_state_in_chunks(tiny_target, trained_draft_dir, prompts):
+    """admit_rows prefills only the admitted rows (chunked here) and leaves the others alone:
+    admitting rows 0 and 2 first, then 1 and 3 into the same state, gives generate_loop's tokens."""
+    from eagle3_jax.speculative.generate import admit_rows, blank_state, run_rounds
+
+    draft = e3.load_draft(trained_draft_dir, tiny_target)
+    want, _ = run(tiny_target, draft, prompts, None)
+    sp = Sampling(jnp.float32(1e-6), jnp.int32(0), jnp.float32(1.0), jnp.asarray([-1], jnp.int32))
+    models = (tiny_target.graphdef, tiny_target.state, draft.graphdef, draft.state)
+    program = DecodeProgram(batch_size=len(prompts), max_len=48, max_new_tokens=12, num_draft_tokens=3,
+                            aux_layer_ids=draft.aux_layer_ids, greedy=True, prefill_chunk=5)
+    state = blank_state(*models, jax.random.key(0), sp, program=program)
+    for rows in ([0, 2], [1, 3]):
+        ids = np.zeros((len(rows), 16), np.int32)
+        for a, b in enumerate(rows):
+            ids[a, :len(prompts[b])] = prompts[b]
+        lengths = np.array([len(prompts[b]) for b in rows], np.int32)
+        state = admit_rows(*models, state, jnp.asarray(rows, jnp.int32), jnp.asarray(ids), jnp.asarray(lengths), sp,
+                           program=program)
+        if rows == [0, 2]:  # rows 0 and 2 run a few rounds before 1 and 3 arrive
+            state = run_rounds(*models, state, jnp.int32(2), sp, program=program)
+    state = run_rounds(*models, state, jnp.int32(100), sp, program=program)
+    n = np.asarray(state.n_out_B)
+    assert [np.asarray(state.tokens_BN)[b, :n[b]].tolist() for b in range(len(prompts))] == want
