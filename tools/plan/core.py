@@ -64,8 +64,8 @@ QUANT_DEFAULTS = {4: (2, 32), 8: (4, 128 * 128)}
 STATE_AXES = {
     "tcache.latent_LBSC": (None, "batch", "cache_seq", "kv_lora"),
     "tcache.rope_LBSP": (None, "batch", "cache_seq", None),
-    "dcache.k_BSGH": ("batch", "cache_seq", "heads", "head_dim"),
-    "dcache.v_BSGH": ("batch", "cache_seq", "heads", "head_dim"),
+    "dcache.k_BGSH": ("batch", "heads", "cache_seq", "head_dim"),
+    "dcache.v_BGSH": ("batch", "heads", "cache_seq", "head_dim"),
     "dhidden_BD": ("batch", "embed"),
     "dlogits_BW": ("batch", "draft_vocab"),
 }
