@@ -48,7 +48,8 @@ def test_several_admissions_per_sync_equal_one_at_a_time(tiny_target, trained_dr
     many = prompts + [p[::-1] for p in prompts]
     one = e3.Generator(tiny_target, draft, num_draft_tokens=2, max_len=40)
     expected = [one.generate([p], 7).tokens[0] for p in many]
-    eng = Engine(tiny_target, draft, num_draft_tokens=2, max_len=40, batch_size=4, max_new_tokens=7,
-                 rounds_per_sync=2)
-    got = {f.key: f.tokens for f in eng.run(Request(str(i), p) for i, p in enumerate(many))}
-    assert [got[str(i)] for i in range(len(many))] == expected
+    for max_admit_rows in (None, 3):   # 3: four free rows are admitted by two prefill calls (3 + 1)
+        eng = Engine(tiny_target, draft, num_draft_tokens=2, max_len=40, batch_size=4, max_new_tokens=7,
+                     rounds_per_sync=2, max_admit_rows=max_admit_rows)
+        got = {f.key: f.tokens for f in eng.run(Request(str(i), p) for i, p in enumerate(many))}
+        assert [got[str(i)] for i in range(len(many))] == expected, max_admit_rows

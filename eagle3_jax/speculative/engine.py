@@ -65,11 +65,17 @@ class Engine:
     def __init__(self, target, draft=None, num_draft_tokens: int | str = 4, max_len: int = 2048, batch_size: int = 8,
                  max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int = 0, eos_token_ids: Sequence[int] = (), rounds_per_sync: int = 16,
-                 max_draft_tokens: int | None = None, session: DecodeSession | None = None):
+                 max_draft_tokens: int | None = None, session: DecodeSession | None = None,
+                 max_admit_rows: int | None = None):
         """``session``: run on an existing session (its target, draft and K setting; the arguments
-        naming them are then ignored), e.g. a Generator's, so statistics and acceptance carry over."""
+        naming them are then ignored), e.g. a Generator's, so statistics and acceptance carry over.
+        ``max_admit_rows``: the most rows one prefill call admits (more free rows are filled by
+        several calls); it bounds the prefill's fresh caches, which hold that many rows (None: the
+        whole batch). ``python -m tools.plan --admit-rows`` plans the same."""
         if rounds_per_sync < 1:
             raise ConfigError(f"rounds_per_sync must be >= 1, found {rounds_per_sync}")
+        if max_admit_rows is not None and max_admit_rows < 1:
+            raise ConfigError(f"max_admit_rows must be >= 1, found {max_admit_rows}")
         self.session = session or DecodeSession(target, draft, num_draft_tokens, max_len, max_draft_tokens)
         self.target, self.draft = self.session.target, self.session.draft
         self.sampling = SamplingSettings(temperature, top_p, top_k, seed, tuple(eos_token_ids))
@@ -79,6 +85,7 @@ class Engine:
         self.num_draft_tokens = self.session.num_draft_tokens
         self.max_draft_tokens = self.session.max_draft_tokens
         self.rounds_per_sync = rounds_per_sync
+        self.max_admit_rows = min(max_admit_rows or self.batch_size, self.batch_size)
         self._auto = None
 
     @property
@@ -130,7 +137,9 @@ class Engine:
                         new[b] = list(req.prompt)
                     exhausted = len(new) < len(free)
                 if new:
-                    state = self._admit(models, state, new, sp)
+                    admitted = list(new.items())
+                    for i in range(0, len(admitted), self.max_admit_rows):
+                        state = self._admit(models, state, dict(admitted[i:i + self.max_admit_rows]), sp)
                     for arr in (seen_rounds_B, seen_tokens_B, seen_acc_BK):
                         arr[list(new)] = 0
                 if all(o is None for o in occupant):
