@@ -96,11 +96,13 @@ def block_rows(num_assignments: int, num_experts: int) -> int:
     return int(min(256, 2 ** math.ceil(math.log2(mean_rows))))
 
 
-def experts_blocked(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert):
-    E = w_gate_EDF.shape[0]
+def _blocked_loop(x_MD, idx_MK, weights_MK, first_expert, num_experts, expert_ffn):
+    """The ``blocked`` loop: assignments sorted by expert, one fori_loop trip per non-empty block of
+    rows of one expert; ``expert_ffn(x_bD, e) -> y_bD`` runs expert e on a block (dense or quantized
+    weights). Experts outside [first_expert, first_expert + num_experts) contribute 0."""
     M, K = idx_MK.shape
-    token_A, weight_A, counts_E = sort_assignments(idx_MK, weights_MK, first_expert, E)
-    b = block_rows(M * K, E)
+    token_A, weight_A, counts_E = sort_assignments(idx_MK, weights_MK, first_expert, num_experts)
+    b = block_rows(M * K, num_experts)
     starts_E = jnp.cumsum(counts_E) - counts_E
     blocks_E = (counts_E + b - 1) // b
     block_end_E = jnp.cumsum(blocks_E)
@@ -113,14 +115,18 @@ def experts_blocked(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, 
         valid_b = offset + rows_b < counts_E[e]
         rows = jnp.where(valid_b, starts_E[e] + offset + rows_b, 0)
         tok_b = token_A[rows]
-        x_bD = x_MD[tok_b]
-        g_bF = x_bD @ w_gate_EDF[e]
-        u_bF = x_bD @ w_up_EDF[e]
-        y_bD = (jax.nn.silu(g_bF) * u_bF) @ w_down_EFD[e]
+        y_bD = expert_ffn(x_MD[tok_b], e)
         y_bD = y_bD * jnp.where(valid_b, weight_A[rows], 0.0)[:, None].astype(y_bD.dtype)
         return out_MD.at[tok_b].add(y_bD)
 
     return jax.lax.fori_loop(0, block_end_E[-1], one_block, jnp.zeros_like(x_MD))
+
+
+def experts_blocked(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert):
+    def ffn(x_bD, e):
+        return (jax.nn.silu(x_bD @ w_gate_EDF[e]) * (x_bD @ w_up_EDF[e])) @ w_down_EFD[e]
+
+    return _blocked_loop(x_MD, idx_MK, weights_MK, first_expert, w_gate_EDF.shape[0], ffn)
 
 
 def experts_ragged(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert):
@@ -147,34 +153,14 @@ def experts_blocked_quantized(x_MD, idx_MK, weights_MK, gate, up, down, first_ex
     an expert stack. Whatever kernel name is configured, quantized experts run this loop:
     ``ragged_dot`` would need the whole dequantized stack as one operand.
     """
-    E = gate[0].shape[0]
-    M, K = idx_MK.shape
-    token_A, weight_A, counts_E = sort_assignments(idx_MK, weights_MK, first_expert, E)
-    b = block_rows(M * K, E)
-    blocks_E = (counts_E + b - 1) // b
-    block_end_E = jnp.cumsum(blocks_E)
-    block_start_E = block_end_E - blocks_E
-    starts_E = jnp.cumsum(counts_E) - counts_E
-    rows_b = jnp.arange(b, dtype=jnp.int32)
-
     def matmul(x_bI, w, e):
         values, scales, stack = w
         return quantized_matmul(x_bI, take_expert(values, e), scales[e], stack)
 
-    def one_block(j, out_MD):
-        e = jnp.searchsorted(block_end_E, j, side="right")
-        offset = (j - block_start_E[e]) * b
-        valid_b = offset + rows_b < counts_E[e]
-        rows = jnp.where(valid_b, starts_E[e] + offset + rows_b, 0)
-        tok_b = token_A[rows]
-        x_bD = x_MD[tok_b]
-        g_bF = matmul(x_bD, gate, e)
-        u_bF = matmul(x_bD, up, e)
-        y_bD = matmul(jax.nn.silu(g_bF) * u_bF, down, e)
-        y_bD = y_bD * jnp.where(valid_b, weight_A[rows], 0.0)[:, None].astype(y_bD.dtype)
-        return out_MD.at[tok_b].add(y_bD)
+    def ffn(x_bD, e):
+        return matmul(jax.nn.silu(matmul(x_bD, gate, e)) * matmul(x_bD, up, e), down, e)
 
-    return jax.lax.fori_loop(0, block_end_E[-1], one_block, jnp.zeros_like(x_MD))
+    return _blocked_loop(x_MD, idx_MK, weights_MK, first_expert, gate[0].shape[0], ffn)
 
 
 def experts_padded_blocks(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert):
