@@ -282,12 +282,13 @@ class Generator:
     Greedy output is the same either way."""
 
     def __init__(self, target: LoadedTarget, draft: LoadedDraft | None = None, num_draft_tokens: int | str = 4,
-                 max_len: int = 2048, mesh=None, batch_size: int | None = None, max_draft_tokens: int | None = None):
+                 max_len: int = 2048, mesh=None, batch_size: int | None = None, max_draft_tokens: int | None = None,
+                 prefill_chunk: int | None = None):
         if mesh is not None and target.mesh is not None and mesh is not target.mesh:
             raise ConfigError("Generator mesh differs from the mesh the target was loaded on; load it with mesh=...")
         if batch_size is not None and batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1 (or None: one batch of all prompts), found {batch_size}")
-        self.session = DecodeSession(target, draft, num_draft_tokens, max_len, max_draft_tokens)
+        self.session = DecodeSession(target, draft, num_draft_tokens, max_len, max_draft_tokens, prefill_chunk)
         self.target, self.draft = target, draft
         self.num_draft_tokens = self.session.num_draft_tokens
         self.max_draft_tokens = self.session.max_draft_tokens

@@ -8,6 +8,7 @@ import pytest
 
 import eagle3_jax as e3
 from eagle3_jax.speculative.generate import DecodeProgram, Sampling, generate_loop
+from eagle3_jax.speculative.session import SamplingSettings
 
 
 def run(target, draft, prompts, chunk, k=3, max_new=12, capacity=48):
@@ -68,3 +69,11 @@ def test_admitting_rows_into_a_running_state_in_chunks(tiny_target, trained_draf
     state = run_rounds(*models, state, jnp.int32(100), sp, program=program)
     n = np.asarray(state.n_out_B)
     assert [np.asarray(state.tokens_BN)[b, :n[b]].tolist() for b in range(len(prompts))] == want
+
+
+def test_generator_passes_its_prefill_chunk_to_the_program(tiny_target, prompts):
+    chunked = e3.Generator(tiny_target, None, max_len=48, prefill_chunk=4)
+    assert chunked.session.program(len(prompts), 12, SamplingSettings()).prefill_chunk == 4
+    assert chunked.generate(prompts, 12).tokens == e3.Generator(tiny_target, None, max_len=48).generate(prompts, 12).tokens
+    with pytest.raises(e3.ConfigError, match="prefill_chunk must be >= 1"):
+        e3.Generator(tiny_target, None, prefill_chunk=0)

@@ -66,17 +66,19 @@ class Engine:
                  max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int = 0, eos_token_ids: Sequence[int] = (), rounds_per_sync: int = 16,
                  max_draft_tokens: int | None = None, session: DecodeSession | None = None,
-                 max_admit_rows: int | None = None):
+                 max_admit_rows: int | None = None, prefill_chunk: int | None = None):
         """``session``: run on an existing session (its target, draft and K setting; the arguments
         naming them are then ignored), e.g. a Generator's, so statistics and acceptance carry over.
         ``max_admit_rows``: the most rows one prefill call admits (more free rows are filled by
         several calls); it bounds the prefill's fresh caches, which hold that many rows (None: the
-        whole batch). ``python -m tools.plan --admit-rows`` plans the same."""
+        whole batch). ``python -m tools.plan --admit-rows`` plans the same. ``prefill_chunk``: see
+        ``DecodeSession``."""
         if rounds_per_sync < 1:
             raise ConfigError(f"rounds_per_sync must be >= 1, found {rounds_per_sync}")
         if max_admit_rows is not None and max_admit_rows < 1:
             raise ConfigError(f"max_admit_rows must be >= 1, found {max_admit_rows}")
-        self.session = session or DecodeSession(target, draft, num_draft_tokens, max_len, max_draft_tokens)
+        self.session = session or DecodeSession(target, draft, num_draft_tokens, max_len, max_draft_tokens,
+                                                 prefill_chunk)
         self.target, self.draft = self.session.target, self.session.draft
         self.sampling = SamplingSettings(temperature, top_p, top_k, seed, tuple(eos_token_ids))
         self.program = self.session.program(batch_size, max_new_tokens, self.sampling)

@@ -64,9 +64,14 @@ class DecodeSession:
     """A target and an optional draft, validated once, with the mesh and statistics their programs share."""
 
     def __init__(self, target, draft=None, num_draft_tokens: int | str = 4, max_len: int = 2048,
-                 max_draft_tokens: int | None = None):
+                 max_draft_tokens: int | None = None, prefill_chunk: int | None = None):
         """``num_draft_tokens``: K per round, or ``"auto"`` (K in 0..max_draft_tokens chosen from measured
-        round costs and live acceptance, see autodraft.py; ``max_draft_tokens`` defaults to 6)."""
+        round costs and live acceptance, see autodraft.py; ``max_draft_tokens`` defaults to 6).
+        ``prefill_chunk``: prompt positions per target call in prefill (None: the whole prompt block;
+        a chunk bounds prefill temporaries and never changes the tokens)."""
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be >= 1 (or None), found {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         if draft is not None and draft.target is not target:
             raise ConfigError("the draft was loaded for a different target object; pass target=... to load_draft")
         self.auto = num_draft_tokens == AUTO and draft is not None
@@ -107,15 +112,16 @@ class DecodeSession:
 
     def program(self, batch_size: int, max_new_tokens: int, sampling: SamplingSettings,
                 num_draft_tokens: int | None = None) -> DecodeProgram:
-        if max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
         """The program of one batch shape; its K is the fixed K, or K_max under auto (whose runs
         switch with ``program.with_draft_tokens``)."""
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
         return DecodeProgram(
             batch_size=self.padded_batch(batch_size), max_len=self.max_len, max_new_tokens=int(max_new_tokens),
             num_draft_tokens=self.max_draft_tokens if num_draft_tokens is None else num_draft_tokens,
             max_draft_tokens=self.max_draft_tokens,
-            aux_layer_ids=self.draft.aux_layer_ids if self.draft is not None else (), greedy=sampling.greedy)
+            aux_layer_ids=self.draft.aux_layer_ids if self.draft is not None else (), greedy=sampling.greedy,
+            prefill_chunk=self.prefill_chunk)
 
     def autodraft(self, program: DecodeProgram, sp) -> AutoDraft:
         """The K chooser of this batch shape: round costs from the disk cache, or calibrated now
