@@ -50,14 +50,14 @@ def main(argv=None) -> int:
 
     from eagle3_jax import distributed
     from eagle3_jax.errors import Eagle3Error
-    from eagle3_jax.train import TrainConfig, run
+    from eagle3_jax.train import TrainConfig, check_setup, run
 
     try:
         # Before anything touches JAX's devices: the trainer's mesh spans every process's devices.
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         cfg = TrainConfig.load(args.config, args.overrides)
-        cfg.validate()
-    except Eagle3Error as e:   # the command line or the config: nothing has run
+        check_setup(cfg)
+    except Eagle3Error as e:   # the command line, the config or the pair they name: nothing has run
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
     try:

@@ -89,6 +89,9 @@ class Engine:
         self.rounds_per_sync = rounds_per_sync
         self.max_admit_rows = min(max_admit_rows or self.batch_size, self.batch_size)
         self._auto = None
+        # Wall time of the calls that compiled a program (compile + first execution) and of auto's
+        # calibration: what a throughput figure must leave out (serve.py reports it apart).
+        self.compile_seconds = 0.0
 
     @property
     def stats(self) -> GenerationStats:
@@ -100,6 +103,17 @@ class Engine:
         """Under ``num_draft_tokens="auto"``: the K of the latest run, predicted vs measured speedup."""
         return self._auto.report() if self._auto is not None else None
 
+    def _call(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` for a jitted ``fn``; when the call compiled a new program, its wall
+        time up to the result (compile and first execution) is added to ``compile_seconds``."""
+        before = fn._cache_size()
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if fn._cache_size() != before:
+            jax.block_until_ready(out)
+            self.compile_seconds += time.perf_counter() - t
+        return out
+
     def _admit(self, models, state, new: dict[int, list[int]], sp):
         """Prefills only the admitted rows: A = the next power of two >= len(new) (capped at the
         batch), so admissions compile at most log2(batch) + 1 programs per prompt bucket; the
@@ -107,7 +121,7 @@ class Engine:
         A = min(1 << (len(new) - 1).bit_length(), self.batch_size)
         rows = list(new) + [self.batch_size] * (A - len(new))
         ids, lengths, _ = self.session.pack_prompts(dict(enumerate(new.values())), A)
-        return admit_rows(*models, state, jnp.asarray(rows, jnp.int32), jnp.asarray(ids), jnp.asarray(lengths),
+        return self._call(admit_rows, *models, state, jnp.asarray(rows, jnp.int32), jnp.asarray(ids), jnp.asarray(lengths),
                           sp, program=self.program)
 
     def run(self, requests: Iterable[Request]) -> Iterator[Finished]:
@@ -116,7 +130,9 @@ class Engine:
         models = session.models()
         sp = self.sampling.traced()
         if session.auto and self._auto is None:
+            t = time.perf_counter()
             self._auto = session.autodraft(program, sp)
+            self.compile_seconds += time.perf_counter() - t
         auto = self._auto
         pending = iter(requests)
         occupant: list[Request | None] = [None] * self.batch_size
@@ -127,7 +143,7 @@ class Engine:
         start = time.perf_counter()
         seconds_before = session.stats.seconds
         with session.activate():
-            state = blank_state(*models, jax.random.key(self.sampling.seed), sp, program=program)
+            state = self._call(blank_state, *models, jax.random.key(self.sampling.seed), sp, program=program)
             exhausted = False
             while True:
                 free = [b for b, o in enumerate(occupant) if o is None]
@@ -150,7 +166,7 @@ class Engine:
                 if auto is not None:
                     jax.block_until_ready(state)   # time the rounds alone
                 t = time.perf_counter()
-                state = run_rounds(*models, state, jnp.int32(self.rounds_per_sync), sp,
+                state = self._call(run_rounds, *models, state, jnp.int32(self.rounds_per_sync), sp,
                                    program=program.with_draft_tokens(k))
                 finish = fetch(state.finish_B)
                 if auto is not None:

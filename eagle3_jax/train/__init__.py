@@ -5,13 +5,18 @@ states online or stored offline (offline.py), the training-time-test loss (ttt.p
 from eagle3_jax import preflight
 from eagle3_jax.train.config import DraftShape, TrainConfig
 
-__all__ = ["DraftShape", "TrainConfig", "run"]
+__all__ = ["DraftShape", "TrainConfig", "check_setup", "run"]
+
+
+def check_setup(cfg: TrainConfig) -> None:
+    """The settings, then the target/draft pair they name, from config files and headers only."""
+    cfg.validate()
+    preflight.check_pair(cfg.target, cfg.draft_config(), mesh=cfg.mesh, dtype=cfg.resolved_target_dtype)
 
 
 def run(cfg: TrainConfig, progress: bool = True):
     """What ``python train.py`` does: ``mode=prepare`` writes offline hidden states, ``mode=train`` trains."""
-    cfg.validate()
-    preflight.check_pair(cfg.target, cfg.draft_config(), mesh=cfg.mesh, dtype=cfg.resolved_target_dtype)
+    check_setup(cfg)
     if cfg.mode == "prepare":
         from eagle3_jax.train.offline import prepare_offline
 
