@@ -289,13 +289,13 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
                 out.append(result_record(rec, s.emit, generation_text(tok, fin.tokens, fin.finish_reason),
                                          len(fin.tokens), fin.finish_reason, tau))
                 stats.add(fin.finish_reason, fin.stats, failure=FAIL_GENERATION)
-                stats.engine_compile_seconds = getattr(engine, "compile_seconds", 0.0)
+                stats.engine_compile_intervals = list(getattr(engine, "compile_intervals", ()))
                 stats.tick()
                 compiling[0] = "compiling…"
                 bar.set_postfix_str(stats.postfix(), refresh=False)
                 bar.update(1)
                 watchdog.maybe_check(stats)
-        stats.engine_compile_seconds = getattr(engine, "compile_seconds", 0.0)
+        stats.engine_compile_intervals = list(getattr(engine, "compile_intervals", ()))
         stats.tick()
     # The engine itself runs the acceptance check on its totals when the run ends.
 

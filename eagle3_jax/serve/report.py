@@ -24,6 +24,16 @@ LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
+def union_length(intervals) -> float:
+    """Total length covered by (start, end) intervals, overlaps counted once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 class CompileClock:
     """Sums the wall time JAX spends compiling while active (a context manager): for each
     compilation, from the start of its tracing to the end of its XLA compile, so the host work
@@ -33,6 +43,7 @@ class CompileClock:
 
     def __init__(self, on_compile=None):
         self.seconds = 0.0
+        self.intervals: list[tuple[float, float]] = []   # (start, end) in time.perf_counter() seconds
         self.on_compile = on_compile
         self._pending: tuple[float, float] | None = None   # (start, end) of phases not yet closed by a compile
 
@@ -48,12 +59,18 @@ class CompileClock:
         elif event == LOWER_EVENT and self._pending is None:
             self._pending = (start, end)
         elif event == BACKEND_COMPILE_EVENT:
-            self.seconds += end - (self._pending[0] if self._pending is not None else start)
+            self._add(end - (self._pending[0] if self._pending is not None else start))
             self._pending = None
+
+    def _add(self, seconds: float) -> None:
+        # The events' own clock may not be perf_counter's: the interval is placed ending now.
+        now = time.perf_counter()
+        self.seconds += seconds
+        self.intervals.append((now - seconds, now))
 
     def _flush(self) -> None:
         if self._pending is not None:
-            self.seconds += self._pending[1] - self._pending[0]
+            self._add(self._pending[1] - self._pending[0])
             self._pending = None
 
     def __enter__(self):
@@ -81,13 +98,14 @@ class RunStats:
         self.started = time.perf_counter()
         self.load_seconds = 0.0
         self.compile = CompileClock()
-        self.engine_compile_seconds = 0.0
+        self.engine_compile_intervals: list[tuple[float, float]] = []
 
     @property
     def compile_seconds(self) -> float:
-        # The engine's own figure also holds each new program's first execution (about 0.5 s on a
-        # CPU) and auto's calibration, which JAX's compile events do not cover.
-        return max(self.compile.seconds, self.engine_compile_seconds)
+        # JAX's compile events, joined with the engine's calls that compiled (which also hold each
+        # new program's first execution, about 0.5 s on a CPU, and auto's calibration): the length
+        # of the union of both sets of intervals, so nothing counts twice.
+        return union_length(self.compile.intervals + self.engine_compile_intervals)
 
     def add(self, finish_reason: str, stats: GenerationStats | None = None, failure: str | None = None) -> None:
         """One finished prompt: its finish reason, unless it failed before generating its stats, and

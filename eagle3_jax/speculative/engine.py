@@ -89,9 +89,9 @@ class Engine:
         self.rounds_per_sync = rounds_per_sync
         self.max_admit_rows = min(max_admit_rows or self.batch_size, self.batch_size)
         self._auto = None
-        # Wall time of the calls that compiled a program (compile + first execution) and of auto's
-        # calibration: what a throughput figure must leave out (serve.py reports it apart).
-        self.compile_seconds = 0.0
+        # (start, end) perf_counter times of the calls that compiled a program (compile and first
+        # execution) and of auto's calibration: what a throughput figure must leave out.
+        self.compile_intervals: list[tuple[float, float]] = []
 
     @property
     def stats(self) -> GenerationStats:
@@ -103,15 +103,19 @@ class Engine:
         """Under ``num_draft_tokens="auto"``: the K of the latest run, predicted vs measured speedup."""
         return self._auto.report() if self._auto is not None else None
 
+    @property
+    def compile_seconds(self) -> float:
+        return sum(end - start for start, end in self.compile_intervals)
+
     def _call(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` for a jitted ``fn``; when the call compiled a new program, its wall
-        time up to the result (compile and first execution) is added to ``compile_seconds``."""
+        time up to the result (compile and first execution) joins ``compile_intervals``."""
         before = fn._cache_size()
         t = time.perf_counter()
         out = fn(*args, **kwargs)
         if fn._cache_size() != before:
             jax.block_until_ready(out)
-            self.compile_seconds += time.perf_counter() - t
+            self.compile_intervals.append((t, time.perf_counter()))
         return out
 
     def _admit(self, models, state, new: dict[int, list[int]], sp):
@@ -132,7 +136,7 @@ class Engine:
         if session.auto and self._auto is None:
             t = time.perf_counter()
             self._auto = session.autodraft(program, sp)
-            self.compile_seconds += time.perf_counter() - t
+            self.compile_intervals.append((t, time.perf_counter()))
         auto = self._auto
         pending = iter(requests)
         occupant: list[Request | None] = [None] * self.batch_size
