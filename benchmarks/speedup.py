@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 
-from _common import machine, table
+from _common import REPO, machine, table
 from demo_accept import describe, load_average, parse_list, quiet_watchdog
 
 import eagle3_jax as e3
@@ -81,7 +82,7 @@ def measure(pair: DemoPair, batch: int, temperature: float, ks: list, max_new_to
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--demo-dir", default=None)
+    ap.add_argument("--demo-dir", default=os.path.join(REPO, "demo"))
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--temperature", default="0,1")
     ap.add_argument("--k", default=",".join(str(k) for k in range(1, DEFAULT_MAX_DRAFT_TOKENS + 1)))
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    pair = DemoPair.load(*([args.demo_dir] if args.demo_dir else []), num_prompts=args.num_prompts)
+    pair = DemoPair.load(args.demo_dir, num_prompts=args.num_prompts)
     ks = parse_list(args.k)
     if any(not 1 <= k <= DEFAULT_MAX_DRAFT_TOKENS for k in ks):
         ap.error(f"--k values must be in 1..{DEFAULT_MAX_DRAFT_TOKENS}")
