@@ -33,7 +33,7 @@ def test_tokens_per_second_excludes_compiles_across_two_prompt_buckets(tmp_path,
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     # Settings no other test uses, so this run compiles its programs. Enough tokens that decoding,
     # not the first execution of each program (a fixed ~0.5 s on CPU), dominates the figure.
-    opts = dict(max_new_tokens=60, batch_size=4, max_len=96)
+    opts = dict(max_new_tokens=200, batch_size=4, max_len=240)
     first, steady = tmp_path / "first.json", tmp_path / "steady.json"
     assert serve(models, target_dir, inp, tmp_path / "a.jsonl", metrics=first, **opts) == 0
     progress = capsys.readouterr().err
