@@ -19,7 +19,7 @@ def test_choice_follows_costs_and_acceptance():
     auto = AutoDraft(costs, 4, acc)
     assert auto.choose() == 3   # prior 0.7: tau(3) = 2.56 -> 1.6 tok/s per round cost, best
     for _ in range(20):         # every draft rejected: speculation cannot pay
-        auto.observe(1, 10, 13.0, 20, 20, [0, 0, 0, 0])   # 10 iterations at the calibrated 1.3 s
+        auto.observe(1, 10, 20, 20, [0, 0, 0, 0])   # 10 iterations, 20 row-rounds, nothing accepted
     assert auto.choose() == 0
     assert acc.tau(0) == 1.0 and acc.tau(1) < 1.03
     acc2 = AcceptanceModel(4)
@@ -101,24 +101,64 @@ def test_bad_setting_is_refused(tiny_target, draft):
         e3.Generator(tiny_target, draft, num_draft_tokens="fast")
 
 
-def test_live_timings_outvote_a_bad_calibration():
+def test_measured_cycles_outvote_the_model():
     costs = RoundCosts({0: 1.0, 1: 1.1})   # calibrated under load: K = 1 looked nearly free
     acc = AcceptanceModel(1)
-    acc.observe(1, 100, [50])               # a_1 = 0.5: tau(1) = 1.5
+    acc.observe(1, 100, [50])               # a_1 = 0.5 (0.51 with the prior): tau(1) = 1.51
     auto = AutoDraft(costs, 1, acc)
+    tau1 = acc.tau(1)
+    assert auto.choose() == 1 and auto.rate(1) == pytest.approx(tau1 / 1.1)
+    auto.observe_cycle(0, 10.0, 12.5)       # target-only measured at 0.8 tok/s per row: 80 % of its model
+    auto.observe_cycle(0, 10.0, 12.5)
+    # K = 1 not measured yet: its model rate scaled by the measured Ks' shortfall
+    assert auto.rate(0) == pytest.approx(0.8) and auto.rate(1) == pytest.approx(0.8 * tau1 / 1.1)
     assert auto.choose() == 1
-    for _ in range(3):                      # live K = 1 rounds cost 2 target steps
-        auto.observe(1, 8, 16.0, 8, 12, [4])
-    assert costs.cost(1) == 2.0 and auto.choose() == 0
-    auto.observe(1, 2, 100.0, 2, 3, [1])    # too short a run to time: ignored
-    assert costs.cost(1) == 2.0
+    auto.observe_cycle(1, 6.0, 10.0)        # whole cycles at K = 1: 0.6 tok/s per row, below target-only
+    assert auto.rate(1) is not None and auto.choose() == 1   # one cycle is not a measurement yet
+    auto.observe_cycle(1, 6.0, 10.0)
+    assert auto.rate(1) == pytest.approx(0.6) and auto.choose() == 0
+    choice = auto.report()
+    assert choice.measured_per_k == {0: pytest.approx(0.8), 1: pytest.approx(0.6)}
+    auto.observe_cycle(1, 0.0, 1.0)         # a cycle that emitted nothing (all rows done) is no sample
+    assert len(auto.cycles.window[1]) == 2
 
 
-def test_every_sixteenth_run_explores_the_other_kind():
-    costs = RoundCosts({0: 1.0, 1: 1.1, 2: 1.2})
-    auto = AutoDraft(costs, 2, AcceptanceModel(2))
-    picks = [auto.next_k() for _ in range(32)]
-    assert picks.count(0) == 2 and picks[15] == 0 and picks[31] == 0 and set(picks) == {0, auto.choose()}
-    slow = AutoDraft(RoundCosts({0: 1.0, 1: 5.0, 2: 9.0}), 2, AcceptanceModel(2))
-    picks = [slow.next_k() for _ in range(16)]
-    assert picks[:15] == [0] * 15 and picks[15] == 1
+def test_exploration_backs_off_while_it_confirms_the_choice():
+    auto = AutoDraft(RoundCosts({0: 1.0, 1: 5.0, 2: 9.0}), 2, AcceptanceModel(2))
+    assert auto.choose() == 0
+    picks = [auto.next_k() for _ in range(100)]
+    explored = [i + 1 for i, k in enumerate(picks) if k != 0]   # run numbers that speculated
+    # first right away (runs 2-3), then after 8, 16, 32, 64 runs of the choice: few runs lost where K = 0 wins
+    assert explored == [2, 3, 12, 13, 30, 31, 64, 65]
+    assert set(picks) == {0, 1}
+    # when a measurement changes the choice, the interval starts again from EXPLORE_FIRST
+    for _ in range(2):
+        auto.observe_cycle(0, 1.0, 1.0)
+        auto.observe_cycle(2, 3.0, 1.0)
+    assert auto.choose() == 2
+    more = [auto.next_k() for _ in range(40)]
+    assert more[0] == 2 and more.count(0) == 2 * 2   # explorations after 8 and after 16 more runs
+
+
+def test_serve_auto_reports_its_choice_and_matches_target_only(tiny_target, draft, trained_draft_dir, tiny_target_dir,
+                                                             tmp_path, monkeypatch):
+    """``serve.py --num-draft-tokens auto``: outputs equal target-only; metrics.json says which K ran,
+    how often, and the predicted and measured speedups."""
+    from tests.serve_fixtures import (ModelCache, byte_target_dir, expected_text_records, prompt_rows, read_jsonl,
+                                      serve, write_jsonl)
+
+    monkeypatch.setenv(autodraft.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(session_mod, "calibrate",   # costs as if measured: compiles only the Ks that run
+                        lambda *a: RoundCosts({k: 1.0 + 0.1 * k for k in range(7)}, calibration_seconds=1.0))
+    target_dir = byte_target_dir(tiny_target_dir, tmp_path / "target")
+    rows = prompt_rows()[:6]
+    expected = expected_text_records(tiny_target, target_dir, rows)
+    out, metrics = tmp_path / "out.jsonl", tmp_path / "metrics.json"
+    models = ModelCache(tiny_target, {str(trained_draft_dir): draft})
+    assert serve(models, target_dir, write_jsonl(tmp_path / "in.jsonl", rows), out, trained_draft_dir,
+                 metrics=metrics, num_draft_tokens="auto", batch_size=2) == 0
+    assert {r["id"]: (r["text"], r["num_tokens"], r["finish_reason"]) for r in read_jsonl(out)} == expected
+    choice = json.loads(metrics.read_text())["auto_draft"]
+    assert 0 <= choice["num_draft_tokens"] <= autodraft.DEFAULT_MAX_DRAFT_TOKENS
+    assert sum(choice["iterations_per_k"].values()) > 0 and choice["predicted_speedup"] > 0
+    assert choice["calibration_seconds"] == 1.0 and choice["compiled_round_programs"] == 7

@@ -65,8 +65,8 @@ def test_admitting_rows_into_a_running_state_in_chunks(tiny_target, trained_draf
         state = admit_rows(*models, state, jnp.asarray(rows, jnp.int32), jnp.asarray(ids), jnp.asarray(lengths), sp,
                            program=program)
         if rows == [0, 2]:  # rows 0 and 2 run a few rounds before 1 and 3 arrive
-            state = run_rounds(*models, state, jnp.int32(2), sp, program=program)
-    state = run_rounds(*models, state, jnp.int32(100), sp, program=program)
+            state = run_rounds(*models, state, jnp.int32(2), jnp.int32(program.batch_size + 1), sp, program=program)
+    state = run_rounds(*models, state, jnp.int32(100), jnp.int32(program.batch_size + 1), sp, program=program)
     n = np.asarray(state.n_out_B)
     assert [np.asarray(state.tokens_BN)[b, :n[b]].tolist() for b in range(len(prompts))] == want
 

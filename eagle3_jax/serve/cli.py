@@ -290,12 +290,14 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
                                          len(fin.tokens), fin.finish_reason, tau))
                 stats.add(fin.finish_reason, fin.stats, failure=FAIL_GENERATION)
                 stats.engine_compile_intervals = list(getattr(engine, "compile_intervals", ()))
+                stats.draft_choice = getattr(engine, "draft_choice", None)
                 stats.tick()
                 compiling[0] = "compiling…"
                 bar.set_postfix_str(stats.postfix(), refresh=False)
                 bar.update(1)
                 watchdog.maybe_check(stats)
         stats.engine_compile_intervals = list(getattr(engine, "compile_intervals", ()))
+        stats.draft_choice = getattr(engine, "draft_choice", None)
         stats.tick()
     # The engine itself runs the acceptance check on its totals when the run ends.
 

@@ -99,6 +99,7 @@ class RunStats:
         self.load_seconds = 0.0
         self.compile = CompileClock()
         self.engine_compile_intervals: list[tuple[float, float]] = []
+        self.draft_choice = None   # under --num-draft-tokens auto: the engine's latest DraftChoice
 
     @property
     def compile_seconds(self) -> float:
@@ -157,6 +158,10 @@ class RunStats:
         parts = [f"{self.tokens_per_second:.1f} tok/s"]
         if self.num_draft_tokens:
             parts.append(f"tau {self.tau:.2f}")
+        c = self.draft_choice
+        if c is not None:
+            measured = f"{c.measured_speedup:.2f}x" if math.isfinite(c.measured_speedup) else "?"
+            parts.append(f"K={c.num_draft_tokens} (predicted {c.predicted_speedup:.2f}x, measured {measured})")
         if self.errors:
             parts.append(f"{self.errors} errors")
         return ", ".join(parts)
@@ -222,8 +227,22 @@ def metrics_dict(stats: RunStats, already_done: int, skipped_lines: int, setting
         "load_seconds": stats.load_seconds, "compile_seconds": stats.compile_seconds,
         "rounds": stats.rounds, "mean_accept_length": num(stats.tau),
         "accept_rate_per_position": [num(r) for r in stats.accept_rate_per_position],
+        "auto_draft": _choice_dict(stats.draft_choice, num),
         "settings": settings,
     }
+
+
+def _choice_dict(c, num) -> dict | None:
+    """What ``--num-draft-tokens auto`` chose (None with a fixed K): the K of the latest run, the round
+    model's predicted and the measured speedup over target-only, loop iterations per K, measured
+    tokens/s per row per K (whole sync cycles) and the calibration's cost."""
+    if c is None:
+        return None
+    return {"num_draft_tokens": c.num_draft_tokens, "predicted_speedup": num(c.predicted_speedup),
+            "measured_speedup": num(c.measured_speedup), "tau": num(c.tau),
+            "iterations_per_k": {str(k): n for k, n in sorted(c.rounds_per_k.items())},
+            "measured_tokens_per_second_per_row": {str(k): num(r) for k, r in sorted(c.measured_per_k.items())},
+            "calibration_seconds": c.calibration_seconds, "compiled_round_programs": c.compiled_programs}
 
 
 def write_metrics(path: str, data: dict) -> None:

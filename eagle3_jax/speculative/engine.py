@@ -1,8 +1,9 @@
 """Continuous batching over the jitted loop: rows that finish are refilled with waiting prompts
 between bounded runs of the loop, so one long answer does not hold a batch of finished rows hostage.
 
-The host only intervenes every ``rounds_per_sync`` rounds: it reads which rows finished, hands
-their results out, and prefills waiting prompts into the freed rows (``admit_rows``: only those
+The host intervenes after ``rounds_per_sync`` rounds, or earlier, as soon as ``refill_rows`` rows
+have finished while prompts are waiting: it reads which rows finished, hands their results out,
+and prefills waiting prompts into the freed rows (``admit_rows``: only those
 rows are prefilled, then written into the running state). Rows never interact, so each prompt's
 output is what it would be alone.
 """
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.distributed import fetch
+from eagle3_jax.distributed import fetch, fetch_all
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import GenerationStats, check_acceptance
 from eagle3_jax.speculative.autodraft import DraftChoice
@@ -88,6 +89,9 @@ class Engine:
         self.max_draft_tokens = self.session.max_draft_tokens
         self.rounds_per_sync = rounds_per_sync
         self.max_admit_rows = min(max_admit_rows or self.batch_size, self.batch_size)
+        # Rows freed per refill while prompts wait: one at a time keeps every row busy; at large
+        # batches a few at a time saves syncs and admission calls.
+        self.refill_rows = max(1, self.batch_size // 8)
         self._auto = None
         # (start, end) perf_counter times of the calls that compiled a program (compile and first
         # execution) and of auto's calibration: what a throughput figure must leave out.
@@ -144,6 +148,7 @@ class Engine:
         seen_rounds_B = np.zeros(self.batch_size, np.int64)
         seen_tokens_B = np.zeros(self.batch_size, np.int64)
         seen_acc_BK = np.zeros((self.batch_size, max(self.max_draft_tokens, 1)), np.int64)
+        cycle = None   # under auto: (K, start time, tokens per occupied row, compiles so far) of the open cycle
         start = time.perf_counter()
         seconds_before = session.stats.seconds
         with session.activate():
@@ -166,21 +171,30 @@ class Engine:
                         arr[list(new)] = 0
                 if all(o is None for o in occupant):
                     break
-                k = auto.next_k() if auto is not None else program.num_draft_tokens
-                if auto is not None:
-                    jax.block_until_ready(state)   # time the rounds alone
+                occupied = sum(o is not None for o in occupant)
                 t = time.perf_counter()
-                state = self._call(run_rounds, *models, state, jnp.int32(self.rounds_per_sync), sp,
-                                   program=program.with_draft_tokens(k))
-                finish = fetch(state.finish_B)
-                if auto is not None:
-                    seconds = time.perf_counter() - t
-                    rounds_B, tokens_B, acc_BK = (fetch(x).astype(np.int64) for x in (
-                        state.rounds_B, state.round_tokens_B, state.accepted_BK))
+                if cycle is not None and cycle[3] == len(self.compile_intervals):
+                    # the cycle ends where the next run starts: its admissions are in it
+                    auto.observe_cycle(cycle[0], cycle[2], t - cycle[1])
+                k = auto.next_k() if auto is not None else program.num_draft_tokens
+                compiles = len(self.compile_intervals)
+                # With prompts waiting, the run ends once REFILL_ROWS more rows are free, so they are
+                # refilled instead of idling until the slowest row's run ends.
+                stop_free = self.batch_size + 1 if exhausted else self.batch_size - occupied + self.refill_rows
+                state = self._call(run_rounds, *models, state, jnp.int32(self.rounds_per_sync), jnp.int32(stop_free),
+                                   sp, program=program.with_draft_tokens(k))
+                if auto is None:
+                    finish = fetch(state.finish_B)
+                else:
+                    finish, rounds_B, tokens_B, acc_BK = fetch_all(
+                        state.finish_B, state.rounds_B, state.round_tokens_B, state.accepted_BK)
+                    rounds_B, tokens_B, acc_BK = (x.astype(np.int64) for x in (rounds_B, tokens_B, acc_BK))
                     d_rounds_B = rounds_B - seen_rounds_B
-                    auto.observe(k, int(d_rounds_B.max()), seconds, int(d_rounds_B.sum()),
-                                 int((tokens_B - seen_tokens_B).sum()), (acc_BK - seen_acc_BK).sum(0))
+                    d_tokens = int((tokens_B - seen_tokens_B).sum())
+                    auto.observe(k, int(d_rounds_B.max()), int(d_rounds_B.sum()), d_tokens,
+                                 (acc_BK - seen_acc_BK).sum(0))
                     seen_rounds_B, seen_tokens_B, seen_acc_BK = rounds_B, tokens_B, acc_BK
+                    cycle = (k, t, d_tokens / occupied, compiles)
                 done = [b for b, req in enumerate(occupant) if req is not None and finish[b] != RUNNING]
                 for b, (tokens, reason, stats) in zip(done, session.row_results(state, done,
                                                                                program.max_draft_tokens)):

@@ -315,15 +315,19 @@ def _scatter_rows(rows_A, new: LoopState, old: LoopState) -> LoopState:
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
-def run_rounds(tgraph, tstate, dgraph, dstate, state: LoopState, max_rounds, sp: Sampling,
+def run_rounds(tgraph, tstate, dgraph, dstate, state: LoopState, max_rounds, stop_free, sp: Sampling,
                *, program: DecodeProgram) -> LoopState:
-    """At most ``max_rounds`` rounds (stops early when no row is running)."""
+    """At most ``max_rounds`` rounds; stops early when no row is running, or once ``stop_free`` rows
+    are not running (finished or idle), so that a caller with prompts waiting refills freed rows
+    instead of letting them idle to the end of the run (pass batch_size + 1 to never stop early)."""
     target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
     body = _round_fn(target, draft, sp, program)
 
     def cond(c):
         s, r = c
-        return jnp.any(s.finish_B == RUNNING) & (r < max_rounds)
+        running_B = s.finish_B == RUNNING
+        free = running_B.shape[0] - jnp.sum(running_B)
+        return jnp.any(running_B) & (r < max_rounds) & (free < stop_free)
 
     state, _ = jax.lax.while_loop(cond, lambda c: (body(c[0]), c[1] + 1), (state, jnp.int32(0)))
     return state

@@ -408,7 +408,7 @@ def plan(s: PlanSettings, log=None) -> Plan:
         rows = _sds(mesh, (B,), jnp.int32, ("batch",))
         for name in s.programs:
             if name == "decode":
-                fn, args = gen.run_rounds, (tg, ts, dg, ds, state, _sds(mesh, (), jnp.int32), sp)
+                fn, args = gen.run_rounds, (tg, ts, dg, ds, state, _sds(mesh, (), jnp.int32), _sds(mesh, (), jnp.int32), sp)
             elif name == "prefill":
                 A = s.admit_rows or B
                 fn, args = gen.admit_rows, (tg, ts, dg, ds, state, _sds(mesh, (A,), jnp.int32, ("batch",)),
