@@ -2,12 +2,14 @@
 
 Loads ``demo/target`` and ``demo/draft`` through the public loaders, generates completions for
 the bundled held-out prompts twice — target-only, then with the EAGLE-3 draft — in the same
-process on the same batches, prints a few completions and a table: tokens/s of both, their
+process on the same prompts, prints a few completions and a table: tokens/s of both, their
 ratio, the mean acceptance length tau and the per-position acceptance. Greedy decoding is
 lossless, so both runs must produce the same tokens; the demo checks that too.
 
-Every compiled shape is fixed (batch size, padded prompt length, max_new_tokens), so each mode
-compiles once in an untimed warm-up call; the timed numbers are steady state.
+Both modes run every prompt through the refill ``Engine`` on ``batch_size`` rows (a freed row
+takes the next prompt), as ``serve.py`` does. Each mode first runs once untimed: that compiles its
+programs and, under ``num_draft_tokens: auto``, calibrates the round costs and learns which K pays;
+the timed pass is steady state.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ SHOWN_LINES = 8
 class DemoSettings:
     """``demo/demo.yaml``: what the demo runs (written by tools/make_demo.py with the shipped K)."""
 
-    num_draft_tokens: int = 6
+    num_draft_tokens: int | str = "auto"   # or a fixed K
     batch_size: int = 8
     num_prompts: int = 16
     max_new_tokens: int = 96
@@ -39,7 +41,10 @@ class DemoSettings:
         path = os.path.join(demo_dir, "demo.yaml")
         if not os.path.isfile(path):
             return cls()
-        return settings_io.from_layers(cls, [settings_io.yaml_layer(path, where=path)])
+        from eagle3_jax.serve.settings import draft_tokens_setting
+
+        return settings_io.from_layers(cls, [settings_io.yaml_layer(path, where=path)],
+                                       {"num_draft_tokens": draft_tokens_setting})
 
 
 def available(demo_dir: str) -> bool:
@@ -93,15 +98,18 @@ class DemoPair:
 
         return -(-max(len(p) for p in self.prompt_ids) // PROMPT_BUCKET) * PROMPT_BUCKET
 
-    def capacity(self, max_new_tokens: int, k: int) -> int:
-        return self.prompt_len + max_new_tokens + k + 2
+    def capacity(self, max_new_tokens: int, k: int | str) -> int:
+        from eagle3_jax.speculative.autodraft import DEFAULT_MAX_DRAFT_TOKENS
 
-    def generator(self, k: int, max_new_tokens: int):
-        """Target-only decoding when ``k`` is 0, else EAGLE-3 with ``k`` draft tokens per round."""
+        return self.prompt_len + max_new_tokens + (DEFAULT_MAX_DRAFT_TOKENS if k == "auto" else k) + 2
+
+    def generator(self, k: int | str, max_new_tokens: int, batch_size: int | None = None):
+        """Target-only decoding when ``k`` is 0, else EAGLE-3 with ``k`` draft tokens per round
+        (``"auto"``: chosen as it runs). With ``batch_size`` rows for more prompts, the refill Engine."""
         import eagle3_jax as e3
 
         return e3.Generator(self.target, self.draft if k else None, num_draft_tokens=k,
-                            max_len=self.capacity(max_new_tokens, k))
+                            max_len=self.capacity(max_new_tokens, k), batch_size=batch_size)
 
     def generate(self, generator, batches: list[list[list[int]]], max_new_tokens: int, temperature: float = 0.0,
                  seed: int = 0):
@@ -125,17 +133,19 @@ def batches_of(items: list, size: int) -> list[list]:
 @dataclass
 class ModeRun:
     tokens: list[list[int]]
-    stats: object             # GenerationStats over every batch
-    compile_seconds: float
+    stats: object             # GenerationStats of the timed pass (compiles excluded)
+    compile_seconds: float    # the untimed first pass: compiles, calibration, first executions
+    choice: object = None     # under auto: the DraftChoice after the timed pass
 
 
-def run_mode(pair: DemoPair, k: int, batches: list[list[list[int]]]) -> ModeRun:
-    gen = pair.generator(k, pair.settings.max_new_tokens)
+def run_mode(pair: DemoPair, k: int | str) -> ModeRun:
+    s = pair.settings
+    gen = pair.generator(k, s.max_new_tokens, s.batch_size)
     t = time.perf_counter()
-    pair.generate(gen, batches[:1], pair.settings.max_new_tokens)   # compiles; not counted
+    gen.generate(pair.prompt_ids, s.max_new_tokens, eos_token_ids=pair.eos)   # compiles; not counted
     compile_s = time.perf_counter() - t
-    tokens, stats = pair.generate(gen, batches, pair.settings.max_new_tokens)
-    return ModeRun(tokens, stats, compile_s)
+    res = gen.generate(pair.prompt_ids, s.max_new_tokens, eos_token_ids=pair.eos)
+    return ModeRun(res.tokens, res.stats, compile_s, gen.draft_choice)
 
 
 def show_completion(tok, prompt_text: str, tokens: list[int], eos: tuple[int, ...]) -> str:
@@ -150,10 +160,16 @@ def show_completion(tok, prompt_text: str, tokens: list[int], eos: tuple[int, ..
     return "\n".join(lines)
 
 
-def table(base: ModeRun, spec: ModeRun, k: int) -> str:
+def mode_label(spec: ModeRun, k: int | str) -> str:
+    if spec.choice is None:
+        return f"EAGLE-3 (K={k})"
+    return f"EAGLE-3 (K=auto, now {spec.choice.num_draft_tokens})"
+
+
+def table(base: ModeRun, spec: ModeRun, k: int | str) -> str:
     b, e = base.stats, spec.stats
     rows = [
-        ("", "target-only", f"EAGLE-3 (K={k})"),
+        ("", "target-only", mode_label(spec, k)),
         ("new tokens", f"{b.tokens}", f"{e.tokens}"),
         ("seconds", f"{b.seconds:.2f}", f"{e.seconds:.2f}"),
         ("tok/s", f"{b.tokens_per_second:.1f}", f"{e.tokens_per_second:.1f}"),
@@ -166,6 +182,11 @@ def table(base: ModeRun, spec: ModeRun, k: int) -> str:
     out = [f"  {a:<{w0}}  {c1:>{w1}}  {c2}" for a, c1, c2 in rows]
     out.append("  acceptance by draft position: "
                + "  ".join(f"{i + 1}:{r:.2f}" for i, r in enumerate(e.accept_rate_per_position)))
+    c = spec.choice
+    if c is not None:
+        runs = ", ".join(f"K={j}: {n}" for j, n in sorted(c.rounds_per_k.items()))
+        out.append(f"  auto: loop iterations per K ({runs}); the round model predicts "
+                   f"{c.predicted_speedup:.2f}x at K={c.num_draft_tokens}")
     return "\n".join(out)
 
 
@@ -173,24 +194,21 @@ def run(demo_dir: str) -> int:
     import jax
 
     s = DemoSettings.load(demo_dir)
-    if s.num_prompts % s.batch_size:
-        raise ConfigError(f"{demo_dir}/demo.yaml: num_prompts ({s.num_prompts}) must be a multiple of batch_size "
-                          f"({s.batch_size}) so every batch shares one compiled program")
     t = time.perf_counter()
     pair = DemoPair.load(demo_dir, s.num_prompts)
-    batches = batches_of(pair.prompt_ids, s.batch_size)
     print(f"eagle3-jax demo: {os.path.relpath(demo_dir)}/target + {os.path.relpath(demo_dir)}/draft, "
           f"{len(pair.prompt_ids)} held-out prompts ({os.path.relpath(demo_dir)}/prompts.jsonl), greedy, "
-          f"{s.max_new_tokens} new tokens each, batch {s.batch_size}, {s.dtype}", flush=True)
+          f"{s.max_new_tokens} new tokens each, {s.batch_size} rows refilled as prompts finish, {s.dtype}",
+          flush=True)
     n_params = sum(x.size for x in jax.tree.leaves(pair.target.state))
     c = pair.target.config
     print(f"loaded in {time.perf_counter() - t:.1f}s: target {n_params / 1e6:.1f}M parameters "
           f"({c.n_routed_experts} routed experts top-{c.num_experts_per_tok}), draft fuses "
           f"target layers {list(pair.draft.aux_layer_ids)}", flush=True)
 
-    base = run_mode(pair, 0, batches)
+    base = run_mode(pair, 0)
     print(f"target-only: {base.stats.tokens_per_second:.1f} tok/s", flush=True)
-    spec = run_mode(pair, s.num_draft_tokens, batches)
+    spec = run_mode(pair, s.num_draft_tokens)
     print(f"EAGLE-3:     {spec.stats.tokens_per_second:.1f} tok/s", flush=True)
 
     same = sum(a == b for a, b in zip(base.tokens, spec.tokens))
