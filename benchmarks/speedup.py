@@ -75,7 +75,8 @@ def measure(pair: DemoPair, batch: int, temperature: float, ks: list, max_new_to
             c = gens[k].draft_choice
             row.update(chosen_k=c.num_draft_tokens, iterations_per_k=c.rounds_per_k,
                        predicted_speedup=c.predicted_speedup, measured_speedup=c.measured_speedup,
-                       calibration_seconds=c.calibration_seconds, compiled_round_programs=c.compiled_programs)
+                       calibration_seconds=c.calibration_seconds, compiled_round_programs=c.compiled_programs,
+                       round_seconds_per_k=c.round_seconds_per_k)
         rows.append(row)
     return rows
 

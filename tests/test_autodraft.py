@@ -19,7 +19,7 @@ def test_choice_follows_costs_and_acceptance():
     auto = AutoDraft(costs, 4, acc)
     assert auto.choose() == 3   # prior 0.7: tau(3) = 2.56 -> 1.6 tok/s per round cost, best
     for _ in range(20):         # every draft rejected: speculation cannot pay
-        auto.observe(1, 10, 20, 20, [0, 0, 0, 0])   # 10 iterations, 20 row-rounds, nothing accepted
+        auto.observe(1, 10, 13.0, 20, 20, [0, 0, 0, 0])   # 10 iterations at the calibrated 1.3 s
     assert auto.choose() == 0
     assert acc.tau(0) == 1.0 and acc.tau(1) < 1.03
     acc2 = AcceptanceModel(4)
@@ -29,6 +29,17 @@ def test_choice_follows_costs_and_acceptance():
     # verify twice as dear as above: tau(4) = 4.1 does not pay 5.5 target steps, nor any smaller K
     expensive = RoundCosts({0: 1.0, 1: 2.5, 2: 3.5, 3: 4.5, 4: 5.5})
     assert AutoDraft(expensive, 4, acc2).choose() == 0
+
+
+def test_speculation_must_beat_target_only_by_the_margin():
+    costs = RoundCosts({0: 1.0, 1: 1.0})            # drafting and verifying as cheap as a decode step
+    slight = AcceptanceModel(1)
+    slight.observe(1, 1000, [55])                  # tau(1) ~ 1.06: predicted 6 % faster, within the margin
+    assert 1.0 < AutoDraft(costs, 1, slight).rate(1) < 1.0 + autodraft.SPECULATION_MARGIN
+    assert AutoDraft(costs, 1, slight).choose() == 0
+    clear = AcceptanceModel(1)
+    clear.observe(1, 1000, [300])                  # tau(1) ~ 1.3
+    assert AutoDraft(costs, 1, clear).choose() == 1
 
 
 def test_costs_are_cached_on_disk(tmp_path, monkeypatch):
@@ -101,26 +112,28 @@ def test_bad_setting_is_refused(tiny_target, draft):
         e3.Generator(tiny_target, draft, num_draft_tokens="fast")
 
 
-def test_measured_cycles_outvote_the_model():
+def test_live_round_costs_outvote_the_calibration():
     costs = RoundCosts({0: 1.0, 1: 1.1})   # calibrated under load: K = 1 looked nearly free
     acc = AcceptanceModel(1)
     acc.observe(1, 100, [50])               # a_1 = 0.5 (0.51 with the prior): tau(1) = 1.51
     auto = AutoDraft(costs, 1, acc)
     tau1 = acc.tau(1)
     assert auto.choose() == 1 and auto.rate(1) == pytest.approx(tau1 / 1.1)
-    auto.observe_cycle(0, 10.0, 12.5)       # target-only measured at 0.8 tok/s per row: 80 % of its model
-    auto.observe_cycle(0, 10.0, 12.5)
-    # K = 1 not measured yet: its model rate scaled by the measured Ks' shortfall
-    assert auto.rate(0) == pytest.approx(0.8) and auto.rate(1) == pytest.approx(0.8 * tau1 / 1.1)
+    auto.observe(0, 4, 5.0, 4, 4, [0])      # 4 target-only rounds at 1.25 s: too few to be a measurement
+    assert costs.live_cost(0) is None and costs.cost(0) == 1.0
+    auto.observe(0, 6, 7.5, 6, 6, [0])      # 10 rounds at 1.25 s: the machine is 25 % slower than calibrated
+    assert costs.cost(0) == pytest.approx(1.25)
+    assert costs.cost(1) == pytest.approx(1.1 * 1.25)   # not measured: its calibration, scaled the same
     assert auto.choose() == 1
-    auto.observe_cycle(1, 6.0, 10.0)        # whole cycles at K = 1: 0.6 tok/s per row, below target-only
-    assert auto.rate(1) is not None and auto.choose() == 1   # one cycle is not a measurement yet
-    auto.observe_cycle(1, 6.0, 10.0)
-    assert auto.rate(1) == pytest.approx(0.6) and auto.choose() == 0
+    auto.observe(1, 10, 20.0, 10, 15, [5])  # live K = 1 rounds cost 2 s: speculation loses
+    assert costs.cost(1) == pytest.approx(2.0) and auto.choose() == 0
     choice = auto.report()
-    assert choice.measured_per_k == {0: pytest.approx(0.8), 1: pytest.approx(0.6)}
-    auto.observe_cycle(1, 0.0, 1.0)         # a cycle that emitted nothing (all rows done) is no sample
-    assert len(auto.cycles.window[1]) == 2
+    assert choice.round_seconds_per_k == {0: pytest.approx(1.25), 1: pytest.approx(2.0)}
+    assert choice.predicted_speedup == pytest.approx(acc.tau(1) / 1.1) and choice.num_draft_tokens == 1
+    assert choice.measured_speedup == pytest.approx(acc.tau(1) / 2.0 * 1.25)
+    auto.observe(1, 5, 0.0, 5, 6, [1])      # a run that compiled: teaches acceptance, not cost
+    auto.observe(1, 2, 1.0, 2, 3, [1])      # too short a run to time (fixed costs dominate): ignored
+    assert costs.cost(1) == pytest.approx(2.0)
 
 
 def test_exploration_backs_off_while_it_confirms_the_choice():
@@ -132,9 +145,8 @@ def test_exploration_backs_off_while_it_confirms_the_choice():
     assert explored == [2, 3, 12, 13, 30, 31, 64, 65]
     assert set(picks) == {0, 1}
     # when a measurement changes the choice, the interval starts again from EXPLORE_FIRST
-    for _ in range(2):
-        auto.observe_cycle(0, 1.0, 1.0)
-        auto.observe_cycle(2, 3.0, 1.0)
+    auto.observe(0, 10, 10.0, 10, 10, [0, 0])     # live: target-only rounds as calibrated,
+    auto.observe(2, 10, 20.0, 10, 30, [10, 10])   # K = 2 rounds far cheaper, every draft accepted
     assert auto.choose() == 2
     more = [auto.next_k() for _ in range(40)]
     assert more[0] == 2 and more.count(0) == 2 * 2   # explorations after 8 and after 16 more runs

@@ -234,14 +234,14 @@ def metrics_dict(stats: RunStats, already_done: int, skipped_lines: int, setting
 
 def _choice_dict(c, num) -> dict | None:
     """What ``--num-draft-tokens auto`` chose (None with a fixed K): the K of the latest run, the round
-    model's predicted and the measured speedup over target-only, loop iterations per K, measured
-    tokens/s per row per K (whole sync cycles) and the calibration's cost."""
+    speedup over target-only predicted from calibrated and from live round costs, loop iterations
+    per K, the live seconds per round per K and the calibration's cost."""
     if c is None:
         return None
     return {"num_draft_tokens": c.num_draft_tokens, "predicted_speedup": num(c.predicted_speedup),
             "measured_speedup": num(c.measured_speedup), "tau": num(c.tau),
             "iterations_per_k": {str(k): n for k, n in sorted(c.rounds_per_k.items())},
-            "measured_tokens_per_second_per_row": {str(k): num(r) for k, r in sorted(c.measured_per_k.items())},
+            "round_seconds_per_k": {str(k): num(r) for k, r in sorted(c.round_seconds_per_k.items())},
             "calibration_seconds": c.calibration_seconds, "compiled_round_programs": c.compiled_programs}
 
 

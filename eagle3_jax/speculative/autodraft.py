@@ -11,12 +11,12 @@ sampling, not on the weights' values or the text (every shape is static), so the
 once by ``calibrate`` and cached on disk under ``$EAGLE3_JAX_CACHE`` (default
 ``~/.cache/eagle3_jax``). Acceptance starts from a prior and is updated from every bounded run.
 
-What decides. The model predicts; measurements decide. Serving also pays for admissions
-(prefill of the next prompts), host syncs and rows waiting for the end of a bounded run, none of
-which the round model sees, so every K that has run is judged by its measured tokens per second
-over whole sync cycles (``CycleRates``), and the model only ranks the Ks not yet measured.
-K = 0 is a real choice: when speculation does not pay, it is turned off (and re-tried now and
-then, at intervals that grow while it keeps losing).
+Live costs. A calibration taken under one load (or read from disk) need not describe the machine
+now, so every bounded run's own timing is kept: a K that ran lately is priced by what its rounds
+cost then, one that did not by its calibration scaled as the live Ks moved (``RoundCosts``).
+Admissions (the next prompts' prefill) are timed out: each prompt costs one whatever K is, so they
+do not change which K is fastest. K = 0 is a real choice: when speculation does not pay, it is
+turned off, and re-tried now and then at intervals that grow while it keeps losing.
 """
 
 from __future__ import annotations
@@ -46,13 +46,19 @@ CACHE_ENV = "EAGLE3_JAX_CACHE"
 CALIBRATION_ROUNDS = 8
 CALIBRATION_REPEATS = 3
 CALIBRATION_PROMPT_LEN = 16
-# Whole-cycle throughput: the latest CYCLE_WINDOW cycles per K count; a K's measurement replaces
-# its prediction once it has MIN_CYCLES of them.
-CYCLE_WINDOW = 8
-MIN_CYCLES = 2
-# Exploration of the other kind: EXPLORE_RUNS runs in a row (enough for MIN_CYCLES), first after
+# Live round costs: the latest LIVE_WINDOW runs of at least LIVE_MIN_RUN_ROUNDS rounds per K count,
+# once they hold LIVE_MIN_ITERATIONS rounds.
+LIVE_WINDOW = 8
+LIVE_MIN_RUN_ROUNDS = 4
+LIVE_MIN_ITERATIONS = 8
+# Exploration of the other kind: EXPLORE_RUNS runs in a row, first at run 2, then after
 # EXPLORE_FIRST runs, then at doubling intervals up to EXPLORE_MAX runs.
-EXPLORE_RUNS = MIN_CYCLES
+EXPLORE_RUNS = 2
+# Speculation must be predicted this much faster than target-only to be chosen. The round model
+# leaves out what speculating costs besides rounds: rows finishing out of step (more, shorter runs
+# and admissions) and the draft's share of every prefill. On the demo pair at batch 8 those made a
+# K predicted 8 % faster run 15 % slower (benchmarks/RESULTS.md, "speedup").
+SPECULATION_MARGIN = 0.10
 EXPLORE_FIRST = 8
 EXPLORE_MAX = 64
 
@@ -85,13 +91,39 @@ def _flat(state):
 
 @dataclass
 class RoundCosts:
-    """Measured seconds per round for each K in 0..max_draft_tokens (one batch size, one device kind)."""
+    """Seconds per round for each K in 0..max_draft_tokens (one batch size, one device kind):
+    calibrated, then measured on the real runs.
+
+    A K that has run LIVE_MIN_ITERATIONS rounds lately is priced by its live timings (the latest
+    LIVE_WINDOW runs, total seconds over total rounds); one that has not, by its calibrated cost
+    scaled by how the measured Ks compare with their own calibration (the machine's load now
+    against the load when it calibrated, or a stale disk entry)."""
 
     seconds: dict[int, float]
     calibration_seconds: float = 0.0   # wall time of the calibration, compiles included (0: from disk)
+    live: dict[int, deque] = field(default_factory=dict)   # K -> (seconds, rounds) of the latest runs
+
+    def observe(self, k: int, seconds: float, rounds: int) -> None:
+        """A run of ``rounds`` loop iterations in ``seconds``. Runs shorter than LIVE_MIN_RUN_ROUNDS
+        are left out: a run's fixed costs (dispatch, the fetch of its results, a first iteration
+        after an admission) would dominate them, and the number of runs follows how often rows
+        finish, not K."""
+        if rounds >= LIVE_MIN_RUN_ROUNDS and seconds > 0:
+            self.live.setdefault(k, deque(maxlen=LIVE_WINDOW)).append((seconds, rounds))
+
+    def live_cost(self, k: int) -> float | None:
+        w = self.live.get(k)
+        rounds = sum(r for _, r in w) if w else 0
+        return sum(t for t, _ in w) / rounds if rounds >= LIVE_MIN_ITERATIONS else None
+
+    def drift(self) -> float:
+        """Median over live-measured Ks of live / calibrated cost (1 before any measurement)."""
+        ratios = [c / self.seconds[k] for k in self.seconds if (c := self.live_cost(k)) is not None]
+        return statistics.median(ratios) if ratios else 1.0
 
     def cost(self, k: int) -> float:
-        return self.seconds[k]
+        live = self.live_cost(k)
+        return live if live is not None else self.seconds[k] * self.drift()
 
     def predicted_throughput(self, k: int, tau: float) -> float:
         """Tokens per second per row."""
@@ -201,51 +233,26 @@ class DraftChoice:
     """What auto decided and how it went: for metrics and progress lines."""
 
     num_draft_tokens: int                 # the K of the latest run
-    predicted_speedup: float              # the round model's throughput at that K over target-only's
-    measured_speedup: float               # measured whole-cycle tokens/s at that K over target-only's (nan: not both measured)
+    predicted_speedup: float              # throughput at that K over target-only's with calibrated round costs
+    measured_speedup: float               # the same with live round costs (nan: not both measured lately)
     tau: float                            # predicted tokens per round per row at that K
     rounds_per_k: dict[int, int] = field(default_factory=dict)   # loop iterations run with each K
     compiled_programs: int = 0            # round programs compiled by the calibration
     calibration_seconds: float = 0.0      # its wall time, compiles included (0: costs from disk)
-    measured_per_k: dict[int, float] = field(default_factory=dict)   # tokens/s per row, whole cycles
-
-
-class CycleRates:
-    """Measured throughput per K over whole sync cycles: a bounded run, the fetch of its results,
-    handing them out and the admissions that refill the freed rows, up to the next run. That is
-    what a user waits for; round timings alone leave out the admissions and host syncs, whose
-    share grows as speculation makes rows finish in fewer rounds."""
-
-    def __init__(self):
-        self.window: dict[int, deque] = {}
-
-    def observe(self, k: int, row_tokens: float, seconds: float) -> None:
-        """``row_tokens``: tokens the cycle emitted per occupied row."""
-        self.window.setdefault(k, deque(maxlen=CYCLE_WINDOW)).append((row_tokens, seconds))
-
-    def rate(self, k: int) -> float | None:
-        """Tokens per second per row over the latest CYCLE_WINDOW cycles, None below MIN_CYCLES."""
-        w = self.window.get(k)
-        if not w or len(w) < MIN_CYCLES:
-            return None
-        return sum(t for t, _ in w) / sum(s for _, s in w)
+    round_seconds_per_k: dict[int, float] = field(default_factory=dict)   # live seconds per round
 
 
 class AutoDraft:
-    """Chooses K for each bounded run and learns acceptance and throughput from it (one per session
-    and batch size).
-
-    A K that has run a few whole cycles is judged by its measured tokens/s; one that has not, by
-    the round model (calibrated costs, live acceptance) scaled by how far the measured Ks fall short
-    of their own model predictions (admissions and syncs cost every K alike per token). The other
-    kind (target-only vs speculating) is explored early, then at intervals that double while
-    exploring keeps confirming the choice, so its cost where speculation loses stays small."""
+    """Chooses K for each bounded run and learns acceptance and round costs from it (one per
+    session and batch size): K maximizes τ(K) / c(K), with τ from the live acceptance and c from
+    live round timings where K has run lately (``RoundCosts``). The other kind (target-only vs
+    speculating) is explored early, then at intervals that double while exploring keeps
+    confirming the choice, so what exploring costs where speculation loses stays small."""
 
     def __init__(self, costs: RoundCosts, max_draft_tokens: int, acceptance: AcceptanceModel):
         self.costs = costs
         self.acceptance = acceptance
         self.max_draft_tokens = max_draft_tokens
-        self.cycles = CycleRates()
         self.rounds_per_k: dict[int, int] = {}
         self.runs = 0
         self.spec_row_rounds = 0    # rounds with K >= 1, summed over rows, and the tokens they emitted
@@ -256,25 +263,19 @@ class AutoDraft:
         self.explore_k = None
         self.settled = None         # the choice the exploration schedule was set for
         self.last_k = self.choose()
-
-    def model_rate(self, k: int) -> float:
-        """The round model: tokens per second per row."""
-        return self.costs.predicted_throughput(k, self.acceptance.tau(k))
-
-    def correction(self) -> float:
-        """Median over measured Ks of measured / model throughput (1 before any measurement)."""
-        ratios = [m / self.model_rate(k) for k in range(self.max_draft_tokens + 1)
-                  if (m := self.cycles.rate(k)) is not None]
-        return statistics.median(ratios) if ratios else 1.0
+        self.last_was_exploration = False
 
     def rate(self, k: int) -> float:
-        measured = self.cycles.rate(k)
-        return measured if measured is not None else self.model_rate(k) * self.correction()
+        """Predicted tokens per second per row at K."""
+        return self.costs.predicted_throughput(k, self.acceptance.tau(k))
 
     def choose(self) -> int:
-        """argmax_K of the (measured or predicted) throughput; ties go to the smaller K."""
-        ks = range(self.max_draft_tokens + 1)
-        return max(ks, key=lambda k: (self.rate(k), -k))
+        """The K >= 1 of the highest predicted throughput (ties to the smaller K), if it beats
+        target-only by SPECULATION_MARGIN; else 0."""
+        if self.max_draft_tokens == 0:
+            return 0
+        best = max(range(1, self.max_draft_tokens + 1), key=lambda k: (self.rate(k), -k))
+        return best if self.rate(best) >= (1.0 + SPECULATION_MARGIN) * self.rate(0) else 0
 
     def _best_other(self, best: int) -> int:
         if best:
@@ -289,6 +290,7 @@ class AutoDraft:
         they confirm the choice and restarts at EXPLORE_FIRST when the choice changes."""
         self.runs += 1
         best = self.choose()
+        self.last_was_exploration = True
         if self.exploring:
             self.exploring -= 1
             return self.explore_k
@@ -298,6 +300,7 @@ class AutoDraft:
                 self.explore_interval = 2 * EXPLORE_FIRST
             self.settled = best
         if self.runs < self.explore_at or self.max_draft_tokens == 0:
+            self.last_was_exploration = False
             return best
         self.explore_k = self._best_other(best)
         self.exploring = EXPLORE_RUNS - 1
@@ -305,20 +308,18 @@ class AutoDraft:
         self.explore_interval = min(2 * self.explore_interval, EXPLORE_MAX)
         return self.explore_k
 
-    def observe(self, k: int, iterations: int, row_rounds: int, round_tokens: int, accepted_per_position) -> None:
-        """One bounded run: ``iterations`` loop iterations; ``row_rounds`` rounds summed over running
-        rows emitted ``round_tokens`` tokens."""
+    def observe(self, k: int, iterations: int, seconds: float, row_rounds: int, round_tokens: int,
+                accepted_per_position) -> None:
+        """One bounded run: ``iterations`` loop iterations in ``seconds`` (the run alone, admissions
+        excluded: they cost the same per prompt whatever K is); ``row_rounds`` rounds summed over
+        running rows emitted ``round_tokens`` tokens."""
         self.last_k = k
         self.rounds_per_k[k] = self.rounds_per_k.get(k, 0) + iterations
         self.acceptance.observe(k, row_rounds, accepted_per_position)
+        self.costs.observe(k, seconds, iterations)
         if k:
             self.spec_row_rounds += row_rounds
             self.spec_round_tokens += round_tokens
-
-    def observe_cycle(self, k: int, row_tokens: float, seconds: float) -> None:
-        """One whole sync cycle run at ``k`` (see ``CycleRates``); cycles that compiled are left out."""
-        if seconds > 0 and row_tokens > 0:
-            self.cycles.observe(k, row_tokens, seconds)
 
     def speculative_stats(self) -> GenerationStats:
         """Rounds that speculated only (K = 0 rounds emit one token by design): what the collapse
@@ -328,10 +329,14 @@ class AutoDraft:
 
     def report(self) -> DraftChoice:
         k = self.last_k
-        measured_k, measured_0 = self.cycles.rate(k), self.cycles.rate(0)
-        measured = measured_k / measured_0 if measured_k is not None and measured_0 else float("nan")
-        per_k = {j: r for j in range(self.max_draft_tokens + 1) if (r := self.cycles.rate(j)) is not None}
-        return DraftChoice(num_draft_tokens=k, predicted_speedup=self.model_rate(k) / self.model_rate(0),
+        live_k, live_0 = self.costs.live_cost(k), self.costs.live_cost(0)
+        measured = (self.acceptance.tau(k) / live_k) / (1.0 / live_0) if live_k and live_0 else float("nan")
+        calibrated = RoundCosts(self.costs.seconds)
+        return DraftChoice(num_draft_tokens=k,
+                           predicted_speedup=calibrated.predicted_throughput(k, self.acceptance.tau(k))
+                           / calibrated.predicted_throughput(0, 1.0),
                            measured_speedup=measured, tau=self.acceptance.tau(k), rounds_per_k=dict(self.rounds_per_k),
                            compiled_programs=(self.max_draft_tokens + 1) if self.costs.calibration_seconds else 0,
-                           calibration_seconds=self.costs.calibration_seconds, measured_per_k=per_k)
+                           calibration_seconds=self.costs.calibration_seconds,
+                           round_seconds_per_k={j: c for j in range(self.max_draft_tokens + 1)
+                                                if (c := self.costs.live_cost(j)) is not None})

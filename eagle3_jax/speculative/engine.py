@@ -148,7 +148,6 @@ class Engine:
         seen_rounds_B = np.zeros(self.batch_size, np.int64)
         seen_tokens_B = np.zeros(self.batch_size, np.int64)
         seen_acc_BK = np.zeros((self.batch_size, max(self.max_draft_tokens, 1)), np.int64)
-        cycle = None   # under auto: (K, start time, tokens per occupied row, compiles so far) of the open cycle
         start = time.perf_counter()
         seconds_before = session.stats.seconds
         with session.activate():
@@ -172,15 +171,17 @@ class Engine:
                 if all(o is None for o in occupant):
                     break
                 occupied = sum(o is not None for o in occupant)
-                t = time.perf_counter()
-                if cycle is not None and cycle[3] == len(self.compile_intervals):
-                    # the cycle ends where the next run starts: its admissions are in it
-                    auto.observe_cycle(cycle[0], cycle[2], t - cycle[1])
                 k = auto.next_k() if auto is not None else program.num_draft_tokens
+                if auto is not None:
+                    jax.block_until_ready(state)   # time the run alone (admissions cost the same at any K)
+                t = time.perf_counter()
                 compiles = len(self.compile_intervals)
-                # With prompts waiting, the run ends once REFILL_ROWS more rows are free, so they are
+                # With prompts waiting, the run ends once refill_rows more rows are free, so they are
                 # refilled instead of idling until the slowest row's run ends.
-                stop_free = self.batch_size + 1 if exhausted else self.batch_size - occupied + self.refill_rows
+                # An exploration run of auto's always runs its full length, so that it is long enough
+                # to time (RoundCosts.observe).
+                full = exhausted or (auto is not None and auto.last_was_exploration)
+                stop_free = self.batch_size + 1 if full else self.batch_size - occupied + self.refill_rows
                 state = self._call(run_rounds, *models, state, jnp.int32(self.rounds_per_sync), jnp.int32(stop_free),
                                    sp, program=program.with_draft_tokens(k))
                 if auto is None:
@@ -189,12 +190,12 @@ class Engine:
                     finish, rounds_B, tokens_B, acc_BK = fetch_all(
                         state.finish_B, state.rounds_B, state.round_tokens_B, state.accepted_BK)
                     rounds_B, tokens_B, acc_BK = (x.astype(np.int64) for x in (rounds_B, tokens_B, acc_BK))
+                    # a run that compiled is timed as 0 s: its rounds still teach acceptance
+                    seconds = time.perf_counter() - t if compiles == len(self.compile_intervals) else 0.0
                     d_rounds_B = rounds_B - seen_rounds_B
-                    d_tokens = int((tokens_B - seen_tokens_B).sum())
-                    auto.observe(k, int(d_rounds_B.max()), int(d_rounds_B.sum()), d_tokens,
-                                 (acc_BK - seen_acc_BK).sum(0))
+                    auto.observe(k, int(d_rounds_B.max()), seconds, int(d_rounds_B.sum()),
+                                 int((tokens_B - seen_tokens_B).sum()), (acc_BK - seen_acc_BK).sum(0))
                     seen_rounds_B, seen_tokens_B, seen_acc_BK = rounds_B, tokens_B, acc_BK
-                    cycle = (k, t, d_tokens / occupied, compiles)
                 done = [b for b, req in enumerate(occupant) if req is not None and finish[b] != RUNNING]
                 for b, (tokens, reason, stats) in zip(done, session.row_results(state, done,
                                                                                program.max_draft_tokens)):

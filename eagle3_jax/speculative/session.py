@@ -23,7 +23,7 @@ from eagle3_jax.metrics import GenerationStats
 from eagle3_jax.sharding import data_parallel_size, mesh_context
 from eagle3_jax.speculative.autodraft import (AUTO, DEFAULT_MAX_DRAFT_TOKENS, AcceptanceModel, AutoDraft, calibrate,
                                               cost_key, load_costs, pair_fingerprint, save_costs)
-from eagle3_jax.speculative.generate import FINISH_NAMES, DecodeProgram, LoopState, Sampling
+from eagle3_jax.speculative.generate import FINISH_NAMES, DecodeProgram, LoopState, Sampling, StaticGraph
 
 # Prompts are right-padded to a multiple of this, so nearby lengths share one compiled program.
 PROMPT_BUCKET = 16
@@ -97,6 +97,7 @@ class DecodeSession:
         self.stats = GenerationStats.empty(self.max_draft_tokens)
         self.acceptance = AcceptanceModel(max(self.max_draft_tokens, 1))
         self._auto: dict[DecodeProgram, AutoDraft] = {}
+        self._static = None   # the graphdefs as StaticGraph, made on first use
 
     # ---------------------------------------------------------------- settings
     def activate(self):
@@ -137,9 +138,12 @@ class DecodeSession:
         return self._auto[key]
 
     def models(self) -> tuple:
-        """(target graphdef, target state, draft graphdef, draft state): the loop's leading arguments."""
+        """(target graphdef, target state, draft graphdef, draft state): the loop's leading arguments
+        (graphdefs wrapped once per session as ``StaticGraph``, so a call does not rehash them)."""
         d = self.draft
-        return (self.target.graphdef, self.target.state, d.graphdef if d else None, d.state if d else None)
+        if self._static is None:
+            self._static = (StaticGraph(self.target.graphdef), StaticGraph(d.graphdef) if d else None)
+        return (self._static[0], self.target.state, self._static[1], d.state if d else None)
 
     # ---------------------------------------------------------------- prompts
     def check_prompt(self, prompt: Sequence[int], name: str = "a prompt") -> None:
