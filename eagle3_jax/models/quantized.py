@@ -12,9 +12,10 @@ disk are the words held on the devices and the words written back, bit for bit):
     ``[(E,) ceil(out/bo), ceil(in/bi)]``; ``w = weight * scale_inv[o // bo, i // bi]``.
 
 Values and scales carry the same logical axes (the grouped axis keeps its name), so
-``sharding.LOGICAL_AXIS_RULES`` shards both the same way. Nothing here dequantizes a whole expert
-stack: ``quantized_matmul`` dequantizes one expert's matrix one tile of input columns at a time
-inside the matmul; an ``Fp8Linear`` dequantizes one dense layer's matrix at its matmul.
+``sharding.LOGICAL_AXIS_RULES`` shards both the same way. Nothing here dequantizes a whole matrix
+for a matmul: ``quantized_matmul`` dequantizes one expert's matrix one tile of input columns at a
+time inside the matmul, and ``Fp8Linear.project`` / ``fold_in_tiles`` do the same for a dense FP8
+projection (tiles of output rows where the table splits the input axis).
 
 Why packed int32 words and not ``jnp.int4``: XLA:CPU allocates one byte per ``int4`` element
 (``jnp.zeros((1024, 1024), jnp.int4).on_device_size_in_bytes()`` is 1 MiB, measured with jax
