@@ -115,6 +115,20 @@ def dequant_fp8(w_OI: jax.Array, scale_RC: jax.Array, block: tuple[int, int], dt
     return (w * s).astype(dtype)
 
 
+def as_bytes(w, index) -> jax.Array:
+    """Float8 ``w`` viewed as uint8, for slicing at the loop-dependent ``index`` just after.
+
+    XLA:CPU runs the view as a copy; left loop-invariant, loop-invariant code motion hoists that
+    copy of the whole array out of every enclosing loop, so a program held a byte copy of every
+    FP8 weight at once (as many bytes as the weights themselves). Tying the array to ``index``
+    through an optimization barrier keeps the view inside the loop, where it fuses into the slice
+    and only the slice is read.
+    """
+    if not isinstance(index, int):
+        w, _ = jax.lax.optimization_barrier((w, index))
+    return jax.lax.bitcast_convert_type(w, jnp.uint8)
+
+
 def dequant_fp8_slice(w_OI, scale_RC, block, start, size: int, axis: int, dtype) -> jax.Array:
     """Rows (axis -2) or columns (axis -1) [start, start + size) of a block-scaled FP8 matrix,
     dequantized; start and size are multiples of the block along that axis.
@@ -123,7 +137,7 @@ def dequant_fp8_slice(w_OI, scale_RC, block, start, size: int, axis: int, dtype)
     widens the whole float8 array to 16 bits, ahead of the loop that slices it.
     """
     unit = block[axis]
-    raw = jax.lax.bitcast_convert_type(w_OI, jnp.uint8)
+    raw = as_bytes(w_OI, start)
     w = jax.lax.bitcast_convert_type(jax.lax.dynamic_slice_in_dim(raw, start, size, axis=axis), w_OI.dtype)
     s = jax.lax.dynamic_slice_in_dim(scale_RC, start // unit, size // unit, axis=axis)
     return dequant_fp8(w, s, block, dtype)
@@ -142,8 +156,7 @@ def take_expert(stack_E_, e) -> jax.Array:
     """``stack[e]`` for a quantized stack. Float8 is indexed as bytes: a backend without float8
     arithmetic (XLA:CPU) otherwise widens the whole stack to 16 bits, ahead of the loop, to slice it."""
     if jnp.dtype(stack_E_.dtype).itemsize == 1 and jnp.issubdtype(stack_E_.dtype, jnp.floating):
-        raw = jax.lax.bitcast_convert_type(stack_E_, jnp.uint8)
-        return jax.lax.bitcast_convert_type(raw[e], stack_E_.dtype)
+        return jax.lax.bitcast_convert_type(as_bytes(stack_E_, e)[e], stack_E_.dtype)
     return stack_E_[e]
 
 
