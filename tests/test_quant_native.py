@@ -218,3 +218,23 @@ def test_fp8_linear_tiles_equal_whole_matrix():
     assert project("btq,qnh->btnh", x_BTQ, q_b).shape == (2, 3, 4, 24)
     with pytest.raises(ValueError, match="not a plain projection"):
         project("btn,qnh->btqh", x_BTQ, q_b)
+
+
+def test_fp8_projection_in_a_loop_holds_no_copy_of_the_weight():
+    """A decode-style loop over an FP8 projection: the program's temporaries stay below the
+    weight's own bytes (XLA:CPU once hoisted a byte copy of the whole float8 matrix out of the loop)."""
+    import jax
+
+    from eagle3_jax.models.quantized import Fp8Linear, QuantLayout
+
+    lin = Fp8Linear((2048, 2048), 1, ("embed", "embed"), QuantLayout(linears="fp8"), jnp.float32, nnx.Rngs(0))
+    graphdef, state = nnx.split(lin)
+
+    @jax.jit
+    def steps(state, x_BD):
+        layer = nnx.merge(graphdef, state)
+        return jax.lax.fori_loop(0, 4, lambda i, x: jnp.tanh(layer.project(x, tile=128)), x_BD)
+
+    compiled = steps.lower(state, jnp.ones((1, 2048), jnp.float32)).compile()
+    weight_bytes = 2048 * 2048  # one byte per float8 value
+    assert compiled.memory_analysis().temp_size_in_bytes < weight_bytes, compiled.memory_analysis().temp_size_in_bytes
