@@ -53,13 +53,16 @@ class PairFacts:
         return len(self.aux_layer_ids)
 
 
-def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None = None) -> PairFacts:
+def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None = None,
+               weights: str | None = None) -> PairFacts:
     """Checks everything that needs no weights; raises on the first failure.
 
     ``target``: a checkpoint directory or an already-read TargetConfig. ``draft``: a draft directory,
     a DraftConfig (a draft about to be trained), or None (target-only). ``mesh``: a mesh spec string,
     ``"auto"``/``"none"``, a MeshConfig, a jax Mesh or None. ``dtype``: the compute dtype name (or
-    ``"auto"``). ``max_len``: the prompt + generation capacity the run asks for.
+    ``"auto"``). ``max_len``: the prompt + generation capacity the run asks for. ``weights``: how
+    the run will load the target (``"native"``: a quantization_config whose weights cannot be held
+    as stored is refused here, naming its field; None: not checked).
     """
     from eagle3_jax.checkpoint.quant import QuantScheme
 
@@ -71,6 +74,10 @@ def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None
         tcfg = TargetConfig.from_path(target_dir)
     facts = PairFacts(target=tcfg, target_dtype=_torch_dtype(tcfg.hf_config))
     facts.quantization = QuantScheme.from_hf_config(tcfg.hf_config, _where(target_dir)).method
+    if weights == "native":
+        from eagle3_jax.checkpoint.quant_native import check_native_config
+
+        check_native_config(tcfg.hf_config, _where(target_dir))
     _check_dtype(dtype)
     _check_mesh(mesh)
     if target_dir is not None:

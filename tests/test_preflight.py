@@ -101,6 +101,18 @@ def test_unsupported_target_quantization_is_refused(tmp_path, no_tensor_reads):
         preflight.check_pair(target, DEMO_DRAFT)
 
 
+def test_quantization_not_held_natively_is_refused_before_weights(tmp_path, no_tensor_reads):
+    """INT4 group size 16 dequantizes fine but has no native kernel: a run that loads the target as
+    stored (serve, train) is refused from config.json alone, naming the field."""
+    group16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                       "strategy": "group", "group_size": 16}}}}
+    target = _copy_with_config(DEMO_TARGET, tmp_path / "target", quantization_config=group16)
+    with pytest.raises(e3.ConfigError, match=r"config_groups\.group_0\.weights\.group_size is 16.*weights='bfloat16'"):
+        preflight.check_pair(target, DEMO_DRAFT, weights="native")
+    assert preflight.check_pair(target, DEMO_DRAFT).quantization == "compressed-tensors"  # dequantizing load: fine
+
+
 def test_draft_with_another_tokenizer_is_refused(tmp_path):
     from eagle3_jax.tokenizer import load_tokenizer
 

@@ -184,3 +184,57 @@ def test_tiled_quantized_matmul_equals_whole_matrix(kind):
     for tile in (32, 64, 160):  # 5 tiles, 2 tiles + a width that does not divide (falls to 32), 1 tile
         got = quantized_matmul(x_bI, values[1], scales[1], stack, tile=tile)
         assert rel_err(got, whole) <= 1e-6, tile
+
+
+def test_fp8_linear_tiles_equal_whole_matrix():
+    """Every FP8 dense call site (plain projections over column or row tiles, MLA's absorbed kv_b
+    both ways) equals the einsum with the whole dequantized matrix, over several tiles."""
+    import jax
+
+    from eagle3_jax.models.attention import absorb_keys, expand_values
+    from eagle3_jax.models.quantized import Fp8Linear, QuantLayout, project
+
+    layout = QuantLayout(linears="fp8", fp8_block=(16, 16))
+    key = iter(jax.random.split(jax.random.key(2), 8))
+
+    def normal(*shape):
+        return jax.random.normal(next(key), shape, jnp.float32)
+
+    q_b = Fp8Linear((64, 4, 24), 1, ("q_lora", "heads", "head_dim"), layout, jnp.float32, nnx.Rngs(0))
+    o = Fp8Linear((4, 24, 48), 2, ("heads", "head_dim", "embed"), layout, jnp.float32, nnx.Rngs(1))
+    kv_b = Fp8Linear((64, 4, 40), 1, ("kv_lora", "heads", "head_dim"), layout, jnp.float32, nnx.Rngs(2))
+    x_BTQ, x_BTNV = normal(2, 3, 64), normal(2, 3, 4, 24)
+    q_nope_BTNO, lat_BTNC = normal(2, 3, 4, 16), normal(2, 3, 4, 64)
+    for tile in (16, 32, 512):  # 4 tiles, 2 tiles, one
+        got = q_b.project(x_BTQ, tile=tile)
+        assert rel_err(got, jnp.einsum("btq,qnh->btnh", x_BTQ, q_b.dequantized())) <= 1e-6
+        got = o.project(x_BTNV, tile=tile)  # heads (its input) split by the table: row tiles
+        assert rel_err(got, jnp.einsum("btno,nod->btd", x_BTNV, o.dequantized())) <= 1e-6
+        w_CNX = kv_b.dequantized()
+        got = absorb_keys(q_nope_BTNO, kv_b, 16, tile=tile)
+        np.testing.assert_array_equal(got, jnp.einsum("btno,cno->btnc", q_nope_BTNO, w_CNX[..., :16]))
+        got = expand_values(lat_BTNC, kv_b, 16, tile=tile)
+        assert rel_err(got, jnp.einsum("btnc,cno->btno", lat_BTNC, w_CNX[..., 16:])) <= 1e-6
+    assert project("btq,qnh->btnh", x_BTQ, q_b).shape == (2, 3, 4, 24)
+    with pytest.raises(ValueError, match="not a plain projection"):
+        project("btn,qnh->btqh", x_BTQ, q_b)
+
+
+def test_fp8_projection_in_a_loop_holds_no_copy_of_the_weight():
+    """A decode-style loop over an FP8 projection: the program's temporaries stay below the
+    weight's own bytes (XLA:CPU once hoisted a byte copy of the whole float8 matrix out of the loop)."""
+    import jax
+
+    from eagle3_jax.models.quantized import Fp8Linear, QuantLayout
+
+    lin = Fp8Linear((2048, 2048), 1, ("embed", "embed"), QuantLayout(linears="fp8"), jnp.float32, nnx.Rngs(0))
+    graphdef, state = nnx.split(lin)
+
+    @jax.jit
+    def steps(state, x_BD):
+        layer = nnx.merge(graphdef, state)
+        return jax.lax.fori_loop(0, 4, lambda i, x: jnp.tanh(layer.project(x, tile=128)), x_BD)
+
+    compiled = steps.lower(state, jnp.ones((1, 2048), jnp.float32)).compile()
+    weight_bytes = 2048 * 2048  # one byte per float8 value
+    assert compiled.memory_analysis().temp_size_in_bytes < weight_bytes, compiled.memory_analysis().temp_size_in_bytes

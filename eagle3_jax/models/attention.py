@@ -9,12 +9,47 @@ from flax import nnx
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.models.cache import MLACache, causal_slot_mask
 from eagle3_jax.models.layers import RMSNorm, apply_rope
-from eagle3_jax.models.quantized import QuantLayout, linear_param
+from eagle3_jax.models.quantized import TILE_COLS, Fp8Linear, QuantLayout, linear_param, project
 
 
 def masked_softmax(scores_BTNS: jax.Array, mask_BTS: jax.Array) -> jax.Array:
     s = jnp.where(mask_BTS[:, :, None, :], scores_BTNS.astype(jnp.float32), -jnp.inf)
     return jax.nn.softmax(s, axis=-1)
+
+
+def absorb_keys(q_nope_BTNO: jax.Array, kv_b, nope: int, tile: int = TILE_COLS) -> jax.Array:
+    """q_lat = W_kᵀ q_nope per head: [B, T, N, nope] x kv_b's key part [C, N, nope] -> [B, T, N, C].
+
+    An FP8 ``kv_b`` is dequantized a tile of latent columns at a time; each tile fills its own
+    slice of q_lat (the contraction is over ``nope``, within a tile), so the result is exact."""
+    if not isinstance(kv_b, Fp8Linear):
+        return jnp.einsum("btno,cno->btnc", q_nope_BTNO, kv_b[...][..., :nope])
+    B, T, N, _ = q_nope_BTNO.shape
+    C = kv_b.ours_shape[0]
+
+    def absorb_tile(start, width, w_KNX, q_lat_BTNC):  # K: this tile's latent columns
+        part_BTNK = jnp.einsum("btno,kno->btnk", q_nope_BTNO, w_KNX[..., :nope])
+        return jax.lax.dynamic_update_slice_in_dim(q_lat_BTNC, part_BTNK.astype(q_lat_BTNC.dtype), start, axis=-1)
+
+    dtype = jnp.result_type(q_nope_BTNO.dtype, kv_b.dtype)
+    return kv_b.fold_in_tiles(absorb_tile, jnp.zeros((B, T, N, C), dtype), tile)
+
+
+def expand_values(out_lat_BTNC: jax.Array, kv_b, nope: int, tile: int = TILE_COLS) -> jax.Array:
+    """out = W_v out_lat per head: [B, T, N, C] x kv_b's value part [C, N, V] -> [B, T, N, V]
+    (an FP8 ``kv_b`` a tile of latent columns at a time, partial products summed in float32)."""
+    if not isinstance(kv_b, Fp8Linear):
+        return jnp.einsum("btnc,cno->btno", out_lat_BTNC, kv_b[...][..., nope:])
+    B, T, N, _ = out_lat_BTNC.shape
+    V = kv_b.out_shape[-1] - nope
+
+    def expand_tile(start, width, w_KNX, acc_BTNV):
+        lat_BTNK = jax.lax.dynamic_slice_in_dim(out_lat_BTNC, start, width, axis=-1)
+        return acc_BTNV + jnp.einsum("btnk,kno->btno", lat_BTNK, w_KNX[..., nope:],
+                                     preferred_element_type=jnp.float32)
+
+    out_BTNV = kv_b.fold_in_tiles(expand_tile, jnp.zeros((B, T, N, V), jnp.float32), tile)
+    return out_BTNV.astype(jnp.result_type(out_lat_BTNC.dtype, kv_b.dtype))
 
 
 class MLAttention(nnx.Module):
@@ -52,29 +87,27 @@ class MLAttention(nnx.Module):
         cfg = self.cfg
         nope, C = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank is None:
-            q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...])
+            q_BTNH = project("btd,dnh->btnh", x_BTD, self.q_proj)
         else:
-            qa_BTQ = self.q_a_layernorm(jnp.einsum("btd,dq->btq", x_BTD, self.q_a_proj[...]))
-            q_BTNH = jnp.einsum("btq,qnh->btnh", qa_BTQ, self.q_b_proj[...])
+            qa_BTQ = self.q_a_layernorm(project("btd,dq->btq", x_BTD, self.q_a_proj))
+            q_BTNH = project("btq,qnh->btnh", qa_BTQ, self.q_b_proj)
         q_nope_BTNO, q_rope_BTNP = q_BTNH[..., :nope], q_BTNH[..., nope:]
         q_rope_BTNP = apply_rope(q_rope_BTNP, cos_BTP[:, :, None], sin_BTP[:, :, None], cfg.rope_interleave)
 
-        kv_BTX = jnp.einsum("btd,dx->btx", x_BTD, self.kv_a_proj_with_mqa[...])
+        kv_BTX = project("btd,dx->btx", x_BTD, self.kv_a_proj_with_mqa)
         latent_BTC = self.kv_a_layernorm(kv_BTX[..., :C])
         k_rope_BTP = apply_rope(kv_BTX[..., C:], cos_BTP, sin_BTP, cfg.rope_interleave)
 
         cache = cache.write(layer, latent_BTC, k_rope_BTP, positions_BT)
         latent_BSC, rope_BSP = cache.latent_LBSC[layer], cache.rope_LBSP[layer]
 
-        w_kv_CNX = self.kv_b_proj[...]
-        wk_CNO, wv_CNO = w_kv_CNX[..., :nope], w_kv_CNX[..., nope:]
-        q_lat_BTNC = jnp.einsum("btno,cno->btnc", q_nope_BTNO, wk_CNO)
+        q_lat_BTNC = absorb_keys(q_nope_BTNO, self.kv_b_proj, nope)
         scores_BTNS = (
             jnp.einsum("btnc,bsc->btns", q_lat_BTNC, latent_BSC)
             + jnp.einsum("btnp,bsp->btns", q_rope_BTNP, rope_BSP)
         ) * softmax_scale
         probs_BTNS = masked_softmax(scores_BTNS, causal_slot_mask(positions_BT, latent_BSC.shape[1]))
         out_lat_BTNC = jnp.einsum("btns,bsc->btnc", probs_BTNS.astype(latent_BSC.dtype), latent_BSC)
-        out_BTNO = jnp.einsum("btnc,cno->btno", out_lat_BTNC, wv_CNO)
-        y_BTD = jnp.einsum("btno,nod->btd", out_BTNO, self.o_proj[...])
+        out_BTNO = expand_values(out_lat_BTNC, self.kv_b_proj, nope)
+        y_BTD = project("btno,nod->btd", out_BTNO, self.o_proj)
         return y_BTD, cache

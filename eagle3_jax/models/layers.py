@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from eagle3_jax.config import RopeConfig
-from eagle3_jax.models.quantized import QuantLayout, linear_param
+from eagle3_jax.models.quantized import QuantLayout, linear_param, project
 
 
 def param(rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str | None], dtype, init: str = "normal",
@@ -131,6 +131,6 @@ class SwiGLU(nnx.Module):
         self.down = linear_param(rngs, (width, dim), (width_axis, "embed"), dtype, quant)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        g_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate[...])
-        u_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up[...])
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(g_BTF) * u_BTF, self.down[...])
+        g_BTF = project("btd,df->btf", x_BTD, self.gate)
+        u_BTF = project("btd,df->btf", x_BTD, self.up)
+        return project("btf,fd->btd", jax.nn.silu(g_BTF) * u_BTF, self.down)

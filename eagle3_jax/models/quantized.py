@@ -12,9 +12,10 @@ disk are the words held on the devices and the words written back, bit for bit):
     ``[(E,) ceil(out/bo), ceil(in/bi)]``; ``w = weight * scale_inv[o // bo, i // bi]``.
 
 Values and scales carry the same logical axes (the grouped axis keeps its name), so
-``sharding.LOGICAL_AXIS_RULES`` shards both the same way. Nothing here dequantizes a whole expert
-stack: ``quantized_matmul`` dequantizes one expert's matrix one tile of input columns at a time
-inside the matmul; an ``Fp8Linear`` dequantizes one dense layer's matrix at its matmul.
+``sharding.LOGICAL_AXIS_RULES`` shards both the same way. Nothing here dequantizes a whole matrix
+for a matmul: ``quantized_matmul`` dequantizes one expert's matrix one tile of input columns at a
+time inside the matmul, and ``Fp8Linear.project`` / ``fold_in_tiles`` do the same for a dense FP8
+projection (tiles of output rows where the table splits the input axis).
 
 Why packed int32 words and not ``jnp.int4``: XLA:CPU allocates one byte per ``int4`` element
 (``jnp.zeros((1024, 1024), jnp.int4).on_device_size_in_bytes()`` is 1 MiB, measured with jax
@@ -31,6 +32,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from eagle3_jax.sharding import mesh_axis
 
 NATIVE_INT4_GROUP = 32
 
@@ -112,6 +115,39 @@ def dequant_fp8(w_OI: jax.Array, scale_RC: jax.Array, block: tuple[int, int], dt
     return (w * s).astype(dtype)
 
 
+def as_bytes(w, index) -> jax.Array:
+    """Float8 ``w`` viewed as uint8, for slicing at the loop-dependent ``index`` just after.
+
+    XLA:CPU runs the view as a copy; left loop-invariant, loop-invariant code motion hoists that
+    copy of the whole array out of every enclosing loop, so a program held a byte copy of every
+    FP8 weight at once (as many bytes as the weights themselves). Tying the array to ``index``
+    through an optimization barrier keeps the view inside the loop, where it fuses into the slice
+    and only the slice is read.
+    """
+    if not isinstance(index, int):
+        w, _ = jax.lax.optimization_barrier((w, index))
+    return jax.lax.bitcast_convert_type(w, jnp.uint8)
+
+
+def dequant_fp8_slice(w_OI, scale_RC, block, start, size: int, axis: int, dtype) -> jax.Array:
+    """Rows (axis -2) or columns (axis -1) [start, start + size) of a block-scaled FP8 matrix,
+    dequantized; start and size are multiples of the block along that axis.
+
+    The float8 values are sliced as bytes: a backend without float8 arithmetic (XLA:CPU) otherwise
+    widens the whole float8 array to 16 bits, ahead of the loop that slices it.
+    """
+    unit = block[axis]
+    raw = as_bytes(w_OI, start)
+    w = jax.lax.bitcast_convert_type(jax.lax.dynamic_slice_in_dim(raw, start, size, axis=axis), w_OI.dtype)
+    s = jax.lax.dynamic_slice_in_dim(scale_RC, start // unit, size // unit, axis=axis)
+    return dequant_fp8(w, s, block, dtype)
+
+
+def tile_width(n: int, unit: int, tile: int) -> int | None:
+    """The widest multiple of ``unit`` that divides ``n`` and is at most ``tile`` (None if none)."""
+    return max((w for w in range(unit, min(tile, n) + 1, unit) if n % w == 0), default=None)
+
+
 # ---------------------------------------------------------------------- containers
 TILE_COLS = 512
 
@@ -120,8 +156,7 @@ def take_expert(stack_E_, e) -> jax.Array:
     """``stack[e]`` for a quantized stack. Float8 is indexed as bytes: a backend without float8
     arithmetic (XLA:CPU) otherwise widens the whole stack to 16 bits, ahead of the loop, to slice it."""
     if jnp.dtype(stack_E_.dtype).itemsize == 1 and jnp.issubdtype(stack_E_.dtype, jnp.floating):
-        raw = jax.lax.bitcast_convert_type(stack_E_, jnp.uint8)
-        return jax.lax.bitcast_convert_type(raw[e], stack_E_.dtype)
+        return jax.lax.bitcast_convert_type(as_bytes(stack_E_, e)[e], stack_E_.dtype)
     return stack_E_[e]
 
 
@@ -133,8 +168,7 @@ def quantized_matmul(x_bI: jax.Array, values, scales, stack, tile: int = TILE_CO
     layer would add up over the layers of one program.) Partial products accumulate in float32.
     """
     I = x_bI.shape[-1]
-    unit = stack.col_unit
-    width = max((w for w in range(unit, min(tile, I) + 1, unit) if I % w == 0), default=None)
+    width = tile_width(I, stack.col_unit, tile)
     if width is None:  # columns not a multiple of whole groups / blocks: one piece
         return jnp.einsum("bi,oi->bo", x_bI, stack.dequant_one(values, scales, x_bI.dtype))
 
@@ -211,36 +245,106 @@ class Fp8Stack(nnx.Module):
         return self.block[1]
 
     def dequant_cols(self, w_OI, scale_RC, start, width: int, dtype) -> jax.Array:
-        # Sliced as bytes: a backend without float8 arithmetic (XLA:CPU) otherwise widens the
-        # whole float8 stack to 16 bits ahead of the loop to slice it.
-        w = jax.lax.dynamic_slice_in_dim(jax.lax.bitcast_convert_type(w_OI, jnp.uint8), start, width, axis=-1)
-        w = jax.lax.bitcast_convert_type(w, w_OI.dtype)
-        s = jax.lax.dynamic_slice_in_dim(scale_RC, start // self.block[1], width // self.block[1], axis=-1)
-        return dequant_fp8(w, s, self.block, dtype)
+        return dequant_fp8_slice(w_OI, scale_RC, self.block, start, width, -1, dtype)
 
 
 class Fp8Linear(nnx.Module):
     """One dense ``[out, in]`` FP8 matrix standing in for a float parameter of shape ``ours_shape``
-    (our einsum-ready layout: the ``in_ndim`` leading dims are the input, the rest the output)."""
+    (our einsum-ready layout: the ``in_ndim`` leading dims are the input, the rest the output).
+
+    Call sites never see the whole matrix dequantized: ``project`` (the plain ``x @ W``) and
+    ``fold_in_tiles`` (anything else, e.g. MLA's absorbed ``kv_b``) dequantize one tile of
+    ``TILE_COLS`` columns or rows inside a ``fori_loop``. A whole dequantized matrix at each matmul
+    is what XLA hoisted out of the decode loop: a float copy of every layer's projections at once.
+    """
 
     def __init__(self, ours_shape: Sequence[int], in_ndim: int, axes: Sequence[str | None],
                  layout: QuantLayout, dtype, rngs: nnx.Rngs | None):
         ours_shape = tuple(int(s) for s in ours_shape)
         cols, out = math.prod(ours_shape[:in_ndim]), math.prod(ours_shape[in_ndim:])
         # [out, in] gets the names of the first output and first input dims of our layout.
-        self.weight, self.scale_inv = _fp8_pair((), out, cols, (axes[in_ndim], axes[0]), layout, rngs)
+        self.axes_OI = (axes[in_ndim], axes[0])
+        self.weight, self.scale_inv = _fp8_pair((), out, cols, self.axes_OI, layout, rngs)
         self.block = tuple(layout.fp8_block)
         self.ours_shape = ours_shape
+        self.in_ndim = in_ndim
         self.dtype = dtype
 
-    def __getitem__(self, _):
-        """The dequantized matrix in our layout, so call sites read it like an ``nnx.Param``.
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.ours_shape[self.in_ndim:]
 
-        One layer's matrix at a time, at its matmul (XLA fuses the scaling into the dot's operand
-        on accelerators); never more than one dense layer's worth.
-        """
+    def dequantized(self) -> jax.Array:
+        """The whole matrix in our layout (for checks; the model's call sites use the tiled paths)."""
         w_OI = dequant_fp8(self.weight[...], self.scale_inv[...], self.block, self.dtype)
         return w_OI.T.reshape(self.ours_shape)
+
+    def fold_in_tiles(self, body, init, tile: int = TILE_COLS):
+        """``carry = body(start, width, w_T_, carry)`` for consecutive tiles of ``width`` input rows
+        of our layout (input columns of the stored matrix), ``w_T_``: ``[width, *out_shape]`` in the
+        model dtype, inside a ``fori_loop``. An input that is not whole blocks is one tile."""
+        w_OI, scale_RC = self.weight[...], self.scale_inv[...]
+        I = w_OI.shape[-1]
+        width = tile_width(I, self.block[1], tile)
+        if width is None:
+            return body(0, I, self.dequantized().reshape(I, *self.out_shape), init)
+
+        def step(i, carry):
+            start = i * width
+            w_OT = dequant_fp8_slice(w_OI, scale_RC, self.block, start, width, -1, self.dtype)
+            return body(start, width, w_OT.T.reshape(width, *self.out_shape), carry)
+
+        return jax.lax.fori_loop(0, I // width, step, init)
+
+    def project(self, x: jax.Array, tile: int = TILE_COLS) -> jax.Array:
+        """``x [..., *in_shape] -> [..., *out_shape]``: the einsum a float parameter of our layout
+        would do, with float32 accumulation over tiles and the einsum's result dtype.
+
+        Tiles run over the input columns unless the sharding table splits the input axis and not
+        the output one (``o_proj``, ``down`` under tensor parallelism): slicing a split axis would
+        gather it, so those take tiles of output rows and leave the contraction split.
+        """
+        lead = x.shape[:x.ndim - self.in_ndim]
+        x_LI = x.reshape(*lead, -1)
+        O = math.prod(self.out_shape)
+        acc_LO = jnp.zeros((*lead, O), jnp.float32)
+        height = tile_width(O, self.block[0], tile)
+        if height is not None and _is_split(self.axes_OI[1]) and not _is_split(self.axes_OI[0]):
+            w_OI, scale_RC = self.weight[...], self.scale_inv[...]
+
+            def rows(i, y_LO):
+                start = i * height
+                w_HI = dequant_fp8_slice(w_OI, scale_RC, self.block, start, height, -2, self.dtype)
+                y_LH = jnp.einsum("...i,hi->...h", x_LI, w_HI, preferred_element_type=jnp.float32)
+                return jax.lax.dynamic_update_slice_in_dim(y_LO, y_LH, start, axis=-1)
+
+            y_LO = jax.lax.fori_loop(0, O // height, rows, acc_LO)
+        else:
+            def cols(start, width, w_K_, a_LO):  # K: this tile's input columns
+                x_LK = jax.lax.dynamic_slice_in_dim(x_LI, start, width, axis=-1)
+                return a_LO + jnp.einsum("...k,ko->...o", x_LK, w_K_.reshape(width, O),
+                                         preferred_element_type=jnp.float32)
+
+            y_LO = self.fold_in_tiles(cols, acc_LO, tile)
+        return y_LO.astype(jnp.result_type(x.dtype, self.dtype)).reshape(*lead, *self.out_shape)
+
+
+def _is_split(logical: str | None) -> bool:
+    return logical is not None and mesh_axis(logical) is not None
+
+
+def project(spec: str, x: jax.Array, w) -> jax.Array:
+    """``jnp.einsum(spec, x, w)`` for a float parameter; the tiled ``Fp8Linear.project`` for an FP8
+    one, whose ``spec`` must be that plain projection (x's trailing input dims, then w's output dims)."""
+    if not isinstance(w, Fp8Linear):
+        return jnp.einsum(spec, x, w[...])
+    lhs, rest = spec.split(",")
+    rhs, out = rest.split("->")
+    n = w.in_ndim
+    if lhs[-n:] != rhs[:n] or out != lhs[:-n] + rhs[n:]:
+        raise ValueError(f"project: '{spec}' is not a plain projection over {n} input dim(s); "
+                         "use Fp8Linear.fold_in_tiles for other contractions")
+    return w.project(x)
 
 
 def _fp8_pair(lead, out, cols, axes, layout: QuantLayout, rngs):

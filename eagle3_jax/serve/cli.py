@@ -180,7 +180,8 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
     if s.draft:
         DraftConfig.from_path(s.draft)   # a wrong --draft path fails now, not after the target has loaded
     dtype = resolve_dtype_name(s.dtype, target_cfg)
-    preflight.check_pair(s.target, s.draft, mesh=s.mesh, dtype=dtype, max_len=s.max_len)  # before any output
+    # before any output; load_target below keeps quantized weights as stored
+    preflight.check_pair(s.target, s.draft, mesh=s.mesh, dtype=dtype, max_len=s.max_len, weights="native")
     tok = load_tokenizer(s.target)
     check_vocab(tok, target_cfg.vocab_size, s.target)
     log.info("%s", tok.describe())

@@ -11,7 +11,8 @@ __all__ = ["DraftShape", "TrainConfig", "check_setup", "run"]
 def check_setup(cfg: TrainConfig) -> None:
     """The settings, then the target/draft pair they name, from config files and headers only."""
     cfg.validate()
-    preflight.check_pair(cfg.target, cfg.draft_config(), mesh=cfg.mesh, dtype=cfg.resolved_target_dtype)
+    preflight.check_pair(cfg.target, cfg.draft_config(), mesh=cfg.mesh, dtype=cfg.resolved_target_dtype,
+                         weights="native")  # the trainer's load_target keeps quantized weights as stored
 
 
 def run(cfg: TrainConfig, progress: bool = True):

@@ -125,8 +125,8 @@ def format_notes(plan: Plan) -> list[str]:
     notes = []
     if plan.quant is not None:
         notes.append(f"runtime row: the parameters load_target(weights='native') allocates ({plan.quant.name}: "
-                     "values and scales as the checkpoint stores them, dequantized per expert / per layer inside "
-                     "the matmuls); --weights bfloat16 plans the dequantized model")
+                     "values and scales as the checkpoint stores them, dequantized a tile of one matrix at a time "
+                     "inside the matmuls); --weights bfloat16 plans the dequantized model")
     elif any(b < 16 for b in plan.settings.expert_bits):
         notes.append("what-if rows are computed from the shapes (packed weights + scales); the runtime row is the "
                      "model dtype, what load_target allocates for this config")
