@@ -336,3 +336,14 @@ def test_watchdog_warns_on_collapse_and_is_rate_limited(caplog):
     healthy.add("eos", GenerationStats(rounds=40, tokens=100, round_tokens=100, seconds=0.0,
                                       accepted_per_position=[30, 20, 10, 0]))
     assert not Watchdog(4, "x").maybe_check(healthy)
+
+
+def test_prefill_memory_bounds_keep_the_output(tmp_path, models, target_dir, trained_draft_dir, expected):
+    """--admit-rows 1 --prefill-chunk 4 (what tools.plan uses to make prefill fit) change how prompts
+    are admitted, never the tokens."""
+    inp = write_jsonl(tmp_path / "in.jsonl", prompt_rows())
+    out, metrics = tmp_path / "out.jsonl", tmp_path / "metrics.json"
+    assert serve(models, target_dir, inp, out, trained_draft_dir, metrics=metrics, admit_rows=1, prefill_chunk=4) == 0
+    check_matches(read_jsonl(out), expected)
+    settings = json.loads(metrics.read_text())["settings"]
+    assert (settings["admit_rows"], settings["prefill_chunk"]) == (1, 4)

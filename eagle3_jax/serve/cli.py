@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--batch-size", type=int, help="rows generated together (default 8)")
     a("--max-len", type=int, help="prompt + generation capacity per row in tokens (default 2048); may change "
                                    "between runs of one output: longer prompts that failed are retried")
+    a("--admit-rows", type=int, help="the most rows one prefill call admits (default: the whole batch); "
+                                     "fewer bound prefill memory, as `python -m tools.plan --admit-rows` plans")
+    a("--prefill-chunk", type=int, help="prompt positions per target call in prefill (default: the whole "
+                                        "prompt); bounds prefill temporaries, never changes the tokens")
     a("--mesh", help="device mesh, e.g. data=1,expert=8,tensor=1; 'auto' (default) puts every device on expert, "
                      "'none' runs on one device")
     a("--seed", type=int, help="sampling seed (default 0)")
@@ -263,7 +267,7 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
     engine = engine_module.Engine(
         target, draft=draft, num_draft_tokens=s.num_draft_tokens, max_len=s.max_len, batch_size=s.batch_size,
         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-        eos_token_ids=tuple(tok.eos_token_ids))
+        eos_token_ids=tuple(tok.eos_token_ids), max_admit_rows=s.admit_rows, prefill_chunk=s.prefill_chunk)
     # Under auto the per-round K varies; the Engine runs the acceptance check on speculating rounds.
     watchdog = Watchdog(0 if s.num_draft_tokens == "auto" else k, context=s.output, pair=(s.target, s.draft))
     buckets: set[int] = set()

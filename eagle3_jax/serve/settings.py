@@ -43,6 +43,10 @@ class ServeSettings:
     num_draft_tokens: int | str = "auto"
     batch_size: int = 8
     max_len: int = 2048
+    # Memory bounds of prefill (tools.plan plans the same): the most rows one prefill call admits
+    # (None: the whole batch) and prompt positions per target call (None: the whole prompt block).
+    admit_rows: int | None = None
+    prefill_chunk: int | None = None
     # "auto": every visible device on the expert axis (no mesh on a single device); "none": no mesh.
     mesh: str = "auto"
     seed: int = 0
@@ -87,6 +91,9 @@ class ServeSettings:
             problems.append("--output must differ from --input")
         if self.max_new_tokens < 1:
             problems.append(f"max_new_tokens must be >= 1, found {self.max_new_tokens}")
+        for name in ("admit_rows", "prefill_chunk"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1 (or unset), found {getattr(self, name)}")
         if self.temperature < 0:
             problems.append(f"temperature must be >= 0, found {self.temperature}")
         if not 0 < self.top_p <= 1:
