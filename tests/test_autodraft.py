@@ -42,6 +42,24 @@ def test_speculation_must_beat_target_only_by_the_margin():
     assert AutoDraft(costs, 1, clear).choose() == 1
 
 
+def test_the_wall_clock_vetoes_speculation_that_loses():
+    costs = RoundCosts({0: 1.0, 1: 1.0})
+    acc = AcceptanceModel(1)
+    acc.observe(1, 1000, [500])                    # the round model: K = 1 is 1.5x target-only
+    auto = AutoDraft(costs, 1, acc)
+    assert auto.choose() == 1
+    for _ in range(3):                             # whole cycles: speculating slower on the wall clock
+        auto.observe_cycle(1, 10.0, 1.0)
+        auto.observe_cycle(0, 12.0, 1.0)
+    assert auto.wall.rate(True) is None and auto.choose() == 1   # too few cycles to veto
+    auto.observe_cycle(1, 10.0, 1.0)
+    auto.observe_cycle(0, 12.0, 1.0)
+    assert auto.wall.rate(True) == 10.0 and auto.wall.rate(False) == 12.0 and auto.choose() == 0
+    for _ in range(autodraft.WALL_WINDOW):       # the latest cycles count: speculation pays again
+        auto.observe_cycle(1, 15.0, 1.0)
+    assert auto.choose() == 1
+
+
 def test_costs_are_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv(autodraft.CACHE_ENV, str(tmp_path))
     costs = RoundCosts({0: 0.5, 1: 0.75})
@@ -75,7 +93,9 @@ def test_forced_switches_stay_lossless(tiny_target, draft, monkeypatch, tmp_path
     assert [got[str(i)] for i in range(len(prompts))] == expected
     choice = eng.draft_choice
     assert set(choice.rounds_per_k) == {0, 1, 2, 3}
-    assert choice.compiled_programs == 4 and np.isfinite(choice.measured_speedup)
+    assert choice.compiled_programs == 4
+    # runs of rounds_per_sync = 2 rounds are too short to time: no live costs, no measured speedup
+    assert choice.round_seconds_per_k == {} and np.isnan(choice.measured_speedup)
     assert eng._auto.speculative_stats().mean_accept_length > 1.2   # multi-token acceptance was exercised
 
 

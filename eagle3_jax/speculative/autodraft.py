@@ -59,6 +59,9 @@ EXPLORE_RUNS = 2
 # and admissions) and the draft's share of every prefill. On the demo pair at batch 8 those made a
 # K predicted 8 % faster run 15 % slower (benchmarks/RESULTS.md, "speedup").
 SPECULATION_MARGIN = 0.10
+# The wall-clock veto: the latest WALL_WINDOW cycles of each kind, once there are WALL_MIN_CYCLES.
+WALL_WINDOW = 16
+WALL_MIN_CYCLES = 4
 EXPLORE_FIRST = 8
 EXPLORE_MAX = 64
 
@@ -242,6 +245,27 @@ class DraftChoice:
     round_seconds_per_k: dict[int, float] = field(default_factory=dict)   # live seconds per round
 
 
+class WallClock:
+    """Tokens per occupied row per second over whole sync cycles, pooled for speculating runs and
+    for target-only runs: a bounded run, handing out its results, and the admissions that refill the
+    freed rows, up to the next run. That is what a user waits for, including what the round model
+    leaves out (more and shorter runs when speculating rows finish out of step, the draft's share of
+    every prefill). It only vetoes: when speculating runs have been slower on the wall clock than
+    target-only ones, the round model's pick of a K >= 1 is overruled."""
+
+    def __init__(self):
+        self.cycles = {True: deque(maxlen=WALL_WINDOW), False: deque(maxlen=WALL_WINDOW)}
+
+    def observe(self, speculating: bool, row_tokens: float, seconds: float) -> None:
+        if row_tokens > 0 and seconds > 0:
+            self.cycles[speculating].append((row_tokens, seconds))
+
+    def rate(self, speculating: bool) -> float | None:
+        """None until WALL_MIN_CYCLES cycles of that kind were seen."""
+        w = self.cycles[speculating]
+        return sum(t for t, _ in w) / sum(s for _, s in w) if len(w) >= WALL_MIN_CYCLES else None
+
+
 class AutoDraft:
     """Chooses K for each bounded run and learns acceptance and round costs from it (one per
     session and batch size): K maximizes τ(K) / c(K), with τ from the live acceptance and c from
@@ -253,6 +277,7 @@ class AutoDraft:
         self.costs = costs
         self.acceptance = acceptance
         self.max_draft_tokens = max_draft_tokens
+        self.wall = WallClock()
         self.rounds_per_k: dict[int, int] = {}
         self.runs = 0
         self.spec_row_rounds = 0    # rounds with K >= 1, summed over rows, and the tokens they emitted
@@ -271,11 +296,15 @@ class AutoDraft:
 
     def choose(self) -> int:
         """The K >= 1 of the highest predicted throughput (ties to the smaller K), if it beats
-        target-only by SPECULATION_MARGIN; else 0."""
+        target-only by SPECULATION_MARGIN and the wall clock does not say speculating is slower
+        (``WallClock``); else 0."""
         if self.max_draft_tokens == 0:
             return 0
         best = max(range(1, self.max_draft_tokens + 1), key=lambda k: (self.rate(k), -k))
-        return best if self.rate(best) >= (1.0 + SPECULATION_MARGIN) * self.rate(0) else 0
+        if self.rate(best) < (1.0 + SPECULATION_MARGIN) * self.rate(0):
+            return 0
+        spec, plain = self.wall.rate(True), self.wall.rate(False)
+        return 0 if spec is not None and plain is not None and spec < plain else best
 
     def _best_other(self, best: int) -> int:
         if best:
@@ -320,6 +349,10 @@ class AutoDraft:
         if k:
             self.spec_row_rounds += row_rounds
             self.spec_round_tokens += round_tokens
+
+    def observe_cycle(self, k: int, row_tokens: float, seconds: float) -> None:
+        """One whole sync cycle run at K (``WallClock``); cycles that compiled are not passed in."""
+        self.wall.observe(k > 0, row_tokens, seconds)
 
     def speculative_stats(self) -> GenerationStats:
         """Rounds that speculated only (K = 0 rounds emit one token by design): what the collapse

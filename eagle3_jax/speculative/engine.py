@@ -148,6 +148,7 @@ class Engine:
         seen_rounds_B = np.zeros(self.batch_size, np.int64)
         seen_tokens_B = np.zeros(self.batch_size, np.int64)
         seen_acc_BK = np.zeros((self.batch_size, max(self.max_draft_tokens, 1)), np.int64)
+        cycle = None   # under auto: (K, start, tokens per occupied row, compiles so far) of the open cycle
         start = time.perf_counter()
         seconds_before = session.stats.seconds
         with session.activate():
@@ -171,10 +172,13 @@ class Engine:
                 if all(o is None for o in occupant):
                     break
                 occupied = sum(o is not None for o in occupant)
-                k = auto.next_k() if auto is not None else program.num_draft_tokens
                 if auto is not None:
                     jax.block_until_ready(state)   # time the run alone (admissions cost the same at any K)
                 t = time.perf_counter()
+                if cycle is not None and cycle[3] == len(self.compile_intervals):
+                    # the previous run's cycle ends here: its results handed out, its rows refilled
+                    auto.observe_cycle(cycle[0], cycle[2], t - cycle[1])
+                k = auto.next_k() if auto is not None else program.num_draft_tokens
                 compiles = len(self.compile_intervals)
                 # With prompts waiting, the run ends once refill_rows more rows are free, so they are
                 # refilled instead of idling until the slowest row's run ends.
@@ -193,9 +197,11 @@ class Engine:
                     # a run that compiled is timed as 0 s: its rounds still teach acceptance
                     seconds = time.perf_counter() - t if compiles == len(self.compile_intervals) else 0.0
                     d_rounds_B = rounds_B - seen_rounds_B
-                    auto.observe(k, int(d_rounds_B.max()), seconds, int(d_rounds_B.sum()),
-                                 int((tokens_B - seen_tokens_B).sum()), (acc_BK - seen_acc_BK).sum(0))
+                    d_tokens = int((tokens_B - seen_tokens_B).sum())
+                    auto.observe(k, int(d_rounds_B.max()), seconds, int(d_rounds_B.sum()), d_tokens,
+                                 (acc_BK - seen_acc_BK).sum(0))
                     seen_rounds_B, seen_tokens_B, seen_acc_BK = rounds_B, tokens_B, acc_BK
+                    cycle = (k, t, d_tokens / occupied, compiles)
                 done = [b for b, req in enumerate(occupant) if req is not None and finish[b] != RUNNING]
                 for b, (tokens, reason, stats) in zip(done, session.row_results(state, done,
                                                                                program.max_draft_tokens)):
