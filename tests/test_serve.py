@@ -338,12 +338,20 @@ def test_watchdog_warns_on_collapse_and_is_rate_limited(caplog):
     assert not Watchdog(4, "x").maybe_check(healthy)
 
 
-def test_prefill_memory_bounds_keep_the_output(tmp_path, models, target_dir, trained_draft_dir, expected):
+def test_prefill_memory_bounds_keep_the_output(tmp_path, models, target_dir, trained_draft_dir, expected,
+                                                monkeypatch):
     """--admit-rows 1 --prefill-chunk 4 (what tools.plan uses to make prefill fit) change how prompts
     are admitted, never the tokens."""
+    from eagle3_jax.speculative.engine import Engine
+
+    admitted = []   # rows per prefill call the engine made
+    original = Engine._admit
+    monkeypatch.setattr(Engine, "_admit", lambda self, models_, state, new, sp: (
+        admitted.append((len(new), self.session.prefill_chunk)), original(self, models_, state, new, sp))[1])
     inp = write_jsonl(tmp_path / "in.jsonl", prompt_rows())
     out, metrics = tmp_path / "out.jsonl", tmp_path / "metrics.json"
     assert serve(models, target_dir, inp, out, trained_draft_dir, metrics=metrics, admit_rows=1, prefill_chunk=4) == 0
     check_matches(read_jsonl(out), expected)
+    assert len(admitted) == len(prompt_rows()) and set(admitted) == {(1, 4)}
     settings = json.loads(metrics.read_text())["settings"]
     assert (settings["admit_rows"], settings["prefill_chunk"]) == (1, 4)

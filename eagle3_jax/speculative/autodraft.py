@@ -54,6 +54,8 @@ LIVE_MIN_ITERATIONS = 8
 # Exploration of the other kind: EXPLORE_RUNS runs in a row, first at run 2, then after
 # EXPLORE_FIRST runs, then at doubling intervals up to EXPLORE_MAX runs.
 EXPLORE_RUNS = 2
+EXPLORE_FIRST = 8
+EXPLORE_MAX = 64
 # Speculation must be predicted this much faster than target-only to be chosen. The round model
 # leaves out what speculating costs besides rounds: rows finishing out of step (more, shorter runs
 # and admissions) and the draft's share of every prefill. On the demo pair at batch 8 those made a
@@ -62,8 +64,6 @@ SPECULATION_MARGIN = 0.10
 # The wall-clock veto: the latest WALL_WINDOW cycles of each kind, once there are WALL_MIN_CYCLES.
 WALL_WINDOW = 16
 WALL_MIN_CYCLES = 4
-EXPLORE_FIRST = 8
-EXPLORE_MAX = 64
 
 
 def cache_dir() -> str:
@@ -364,10 +364,9 @@ class AutoDraft:
         k = self.last_k
         live_k, live_0 = self.costs.live_cost(k), self.costs.live_cost(0)
         measured = (self.acceptance.tau(k) / live_k) / (1.0 / live_0) if live_k and live_0 else float("nan")
-        calibrated = RoundCosts(self.costs.seconds)
+        calibrated = self.costs.seconds
         return DraftChoice(num_draft_tokens=k,
-                           predicted_speedup=calibrated.predicted_throughput(k, self.acceptance.tau(k))
-                           / calibrated.predicted_throughput(0, 1.0),
+                           predicted_speedup=self.acceptance.tau(k) * calibrated[0] / calibrated[k],
                            measured_speedup=measured, tau=self.acceptance.tau(k), rounds_per_k=dict(self.rounds_per_k),
                            compiled_programs=(self.max_draft_tokens + 1) if self.costs.calibration_seconds else 0,
                            calibration_seconds=self.costs.calibration_seconds,
