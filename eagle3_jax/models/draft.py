@@ -110,14 +110,21 @@ class Draft(nnx.Module):
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
         return draft_ids + self.d2t[...][draft_ids]
 
+    def head(self, out_BTD: jax.Array) -> jax.Array:
+        """Draft-vocab logits (float32) of decoder outputs."""
+        return jnp.einsum("btd,dw->btw", self.norm(out_BTD), self.lm_head[...]).astype(jnp.float32)
+
     def __call__(self, ids_BT, hidden_BTD, positions_BT, embed_VD=None, cache: KVCache | None = None,
-                 attend=None) -> DraftStep:
+                 attend=None, with_logits: bool = True) -> DraftStep:
         """One decoder pass. ``hidden_BTD`` is fc(aux) or the draft's own previous output;
         ``ids_BT[:, t]`` is the token that follows the position ``hidden_BTD[:, t]`` came from.
 
         ``attend(q_BTNH, k_BTGH, v_BTGH) -> (out_BTNH, state)`` replaces the attention core (rotated
         queries/keys in, per-head output out) for training-time test; ``state`` comes back in
-        ``DraftStep.cache``. Without it (serving) the computation is exactly as before."""
+        ``DraftStep.cache``. Without it (serving) the computation is exactly as before.
+        ``with_logits=False`` leaves ``logits_BTW`` None: a caller that needs logits at one position
+        of many (prefill, catch-up) applies ``head`` to that position alone: the draft-vocab head is a
+        fifth to a third of the draft's work per position (Kimi-K2.5's draft, the demo's)."""
         table = self.embed_tokens[...] if self.embed_tokens is not None else embed_VD
         emb_BTD = jnp.take(table, ids_BT, axis=0).astype(self.dtype)
         cos, sin = rope_cos_sin(positions_BT, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attn_factor)
@@ -127,5 +134,4 @@ class Draft(nnx.Module):
         attn_BTD, cache = self.self_attn(x_BT2D, positions_BT, cos, sin, cache, attend)
         h_BTD = residual_BTD + attn_BTD
         out_BTD = h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
-        logits = jnp.einsum("btd,dw->btw", self.norm(out_BTD), self.lm_head[...]).astype(jnp.float32)
-        return DraftStep(hidden_BTD=out_BTD, logits_BTW=logits, cache=cache)
+        return DraftStep(hidden_BTD=out_BTD, logits_BTW=self.head(out_BTD) if with_logits else None, cache=cache)

@@ -180,10 +180,11 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
         shifted_BT = shifted_BT.at[rows_B, prompt_len_B - 1].set(first_B)
         dcache = draft.init_cache(B, max_len)
         if chunk is None or chunk >= T:
-            dstep = draft(shifted_BT, draft.fuse(aux_BTX), positions_BT, target.embed_tokens[...], dcache)
+            dstep = draft(shifted_BT, draft.fuse(aux_BTX), positions_BT, target.embed_tokens[...], dcache,
+                          with_logits=False)
             state.dcache = dstep.cache
             state.dhidden_BD = dstep.hidden_BTD[rows_B, prompt_len_B - 1]
-            state.dlogits_BW = dstep.logits_BTW[rows_B, prompt_len_B - 1]
+            state.dlogits_BW = draft.head(state.dhidden_BD[:, None])[:, 0]
         else:
             state.dcache, state.dhidden_BD, state.dlogits_BW = chunked_draft(
                 draft, target, shifted_BT, aux_BTX, prompt_len_B, dcache, chunk)
@@ -241,7 +242,8 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
         tokens_BN, n_out_B, finish_B, n_emit_B = _emit(s, out_BK1, n_acc_B + 1, sp.eos_E)
 
         # Catch-up: the draft re-reads positions n..n+K with the target's true aux states.
-        cstep = draft(out_BK1, draft.fuse(tout.aux_BTX), pos_BK1, embed_VD, dcache)
+        cstep = draft(out_BK1, draft.fuse(tout.aux_BTX), pos_BK1, embed_VD, dcache, with_logits=False)
+        seed_hidden_BD = cstep.hidden_BTD[rows_B, n_acc_B]   # the next round's d1 comes from here
         # The state's layout is K_max wide (every K of the session shares it); this round fills 0..K-1.
         hit_BK = (jnp.arange(K)[None, :] < n_acc_B[:, None]) & running_B[:, None]
         accepted_BK = s.accepted_BK.at[:, :K].add(hit_BK.astype(jnp.int32))
@@ -250,8 +252,8 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
             lengths_B=jnp.where(running_B, s.lengths_B + n_acc_B + 1, s.lengths_B),
             last_B=jnp.where(running_B, out_BK1[rows_B, n_acc_B], s.last_B),
             tcache=tout.cache, dcache=cstep.cache,
-            dhidden_BD=jnp.where(running_B[:, None], cstep.hidden_BTD[rows_B, n_acc_B], s.dhidden_BD),
-            dlogits_BW=jnp.where(running_B[:, None], cstep.logits_BTW[rows_B, n_acc_B], s.dlogits_BW),
+            dhidden_BD=jnp.where(running_B[:, None], seed_hidden_BD, s.dhidden_BD),
+            dlogits_BW=jnp.where(running_B[:, None], draft.head(seed_hidden_BD[:, None])[:, 0], s.dlogits_BW),
             key=key, rounds_B=s.rounds_B + running_B, round_tokens_B=s.round_tokens_B + n_emit_B,
             accepted_BK=accepted_BK.astype(jnp.int32))
 

@@ -1,7 +1,7 @@
 """Chunked prefill: a prompt block through the target (and the draft) C positions at a time.
 
 Each chunk is written into the cache before the next one attends to it, so the temporaries of one
-call (MoE assignments, attention scores, draft logits) scale with B x C instead of B x T. Same
+call (MoE assignments, attention scores) scale with B x C instead of B x T. Same
 tokens, same cache contents as one call over the whole block (tests/test_prefill_chunks.py).
 """
 
@@ -20,8 +20,8 @@ def _chunks(x_BT, chunk):
 
 
 def chunked_draft(draft, target, shifted_BT, aux_BTX, prompt_len_B, dcache, chunk):
-    """The draft prefill ``chunk`` positions per step (its attention over the whole cache and its
-    logits are the big temporaries); returns (cache, hidden [B, D] and logits [B, W] at each row's
+    """The draft prefill ``chunk`` positions per step (its attention over the whole cache is the big
+    temporary; logits come from the last prompt position only); returns (cache, hidden [B, D] and logits [B, W] at each row's
     last prompt position)."""
     B, T = shifted_BT.shape
     rows_B = jnp.arange(B)
@@ -33,19 +33,17 @@ def chunked_draft(draft, target, shifted_BT, aux_BTX, prompt_len_B, dcache, chun
     last_B = prompt_len_B - 1
 
     def step(carry, xs):
-        cache, h_BD, logits_BW = carry
+        cache, h_BD = carry
         ids_BC, pos_BC, aux_BCX = xs
-        out = draft(ids_BC, draft.fuse(aux_BCX), pos_BC, embed_VD, cache)
+        out = draft(ids_BC, draft.fuse(aux_BCX), pos_BC, embed_VD, cache, with_logits=False)
         here_B = (last_B >= pos_BC[:, 0]) & (last_B < pos_BC[:, 0] + chunk)
         at_B = jnp.clip(last_B - pos_BC[:, 0], 0, chunk - 1)
         h_BD = jnp.where(here_B[:, None], out.hidden_BTD[rows_B, at_B].astype(h_BD.dtype), h_BD)
-        logits_BW = jnp.where(here_B[:, None], out.logits_BTW[rows_B, at_B], logits_BW)
-        return (out.cache, h_BD, logits_BW), None
+        return (out.cache, h_BD), None
 
     h0 = jnp.zeros((B, draft.cfg.hidden_size), draft.dtype)
-    l0 = jnp.zeros((B, draft.cfg.draft_vocab_size), jnp.float32)
-    (dcache, h_BD, logits_BW), _ = jax.lax.scan(step, (dcache, h0, l0), (ids_NBC, pos_NBC, aux_NBCX))
-    return dcache, h_BD, logits_BW
+    (dcache, h_BD), _ = jax.lax.scan(step, (dcache, h0), (ids_NBC, pos_NBC, aux_NBCX))
+    return dcache, h_BD, draft.head(h_BD[:, None])[:, 0]
 
 
 def chunked_target(target, prompt_BT, prompt_len_B, tcache, aux_ids, chunk):
