@@ -1,5 +1,6 @@
 """num_draft_tokens="auto": the choice follows costs and acceptance, and never changes greedy output."""
 
+import functools
 import itertools
 import json
 
@@ -194,3 +195,79 @@ def test_serve_auto_reports_its_choice_and_matches_target_only(tiny_target, draf
     assert 0 <= choice["num_draft_tokens"] <= autodraft.DEFAULT_MAX_DRAFT_TOKENS
     assert sum(choice["iterations_per_k"].values()) > 0 and choice["predicted_speedup"] > 0
     assert choice["calibration_seconds"] == 1.0 and choice["compiled_round_programs"] == 7
+
+
+def test_exploring_speculation_waits_for_rows_with_a_current_draft():
+    """While target-only is chosen, rows are admitted without the draft; exploring K >= 1 on them
+    would draft from stale states and learn nothing, so it waits for rows admitted with the draft."""
+    auto = AutoDraft(RoundCosts({0: 1.0, 1: 5.0}), 1, AcceptanceModel(1))
+    assert auto.choose() == 0
+    assert [auto.next_k(drafted_rows=False) for _ in range(20)] == [0] * 20   # due since run 2: postponed
+    assert auto.next_k(drafted_rows=True) == 1 and auto.last_was_exploration
+    assert auto.next_k(drafted_rows=False) == 1   # the exploration's second run goes ahead
+
+
+def test_admitting_without_the_draft(tiny_target, draft):
+    """admit_rows with a K = 0 program prefills the target exactly as a drafted admission does,
+    leaves every row's draft state as it was, and does less work (no aux states, no draft pass)."""
+    import jax
+    import jax.numpy as jnp
+
+    from eagle3_jax.speculative.generate import admit_rows, blank_state, run_rounds
+    from eagle3_jax.speculative.session import DecodeSession, SamplingSettings
+
+    session = DecodeSession(tiny_target, draft, "auto", 40, max_draft_tokens=2)
+    program = session.program(2, 8, SamplingSettings())
+    sp = SamplingSettings().traced()
+    models = session.models()
+    rng = np.random.default_rng(6)
+    ids = jnp.asarray(rng.integers(2, 256, size=(1, 16)), jnp.int32)
+    lengths = jnp.asarray([11], jnp.int32)
+    with session.activate():
+        state = blank_state(*models, jax.random.key(0), sp, program=program)
+        state = admit_rows(*models, state, jnp.asarray([0], jnp.int32), ids, lengths, sp, program=program)
+        state = run_rounds(*models, state, jnp.int32(2), jnp.int32(3), sp, program=program)
+        rest = (jnp.asarray([1], jnp.int32), ids, lengths, sp)
+        lowered = {k: admit_rows.lower(*models, state, *rest, program=program.with_draft_tokens(k)) for k in (0, 2)}
+        copy = functools.partial(jax.tree_util.tree_map, jnp.copy)   # admit_rows donates its state
+        drafted = admit_rows(*models, copy(state), *rest, program=program)
+        plain = admit_rows(*models, copy(state), *rest, program=program.with_draft_tokens(0))
+    before = state
+    for name in ("tokens_BN", "n_out_B", "finish_B", "lengths_B", "last_B", "tcache"):
+        for a, b in zip(jax.tree_util.tree_leaves(getattr(plain, name)), jax.tree_util.tree_leaves(getattr(drafted, name))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    for name in ("dcache", "dhidden_BD", "dlogits_BW"):
+        for a, b in zip(jax.tree_util.tree_leaves(getattr(plain, name)), jax.tree_util.tree_leaves(getattr(before, name))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    assert not np.array_equal(np.asarray(drafted.dhidden_BD[1]), np.asarray(before.dhidden_BD[1]))   # a drafted admission writes it
+    flops = {k: low.compile().cost_analysis()["flops"] for k, low in lowered.items()}
+    assert flops[0] < 0.9 * flops[2], flops
+
+
+def test_acceptance_is_learned_only_from_rows_with_a_current_draft(tiny_target, draft, monkeypatch, tmp_path):
+    """A prompt admitted for a target-only run and speculated later drafts from a stale state: its
+    rounds emit the right tokens but teach auto nothing; a prompt admitted with the draft does."""
+    monkeypatch.setenv(autodraft.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(session_mod, "calibrate", lambda *a: RoundCosts({k: 1.0 for k in range(3)}, calibration_seconds=1.0))
+    asked = []
+
+    def next_k(self, drafted_rows=True):   # target-only for the first run, K = 2 after
+        asked.append(drafted_rows)
+        self.runs += 1
+        self.last_was_exploration = False
+        return 0 if len(asked) == 1 else 2
+
+    monkeypatch.setattr(AutoDraft, "next_k", next_k)
+    trained = np.random.default_rng(0).integers(2, tiny_target.config.vocab_size, size=(48, 6)).tolist()
+    prompts = trained[:2]
+    ref = e3.Generator(tiny_target, None, max_len=40)
+    expected = [ref.generate([p], 18).tokens[0] for p in prompts]
+    eng = Engine(tiny_target, draft, num_draft_tokens="auto", max_draft_tokens=2, max_len=40, batch_size=1,
+                 max_new_tokens=18, rounds_per_sync=4)
+    done = {f.key: f for f in eng.run(Request(str(i), p) for i, p in enumerate(prompts))}
+    assert [done[str(i)].tokens for i in range(2)] == expected
+    stale, fresh = done["0"].stats, done["1"].stats
+    assert stale.rounds > 4   # it speculated after its first (target-only) run
+    acc = eng._auto.acceptance
+    assert acc.offered[0] == fresh.rounds and acc.accepted.tolist() == fresh.accepted_per_position
+    assert fresh.mean_accept_length > 1.5 and asked[0] is True

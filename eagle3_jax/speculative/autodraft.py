@@ -14,9 +14,10 @@ once by ``calibrate`` and cached on disk under ``$EAGLE3_JAX_CACHE`` (default
 Live costs. A calibration taken under one load (or read from disk) need not describe the machine
 now, so every bounded run's own timing is kept: a K that ran lately is priced by what its rounds
 cost then, one that did not by its calibration scaled as the live Ks moved (``RoundCosts``).
-Admissions (the next prompts' prefill) are timed out: each prompt costs one whatever K is, so they
-do not change which K is fastest. K = 0 is a real choice: when speculation does not pay, it is
-turned off, and re-tried now and then at intervals that grow while it keeps losing.
+Admissions (the next prompts' prefill) are timed out of round costs; the wall clock (``WallClock``)
+sees them. K = 0 is a real choice: when speculation does not pay, it is turned off (prompts are
+then admitted without the draft, so K = 0 costs what having no draft costs), and re-tried now and
+then, on rows admitted with the draft, at intervals that grow while it keeps losing.
 """
 
 from __future__ import annotations
@@ -311,12 +312,16 @@ class AutoDraft:
             return 0
         return max(range(1, self.max_draft_tokens + 1), key=lambda k: (self.rate(k), -k))
 
-    def next_k(self) -> int:
+    def next_k(self, drafted_rows: bool = True) -> int:
         """The K of the next run: ``choose()``, except for exploration runs (EXPLORE_RUNS in a row)
         of the best K of the other kind: target-only when speculating, the best K >= 1 when not.
         Without them a K that once lost (say, under a load that has since gone) would never be
         measured again. The interval between explorations doubles (up to EXPLORE_MAX runs) while
-        they confirm the choice and restarts at EXPLORE_FIRST when the choice changes."""
+        they confirm the choice and restarts at EXPLORE_FIRST when the choice changes.
+
+        ``drafted_rows``: whether a speculating run now would have rows with a current draft state
+        (rows admitted for it, or that have speculated since their admission). Acceptance is only
+        learned from such rows, so an exploration of speculation waits until there are some."""
         self.runs += 1
         best = self.choose()
         self.last_was_exploration = True
@@ -328,7 +333,7 @@ class AutoDraft:
                 self.explore_at = min(self.explore_at, self.runs + EXPLORE_FIRST)
                 self.explore_interval = 2 * EXPLORE_FIRST
             self.settled = best
-        if self.runs < self.explore_at or self.max_draft_tokens == 0:
+        if self.runs < self.explore_at or self.max_draft_tokens == 0 or (best == 0 and not drafted_rows):
             self.last_was_exploration = False
             return best
         self.explore_k = self._best_other(best)
@@ -340,8 +345,9 @@ class AutoDraft:
     def observe(self, k: int, iterations: int, seconds: float, row_rounds: int, round_tokens: int,
                 accepted_per_position) -> None:
         """One bounded run: ``iterations`` loop iterations in ``seconds`` (the run alone, admissions
-        excluded: they cost the same per prompt whatever K is); ``row_rounds`` rounds summed over
-        running rows emitted ``round_tokens`` tokens."""
+        excluded); ``row_rounds`` rounds summed over the rows whose draft state was current emitted
+        ``round_tokens`` tokens (a row admitted without the draft, or that ran target-only rounds
+        since it last speculated, drafts from a stale state: its acceptance says nothing of K)."""
         self.last_k = k
         self.rounds_per_k[k] = self.rounds_per_k.get(k, 0) + iterations
         self.acceptance.observe(k, row_rounds, accepted_per_position)
@@ -351,7 +357,8 @@ class AutoDraft:
             self.spec_round_tokens += round_tokens
 
     def observe_cycle(self, k: int, row_tokens: float, seconds: float) -> None:
-        """One whole sync cycle run at K (``WallClock``); cycles that compiled are not passed in."""
+        """One whole sync cycle run at K (``WallClock``); cycles that compiled are not passed in.
+        ``row_tokens``: tokens per occupied row, or at K >= 1 per row with a current draft state."""
         self.wall.observe(k > 0, row_tokens, seconds)
 
     def speculative_stats(self) -> GenerationStats:

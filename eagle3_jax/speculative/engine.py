@@ -122,15 +122,17 @@ class Engine:
             self.compile_intervals.append((t, time.perf_counter()))
         return out
 
-    def _admit(self, models, state, new: dict[int, list[int]], sp):
+    def _admit(self, models, state, new: dict[int, list[int]], sp, with_draft: bool):
         """Prefills only the admitted rows: A = the next power of two >= len(new) (capped at the
-        batch), so admissions compile at most log2(batch) + 1 programs per prompt bucket; the
-        padding entries point past the last row and are dropped."""
+        batch), so admissions compile at most log2(batch) + 1 programs per prompt bucket (twice
+        under auto: with and without the draft); the padding entries point past the last row and
+        are dropped."""
         A = min(1 << (len(new) - 1).bit_length(), self.batch_size)
         rows = list(new) + [self.batch_size] * (A - len(new))
         ids, lengths, _ = self.session.pack_prompts(dict(enumerate(new.values())), A)
+        program = self.program if with_draft else self.program.with_draft_tokens(0)
         return self._call(admit_rows, *models, state, jnp.asarray(rows, jnp.int32), jnp.asarray(ids), jnp.asarray(lengths),
-                          sp, program=self.program)
+                          sp, program=program)
 
     def run(self, requests: Iterable[Request]) -> Iterator[Finished]:
         """Yields each request's result as soon as its row finishes (completion order)."""
@@ -148,6 +150,9 @@ class Engine:
         seen_rounds_B = np.zeros(self.batch_size, np.int64)
         seen_tokens_B = np.zeros(self.batch_size, np.int64)
         seen_acc_BK = np.zeros((self.batch_size, max(self.max_draft_tokens, 1)), np.int64)
+        # Rows whose draft state is current: admitted with the draft and not advanced by a
+        # target-only run since. Under auto, only they teach acceptance (autodraft.AutoDraft.observe).
+        drafted_B = np.zeros(self.batch_size, bool)
         cycle = None   # under auto: (K, start, tokens per occupied row, compiles so far) of the open cycle
         start = time.perf_counter()
         seconds_before = session.stats.seconds
@@ -163,22 +168,29 @@ class Engine:
                         occupant[b] = req
                         new[b] = list(req.prompt)
                     exhausted = len(new) < len(free)
+                if all(o is None for o in occupant):
+                    break
+                running = np.array([o is not None for o in occupant])
+                occupied = int(running.sum())
+                # K is chosen before admitting, so that rows admitted for a target-only run skip the
+                # draft's prefill: K = 0 then costs what having no draft costs.
+                if auto is not None:
+                    k = auto.next_k(drafted_rows=bool(new) or bool((drafted_B & running).any()))
+                else:
+                    k = program.num_draft_tokens
                 if new:
                     admitted = list(new.items())
                     for i in range(0, len(admitted), self.max_admit_rows):
-                        state = self._admit(models, state, dict(admitted[i:i + self.max_admit_rows]), sp)
+                        state = self._admit(models, state, dict(admitted[i:i + self.max_admit_rows]), sp, k > 0)
                     for arr in (seen_rounds_B, seen_tokens_B, seen_acc_BK):
                         arr[list(new)] = 0
-                if all(o is None for o in occupant):
-                    break
-                occupied = sum(o is not None for o in occupant)
+                    drafted_B[list(new)] = k > 0
                 if auto is not None:
-                    jax.block_until_ready(state)   # time the run alone (admissions cost the same at any K)
+                    jax.block_until_ready(state)   # time the run alone
                 t = time.perf_counter()
                 if cycle is not None and cycle[3] == len(self.compile_intervals):
                     # the previous run's cycle ends here: its results handed out, its rows refilled
                     auto.observe_cycle(cycle[0], cycle[2], t - cycle[1])
-                k = auto.next_k() if auto is not None else program.num_draft_tokens
                 compiles = len(self.compile_intervals)
                 # With prompts waiting, the run ends once refill_rows more rows are free, so they are
                 # refilled instead of idling until the slowest row's run ends.
@@ -197,11 +209,15 @@ class Engine:
                     # a run that compiled is timed as 0 s: its rounds still teach acceptance
                     seconds = time.perf_counter() - t if compiles == len(self.compile_intervals) else 0.0
                     d_rounds_B = rounds_B - seen_rounds_B
-                    d_tokens = int((tokens_B - seen_tokens_B).sum())
-                    auto.observe(k, int(d_rounds_B.max()), seconds, int(d_rounds_B.sum()), d_tokens,
-                                 (acc_BK - seen_acc_BK).sum(0))
+                    d_tokens_B = tokens_B - seen_tokens_B
+                    # acceptance, and the wall clock of speculation, from rows drafting from a current state
+                    taught_B = drafted_B & running if k else running
+                    auto.observe(k, int(d_rounds_B.max()), seconds, int(d_rounds_B[taught_B].sum()),
+                                 int(d_tokens_B[taught_B].sum()), (acc_BK - seen_acc_BK)[taught_B].sum(0))
                     seen_rounds_B, seen_tokens_B, seen_acc_BK = rounds_B, tokens_B, acc_BK
-                    cycle = (k, t, d_tokens / occupied, compiles)
+                    cycle = (k, t, d_tokens_B[taught_B].sum() / max(int(taught_B.sum()), 1), compiles)
+                if k == 0:
+                    drafted_B[running] = False   # their target-only rounds did not reach the draft
                 done = [b for b, req in enumerate(occupant) if req is not None and finish[b] != RUNNING]
                 for b, (tokens, reason, stats) in zip(done, session.row_results(state, done,
                                                                                program.max_draft_tokens)):

@@ -141,7 +141,7 @@ def _emit(state: LoopState, new_BJ, n_new_B, eos_E):
 
 def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program: DecodeProgram) -> LoopState:
     """Runs the prompts through the target (and the draft) and emits each row's first token."""
-    K = program.max_draft_tokens if draft is not None else 0
+    K = program.max_draft_tokens   # the layout's width, also when the draft is left out (admit_rows)
     max_len, max_new_tokens = program.max_len, program.max_new_tokens
     B, T = prompt_BT.shape
     rows_B = jnp.arange(B)
@@ -317,25 +317,38 @@ def admit_rows(tgraph, tstate, dgraph, dstate, state: LoopState, rows_A, prompt_
     """Prefills A new prompts (A = ``rows_A.shape[0]``) and writes them into rows ``rows_A`` of the
     running state; every other row is untouched. Only the admitted rows are prefilled, so admitting
     one prompt costs a one-row prefill, not a whole batch. An entry of ``rows_A`` that is out of
-    range (``>= batch_size``) is padding: its prefill is computed and dropped."""
+    range (``>= batch_size``) is padding: its prefill is computed and dropped.
+
+    A program with ``num_draft_tokens == 0`` admits without the draft: only the target prefills
+    (no aux states, no draft pass), and the rows' draft state is left as it was, stale, as after
+    any target-only round. Rows that will only run target-only rounds need no draft state, and
+    this is what keeps K = 0 under auto as cheap as having no draft (the Engine's choice)."""
     target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
     key, k_new = jax.random.split(state.key)
-    fresh = _prefill(target, draft, prompt_AT, prompt_len_A, k_new, sp, program)
+    fresh = _prefill(target, draft if program.num_draft_tokens > 0 else None, prompt_AT, prompt_len_A, k_new, sp,
+                     program)
     return _scatter_rows(rows_A, fresh, dataclasses.replace(state, key=key))
 
 
+_DRAFT_FIELDS = ("dcache", "dhidden_BD", "dlogits_BW")
+
+
 def _scatter_rows(rows_A, new: LoopState, old: LoopState) -> LoopState:
-    """old[rows_A] = new, row by row (out-of-range rows dropped); the key stays old's. The target
-    cache keeps layers first and batch second; everything else is batch-first."""
+    """old[rows_A] = new, row by row (out-of-range rows dropped); the key stays old's, and so does
+    the draft state where ``new`` has none. The target cache keeps layers first and batch second;
+    everything else is batch-first."""
 
     def put(axis):
         def scatter(o, n):
             return o.at[(slice(None),) * axis + (rows_A,)].set(n.astype(o.dtype), mode="drop")
         return scatter
 
-    rest = jax.tree_util.tree_map(put(0), dataclasses.replace(old, tcache=None, key=None),
-                                  dataclasses.replace(new, tcache=None, key=None))
-    return dataclasses.replace(rest, tcache=jax.tree_util.tree_map(put(1), old.tcache, new.tcache), key=old.key)
+    kept = dict(tcache=None, key=None)
+    if new.dcache is None:
+        kept.update({f: None for f in _DRAFT_FIELDS})
+    rest = jax.tree_util.tree_map(put(0), dataclasses.replace(old, **kept), dataclasses.replace(new, **kept))
+    return dataclasses.replace(rest, tcache=jax.tree_util.tree_map(put(1), old.tcache, new.tcache), key=old.key,
+                               **{f: getattr(old, f) for f in kept if f in _DRAFT_FIELDS})
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
