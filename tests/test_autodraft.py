@@ -158,8 +158,10 @@ def test_live_round_costs_outvote_the_calibration():
 
 
 def test_exploration_backs_off_while_it_confirms_the_choice():
-    auto = AutoDraft(RoundCosts({0: 1.0, 1: 5.0, 2: 9.0}), 2, AcceptanceModel(2))
-    assert auto.choose() == 0
+    # K = 1 is predicted 6 % faster at the prior's acceptance (within the margin: K = 0 is chosen),
+    # 25 % faster at its upper confidence bound: worth exploring
+    auto = AutoDraft(RoundCosts({0: 1.0, 1: 1.6, 2: 2.2}), 2, AcceptanceModel(2))
+    assert auto.choose() == 0 and auto.could_pay()
     picks = [auto.next_k() for _ in range(100)]
     explored = [i + 1 for i, k in enumerate(picks) if k != 0]   # run numbers that speculated
     # first right away (runs 2-3), then after 8, 16, 32, 64 runs of the choice: few runs lost where K = 0 wins
@@ -167,7 +169,7 @@ def test_exploration_backs_off_while_it_confirms_the_choice():
     assert set(picks) == {0, 1}
     # when a measurement changes the choice, the interval starts again from EXPLORE_FIRST
     auto.observe(0, 10, 10.0, 10, 10, [0, 0])     # live: target-only rounds as calibrated,
-    auto.observe(2, 10, 20.0, 10, 30, [10, 10])   # K = 2 rounds far cheaper, every draft accepted
+    auto.observe(2, 10, 20.0, 10, 30, [10, 10])   # K = 2 rounds at 2 s, every draft accepted
     assert auto.choose() == 2
     more = [auto.next_k() for _ in range(40)]
     assert more[0] == 2 and more.count(0) == 2 * 2   # explorations after 8 and after 16 more runs
@@ -200,11 +202,25 @@ def test_serve_auto_reports_its_choice_and_matches_target_only(tiny_target, draf
 def test_exploring_speculation_waits_for_rows_with_a_current_draft():
     """While target-only is chosen, rows are admitted without the draft; exploring K >= 1 on them
     would draft from stale states and learn nothing, so it waits for rows admitted with the draft."""
-    auto = AutoDraft(RoundCosts({0: 1.0, 1: 5.0}), 1, AcceptanceModel(1))
-    assert auto.choose() == 0
+    auto = AutoDraft(RoundCosts({0: 1.0, 1: 1.6}), 1, AcceptanceModel(1))
+    assert auto.choose() == 0 and auto.could_pay()
     assert [auto.next_k(drafted_rows=False) for _ in range(20)] == [0] * 20   # due since run 2: postponed
     assert auto.next_k(drafted_rows=True) == 1 and auto.last_was_exploration
     assert auto.next_k(drafted_rows=False) == 1   # the exploration's second run goes ahead
+
+
+def test_speculation_that_cannot_pay_is_not_explored():
+    """K >= 1 rounds cost 5-9 target-only rounds: even with every draft accepted (τ(K) = K + 1)
+    speculation loses, so exploring it would only cost time. Once acceptance is known to be low,
+    a K that would pay at the prior's optimism is not explored either."""
+    auto = AutoDraft(RoundCosts({0: 1.0, 1: 5.0, 2: 9.0}), 2, AcceptanceModel(2))
+    assert not auto.could_pay()
+    assert {auto.next_k(drafted_rows=True) for _ in range(100)} == {0}
+    acc = AcceptanceModel(1)
+    cheap = AutoDraft(RoundCosts({0: 1.0, 1: 1.6}), 1, acc)
+    assert cheap.could_pay()
+    acc.observe(1, 400, [40])                      # a_1 = 0.1 over 400 rounds
+    assert acc.tau_upper(1) < 1.2 and not cheap.could_pay()
 
 
 def test_admitting_without_the_draft(tiny_target, draft):

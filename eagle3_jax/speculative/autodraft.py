@@ -17,7 +17,8 @@ cost then, one that did not by its calibration scaled as the live Ks moved (``Ro
 Admissions (the next prompts' prefill) are timed out of round costs; the wall clock (``WallClock``)
 sees them. K = 0 is a real choice: when speculation does not pay, it is turned off (prompts are
 then admitted without the draft, so K = 0 costs what having no draft costs), and re-tried now and
-then, on rows admitted with the draft, at intervals that grow while it keeps losing.
+then, on rows admitted with the draft, at intervals that grow while it keeps losing, as long as
+acceptance at its upper confidence bound could still make it pay.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ LIVE_MIN_ITERATIONS = 8
 EXPLORE_RUNS = 2
 EXPLORE_FIRST = 8
 EXPLORE_MAX = 64
+# While target-only is chosen, speculation is only explored if some K could still win with its
+# acceptance EXPLORE_Z standard errors above the estimate (AcceptanceModel.tau_upper): where even
+# that loses (large batches on a shallow target), an exploration could not change the choice.
+EXPLORE_Z = 2.0
 # Speculation must be predicted this much faster than target-only to be chosen. The round model
 # leaves out what speculating costs besides rounds: rows finishing out of step (more, shorter runs
 # and admissions) and the draft's share of every prefill. On the demo pair at batch 8 those made a
@@ -231,6 +236,16 @@ class AcceptanceModel:
     def tau(self, k: int) -> float:
         return 1.0 + float(np.cumprod(self.conditional()[:k]).sum())
 
+    def tau_upper(self, k: int) -> float:
+        """τ(K) with each a_j at its upper confidence bound (EXPLORE_Z standard errors above the
+        estimate, the prior's rounds counted as observations): what speculation could reach if
+        acceptance were as good as the data allow. Close to K + 1 with little data, close to τ(K)
+        with much."""
+        a = self.conditional()
+        n = self.offered + PRIOR_ROUNDS
+        upper = np.minimum(a + EXPLORE_Z * np.sqrt(a * (1.0 - a) / n), 1.0)
+        return 1.0 + float(np.cumprod(upper[:k]).sum())
+
 
 @dataclass
 class DraftChoice:
@@ -307,6 +322,12 @@ class AutoDraft:
         spec, plain = self.wall.rate(True), self.wall.rate(False)
         return 0 if spec is not None and plain is not None and spec < plain else best
 
+    def could_pay(self) -> bool:
+        """Whether some K >= 1 would beat target-only by SPECULATION_MARGIN at its optimistic τ."""
+        plain = (1.0 + SPECULATION_MARGIN) * self.rate(0)
+        return any(self.acceptance.tau_upper(k) / self.costs.cost(k) >= plain
+                   for k in range(1, self.max_draft_tokens + 1))
+
     def _best_other(self, best: int) -> int:
         if best:
             return 0
@@ -321,7 +342,8 @@ class AutoDraft:
 
         ``drafted_rows``: whether a speculating run now would have rows with a current draft state
         (rows admitted for it, or that have speculated since their admission). Acceptance is only
-        learned from such rows, so an exploration of speculation waits until there are some."""
+        learned from such rows, so an exploration of speculation waits until there are some, and
+        until it could pay (``could_pay``)."""
         self.runs += 1
         best = self.choose()
         self.last_was_exploration = True
@@ -333,7 +355,8 @@ class AutoDraft:
                 self.explore_at = min(self.explore_at, self.runs + EXPLORE_FIRST)
                 self.explore_interval = 2 * EXPLORE_FIRST
             self.settled = best
-        if self.runs < self.explore_at or self.max_draft_tokens == 0 or (best == 0 and not drafted_rows):
+        if (self.runs < self.explore_at or self.max_draft_tokens == 0
+                or (best == 0 and not (drafted_rows and self.could_pay()))):
             self.last_was_exploration = False
             return best
         self.explore_k = self._best_other(best)
