@@ -224,8 +224,8 @@ def test_speculation_that_cannot_pay_is_not_explored():
 
 
 def test_admitting_without_the_draft(tiny_target, draft):
-    """admit_rows with a K = 0 program prefills the target exactly as a drafted admission does,
-    leaves every row's draft state as it was, and does less work (no aux states, no draft pass)."""
+    """admit_rows without the draft's models prefills the target exactly as a drafted admission
+    does, leaves every row's draft state as it was, and does less work (no aux states, no draft pass)."""
     import jax
     import jax.numpy as jnp
 
@@ -244,10 +244,11 @@ def test_admitting_without_the_draft(tiny_target, draft):
         state = admit_rows(*models, state, jnp.asarray([0], jnp.int32), ids, lengths, sp, program=program)
         state = run_rounds(*models, state, jnp.int32(2), jnp.int32(3), sp, program=program)
         rest = (jnp.asarray([1], jnp.int32), ids, lengths, sp)
-        lowered = {k: admit_rows.lower(*models, state, *rest, program=program.with_draft_tokens(k)) for k in (0, 2)}
+        without = models[:2] + (None, None)
+        lowered = {k: admit_rows.lower(*m, state, *rest, program=program) for k, m in ((0, without), (2, models))}
         copy = functools.partial(jax.tree_util.tree_map, jnp.copy)   # admit_rows donates its state
         drafted = admit_rows(*models, copy(state), *rest, program=program)
-        plain = admit_rows(*models, copy(state), *rest, program=program.with_draft_tokens(0))
+        plain = admit_rows(*without, copy(state), *rest, program=program)
     before = state
     for name in ("tokens_BN", "n_out_B", "finish_B", "lengths_B", "last_B", "tcache"):
         for a, b in zip(jax.tree_util.tree_leaves(getattr(plain, name)), jax.tree_util.tree_leaves(getattr(drafted, name))):

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.distributed import fetch, fetch_all
@@ -130,9 +129,9 @@ class Engine:
         A = min(1 << (len(new) - 1).bit_length(), self.batch_size)
         rows = list(new) + [self.batch_size] * (A - len(new))
         ids, lengths, _ = self.session.pack_prompts(dict(enumerate(new.values())), A)
-        program = self.program if with_draft else self.program.with_draft_tokens(0)
-        return self._call(admit_rows, *models, state, jnp.asarray(rows, jnp.int32), jnp.asarray(ids), jnp.asarray(lengths),
-                          sp, program=program)
+        if not with_draft:
+            models = models[:2] + (None, None)
+        return self._call(admit_rows, *models, state, np.asarray(rows, np.int32), ids, lengths, sp, program=self.program)
 
     def run(self, requests: Iterable[Request]) -> Iterator[Finished]:
         """Yields each request's result as soon as its row finishes (completion order)."""
@@ -198,8 +197,10 @@ class Engine:
                 # to time (RoundCosts.observe).
                 full = exhausted or (auto is not None and auto.last_was_exploration)
                 stop_free = self.batch_size + 1 if full else self.batch_size - occupied + self.refill_rows
-                state = self._call(run_rounds, *models, state, jnp.int32(self.rounds_per_sync), jnp.int32(stop_free),
-                                   sp, program=program.with_draft_tokens(k))
+                # host scalars, not jnp ones: an eager jnp.int32 is a dispatch of its own (~0.25 ms)
+                state = self._call(run_rounds, *(models if k else models[:2] + (None, None)), state,
+                                   np.int32(self.rounds_per_sync), np.int32(stop_free), sp,
+                                   program=program.with_draft_tokens(k))
                 if auto is None:
                     finish = fetch(state.finish_B)
                 else:

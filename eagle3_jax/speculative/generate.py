@@ -319,14 +319,14 @@ def admit_rows(tgraph, tstate, dgraph, dstate, state: LoopState, rows_A, prompt_
     one prompt costs a one-row prefill, not a whole batch. An entry of ``rows_A`` that is out of
     range (``>= batch_size``) is padding: its prefill is computed and dropped.
 
-    A program with ``num_draft_tokens == 0`` admits without the draft: only the target prefills
-    (no aux states, no draft pass), and the rows' draft state is left as it was, stale, as after
-    any target-only round. Rows that will only run target-only rounds need no draft state, and
-    this is what keeps K = 0 under auto as cheap as having no draft (the Engine's choice)."""
+    Called without the draft (``dgraph``, ``dstate`` None) on a state that has draft fields, it
+    admits without the draft: only the target prefills (no aux states, no draft pass), and the
+    rows' draft state is left as it was, stale, as after any target-only round. Rows that will
+    only run target-only rounds need no draft state: this keeps K = 0 under auto as cheap as
+    having no draft (the Engine's choice)."""
     target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
     key, k_new = jax.random.split(state.key)
-    fresh = _prefill(target, draft if program.num_draft_tokens > 0 else None, prompt_AT, prompt_len_A, k_new, sp,
-                     program)
+    fresh = _prefill(target, draft, prompt_AT, prompt_len_A, k_new, sp, program)
     return _scatter_rows(rows_A, fresh, dataclasses.replace(state, key=key))
 
 
@@ -356,7 +356,9 @@ def run_rounds(tgraph, tstate, dgraph, dstate, state: LoopState, max_rounds, sto
                *, program: DecodeProgram) -> LoopState:
     """At most ``max_rounds`` rounds; stops early when no row is running, or once ``stop_free`` rows
     are not running (finished or idle), so that a caller with prompts waiting refills freed rows
-    instead of letting them idle to the end of the run (pass batch_size + 1 to never stop early)."""
+    instead of letting them idle to the end of the run (pass batch_size + 1 to never stop early).
+    Target-only rounds (K = 0) may be run without the draft (``dgraph``, ``dstate`` None) on a
+    state that has draft fields: they pass through untouched, and no draft weights are handed in."""
     target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
     body = _round_fn(target, draft, sp, program)
 
