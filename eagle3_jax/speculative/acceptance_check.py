@@ -98,12 +98,21 @@ def overlaps(target, draft, sequences: Sequence[Sequence[int]], starts: Sequence
         dlogits_BTW = draft.forward(shifted_BT, fwd.aux_hidden).logits
         row_R = np.array([b for b, (_, ns) in enumerate(chunk) for _ in ns])
         n_R = np.array([n for _, ns in chunk for n in ns])
-        p_RV = target_probs(fwd.logits[row_R, n_R], temperature, top_k, top_p)
-        # q as the loop samples d1: softmax over the draft vocab (temperature only), at target ids.
-        q_RW = jax.nn.softmax(dlogits_BTW[row_R, n_R - 1] / max(temperature, 1e-6), axis=-1)
-        q_RV = jnp.zeros_like(p_RV).at[:, to_target_W].set(q_RW)
-        out.append(np.asarray(jnp.minimum(p_RV, q_RV).sum(-1), np.float64))
+        R = len(n_R)
+        pad = -R % rows_per_call   # padded with copies of row 0's first round: few distinct shapes to compile
+        row_R, n_R = np.pad(row_R, (0, pad), mode="edge"), np.pad(n_R, (0, pad), mode="edge")
+        a_R = _overlap(fwd.logits[row_R, n_R], dlogits_BTW[row_R, n_R - 1], to_target_W, temperature, top_k, top_p)
+        out.append(np.asarray(a_R, np.float64)[:R])
     return np.concatenate(out) if out else np.zeros((0,))
+
+
+@jax.jit
+def _overlap(logits_RV, dlogits_RW, to_target_W, temperature, top_k, top_p):
+    p_RV = target_probs(logits_RV, temperature, top_k, top_p)
+    # q as the loop samples d1: softmax over the draft vocab (temperature only), at target ids.
+    q_RW = jax.nn.softmax(dlogits_RW / jnp.maximum(temperature, 1e-6), axis=-1)
+    q_RV = jnp.zeros_like(p_RV).at[:, to_target_W].set(q_RW)
+    return jnp.minimum(p_RV, q_RV).sum(-1)
 
 
 def compare(gen, prompts: Sequence[Sequence[int]], seeds: Sequence[int], temperature: float = 1.0,
