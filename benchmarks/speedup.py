@@ -6,12 +6,14 @@ For every batch size B and temperature T, each mode decodes all prompts through 
 acceptance). Every mode shares one cache capacity, so round costs are comparable. One untimed pass
 per mode compiles (and, for auto, calibrates or reads its cost cache); then --repeats passes run
 the modes interleaved (the order rotates), and each mode's tok/s is the median over its passes
-(new tokens / wall seconds, compile excluded). At T = 0 every mode's tokens must equal
+(new tokens / wall seconds, compile excluded); its × target-only is the median over repeats of
+its pass / target-only's pass in the same repeat (paired, so load drifting across repeats cancels),
+with the range of those ratios beside it. At T = 0 every mode's tokens must equal
 target-only's (greedy is lossless); the table says how many prompts do. For auto it also gives the
 K of its last run, how many loop iterations ran at each K, and its predicted vs measured speedup.
 
     .venv/bin/python benchmarks/speedup.py [--demo-dir demo] [--batch 1,8,32] [--temperature 0,1]
-        [--k 1,2,3,4,5,6] [--num-prompts N] [--max-new-tokens 96] [--repeats 3] [--json OUT.json]
+        [--k 1,2,3,4,5,6] [--num-prompts N] [--max-new-tokens 96] [--repeats 5] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -62,13 +64,15 @@ def measure(pair: DemoPair, batch: int, temperature: float, ks: list, max_new_to
             tps[k].append(res.stats.tokens_per_second)
             taus[k].append(res.stats.mean_accept_length)
             tokens[k] = res.tokens
-    base = statistics.median(tps[0])
     rows = []
     for k in modes:
         tok_s = statistics.median(tps[k])
+        # paired: each pass against target-only's pass of the same repeat, so a load that drifts
+        # across repeats moves both sides of a ratio
+        ratios = [a / b for a, b in zip(tps[k], tps[0])]
         row = {"batch": batch, "temperature": temperature, "mode": mode_name(k), "tok_s": tok_s,
-               "speedup": tok_s / base, "tau": statistics.median(taus[k]) if k != 0 else 1.0,
-               "tok_s_runs": tps[k]}
+               "speedup": statistics.median(ratios), "speedup_runs": ratios,
+               "tau": statistics.median(taus[k]) if k != 0 else 1.0, "tok_s_runs": tps[k]}
         if temperature == 0:
             row["identical"] = sum(a == b for a, b in zip(tokens[k], tokens[0]))
         if k == "auto":
@@ -89,7 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--k", default=",".join(str(k) for k in range(1, DEFAULT_MAX_DRAFT_TOKENS + 1)))
     ap.add_argument("--num-prompts", type=int, default=None, help="default: every held-out prompt")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     pair = DemoPair.load(args.demo_dir, num_prompts=args.num_prompts)
@@ -102,7 +106,7 @@ def main(argv=None) -> int:
         for temperature in parse_list(args.temperature, float):
             for batch in parse_list(args.batch):
                 rows += measure(pair, batch, temperature, ks, args.max_new_tokens, args.repeats)
-    headers = ["B", "T", "mode", "tok/s", "× target-only", "τ", "identical", "auto: K (iterations per K)",
+    headers = ["B", "T", "mode", "tok/s", "× target-only", "× range", "τ", "identical", "auto: K (iterations per K)",
                "auto: predicted / measured ×"]
     body = []
     for r in rows:
@@ -111,7 +115,7 @@ def main(argv=None) -> int:
             per_k = ", ".join(f"{k}:{n}" for k, n in sorted(r["iterations_per_k"].items()))
             auto = f"{r['chosen_k']} ({per_k})"
         body.append([r["batch"], f"{r['temperature']:g}", r["mode"], r["tok_s"], f"{r['speedup']:.3f}",
-                     f"{r['tau']:.2f}", f"{r['identical']}/{len(pair.prompt_ids)}" if "identical" in r else "-",
+                     f"{min(r['speedup_runs']):.2f}–{max(r['speedup_runs']):.2f}", f"{r['tau']:.2f}", f"{r['identical']}/{len(pair.prompt_ids)}" if "identical" in r else "-",
                      auto, (f"{r['predicted_speedup']:.2f} / {r['measured_speedup']:.2f}" if "chosen_k" in r else "")])
     print(f"{machine()}, load average {load_average()}, {len(pair.prompt_ids)} prompts, "
           f"{args.max_new_tokens} new tokens, median of {args.repeats} interleaved passes")
