@@ -346,8 +346,8 @@ def test_prefill_memory_bounds_keep_the_output(tmp_path, models, target_dir, tra
 
     admitted = []   # rows per prefill call the engine made
     original = Engine._admit
-    monkeypatch.setattr(Engine, "_admit", lambda self, models_, state, new, sp, with_draft: (
-        admitted.append((len(new), self.session.prefill_chunk)), original(self, models_, state, new, sp, with_draft))[1])
+    monkeypatch.setattr(Engine, "_admit", lambda self, models_, state, new, sp: (
+        admitted.append((len(new), self.session.prefill_chunk)), original(self, models_, state, new, sp))[1])
     inp = write_jsonl(tmp_path / "in.jsonl", prompt_rows())
     out, metrics = tmp_path / "out.jsonl", tmp_path / "metrics.json"
     assert serve(models, target_dir, inp, out, trained_draft_dir, metrics=metrics, admit_rows=1, prefill_chunk=4) == 0

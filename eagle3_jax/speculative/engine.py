@@ -123,7 +123,7 @@ class Engine:
             self.compile_intervals.append((t, time.perf_counter()))
         return out
 
-    def _admit(self, models, state, new: dict[int, list[int]], sp, with_draft: bool):
+    def _admit(self, models, state, new: dict[int, list[int]], sp):
         """Prefills only the admitted rows: A = the next power of two >= len(new) (capped at the
         batch), so admissions compile at most log2(batch) + 1 programs per prompt bucket (twice
         under auto: with and without the draft); the padding entries point past the last row and
@@ -131,14 +131,14 @@ class Engine:
         A = min(1 << (len(new) - 1).bit_length(), self.batch_size)
         rows = list(new) + [self.batch_size] * (A - len(new))
         ids, lengths, _ = self.session.pack_prompts(dict(enumerate(new.values())), A)
-        if not with_draft:
-            models = models[:2] + (None, None)
         return self._call(admit_rows, *models, state, np.asarray(rows, np.int32), ids, lengths, sp, program=self.program)
 
     def run(self, requests: Iterable[Request]) -> Iterator[Finished]:
         """Yields each request's result as soon as its row finishes (completion order)."""
         session, program = self.session, self.program
         models = session.models()
+        # target-only runs and admissions are called without the draft's weights (admit_rows, run_rounds)
+        target_models = models[:2] + (None, None)
         sp = self.sampling.traced()
         if session.auto and self._auto is None:
             t = time.perf_counter()
@@ -154,7 +154,7 @@ class Engine:
         # Rows whose draft state is current: admitted with the draft and not advanced by a
         # target-only run since. Under auto, only they teach acceptance (autodraft.AutoDraft.observe).
         drafted_B = np.zeros(self.batch_size, bool)
-        cycle = None   # under auto: (K, start, tokens per occupied row, compiles so far) of the open cycle
+        cycle = None   # under auto: (K, start, tokens per taught row, compiles so far) of the open cycle
         start = time.perf_counter()
         seconds_before = session.stats.seconds
         with session.activate():
@@ -182,7 +182,8 @@ class Engine:
                 if new:
                     admitted = list(new.items())
                     for i in range(0, len(admitted), self.max_admit_rows):
-                        state = self._admit(models, state, dict(admitted[i:i + self.max_admit_rows]), sp, k > 0)
+                        state = self._admit(models if k else target_models, state,
+                                            dict(admitted[i:i + self.max_admit_rows]), sp)
                     for arr in (seen_rounds_B, seen_tokens_B, seen_acc_BK):
                         arr[list(new)] = 0
                     drafted_B[list(new)] = k > 0
@@ -200,7 +201,7 @@ class Engine:
                 full = exhausted or (auto is not None and auto.last_was_exploration)
                 stop_free = self.batch_size + 1 if full else self.batch_size - occupied + self.refill_rows
                 # host scalars, not jnp ones: an eager jnp.int32 is a dispatch of its own (~0.25 ms)
-                state = self._call(run_rounds, *(models if k else models[:2] + (None, None)), state,
+                state = self._call(run_rounds, *(models if k else target_models), state,
                                    np.int32(self.rounds_per_sync), np.int32(stop_free), sp,
                                    program=program.with_draft_tokens(k))
                 if auto is None:
