@@ -5,8 +5,11 @@ Stages (each reads what the earlier ones left in --out and --work, so any suffix
                hash of each path; file lists in OUT/corpus.json, held-out prompts in OUT/prompts.jsonl
   2 tokenizer  byte-level BPE (tokenizers), OUT/target/tokenizer.json + tokenizer_config.json;
                the corpus as token streams in WORK
-  3 target     a DeepseekV3-architecture MoE pre-trained on the train stream (optax AdamW);
-               log in OUT/train_log.jsonl, parameters in WORK
+  3 target     a DeepseekV3-architecture MoE pre-trained on the train stream (optax AdamW) for a step
+               budget (--max-steps); log in OUT/train_log.jsonl, best parameters in WORK. Resumable:
+               the full training state is saved to WORK/target_state.npz every few minutes, and
+               rerunning `--stages 3` with the same settings continues from it (other settings are
+               refused; delete that file to start over)
   4 regenerate `serve.py --emit training`: the target's continuations of train-file prompts
   5 draft      `train.py --config configs/train/demo.yaml` on that data
   6 export     the target in Hugging Face layout (bf16) to OUT/target, checked against transformers;
@@ -28,7 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from tools.demo import bpe, corpus  # noqa: E402
+from tools.demo import bpe, corpus, lm  # noqa: E402
 
 DEMO_TRAIN_CONFIG = "configs/train/demo.yaml"
 STAGE_NAMES = {1: "corpus", 2: "tokenizer", 3: "target", 4: "regenerate", 5: "draft", 6: "export"}
@@ -51,6 +54,7 @@ class Paths:
         self.train_tokens = os.path.join(work, "train_tokens.npy")
         self.heldout_tokens = os.path.join(work, "heldout_tokens.npy")
         self.target_params = os.path.join(work, "target_params.npz")
+        self.target_state = os.path.join(work, "target_state.npz")
         self.regenerated = os.path.join(work, "regenerated.jsonl")
         self.draft_run = os.path.join(work, "draft_run")
         self.summary = os.path.join(work, "summary.json")
@@ -82,7 +86,7 @@ def corpus_files(p: Paths):
     require(p.corpus_json, 1)
     with open(p.corpus_json) as f:
         manifest = json.load(f)
-    train, heldout = corpus.split(corpus.collect(manifest["stdlib"]))
+    train, heldout, _ = corpus.build(manifest["stdlib"])
     for name, files in (("train", train), ("heldout", heldout)):
         if corpus.digest(files) != manifest[name]["sha256"]:
             raise SystemExit(f"error: the {name} files under {manifest['stdlib']} differ from {p.corpus_json}; "
@@ -93,8 +97,8 @@ def corpus_files(p: Paths):
 # ====================================================================== stages
 def stage_corpus(p: Paths, args) -> None:
     root = corpus.stdlib_root()
-    train, heldout = corpus.split(corpus.collect(root))
-    manifest = corpus.manifest(root, train, heldout)
+    train, heldout, counts = corpus.build(root)
+    manifest = corpus.manifest(root, train, heldout, counts)
     with open(p.corpus_json, "w") as f:
         json.dump(manifest, f, indent=1)
         f.write("\n")
@@ -102,10 +106,14 @@ def stage_corpus(p: Paths, args) -> None:
     regen_prompts = corpus.spread_prompts(train, args.regen_prompts, "train", per_file=4)
     corpus.write_jsonl(p.prompts, [{"id": r["id"], "prompt": r["prompt"]} for r in heldout_prompts])
     corpus.write_jsonl(p.regen_prompts, [{"id": r["id"], "prompt": r["prompt"]} for r in regen_prompts])
-    say(f"corpus: {manifest['train']['files']} train files ({manifest['train']['bytes'] / 1e6:.1f} MB), "
-        f"{manifest['heldout']['files']} held-out ({manifest['heldout']['bytes'] / 1e3:.0f} kB) from {root}")
+    tr, ho = manifest["train"], manifest["heldout"]
+    say(f"corpus: {tr['files']} train files ({tr['bytes'] / 1e6:.1f} MB, of which {tr['test_files']} test modules "
+        f"{tr['test_bytes'] / 1e6:.1f} MB), {ho['files']} held-out library files ({ho['bytes'] / 1e3:.0f} kB) "
+        f"from the modules {', '.join(manifest['heldout_modules'])}; from {root}")
+    say("corpus counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     say(f"prompts: {len(heldout_prompts)} held-out -> {p.prompts}, {len(regen_prompts)} train -> {p.regen_prompts}")
-    update_summary(p, "corpus", {k: manifest[k] for k in ("source", "train", "heldout")})
+    update_summary(p, "corpus", {k: manifest[k] for k in ("source", "rules", "counts", "train", "heldout",
+                                                          "heldout_modules")})
 
 
 def stage_tokenizer(p: Paths, args) -> None:
@@ -130,25 +138,27 @@ def stage_tokenizer(p: Paths, args) -> None:
 def stage_target(p: Paths, args) -> None:
     import numpy as np
 
-    from tools.demo import lm
-
     require(p.train_tokens, 2)
     tok = bpe.load(p.target)
     hf_config = lm.target_hf_config(tok.get_vocab_size(), tok.token_to_id(bpe.BOS), tok.token_to_id(bpe.EOS),
                                     max_positions=args.seq_len)
     settings = lm.TrainSettings(seq_len=args.seq_len, batch_size=args.batch_size, peak_lr=args.lr,
                                 max_steps=args.max_steps, max_seconds=args.max_minutes * 60, seed=args.seed,
-                                eval_every_seconds=args.eval_every_seconds)
+                                eval_every_steps=args.eval_every_steps, moe_kernel=args.moe_kernel,
+                                checkpoint_every_seconds=args.checkpoint_every_seconds)
     summary = lm.train(hf_config, np.load(p.train_tokens), np.load(p.heldout_tokens), settings,
-                       p.train_log, p.target_params, say=say)
+                       p.train_log, p.target_params, p.target_state, say=say)
     say(f"target: {summary['steps']} steps, {summary['tokens'] / 1e6:.1f}M tokens, best held-out loss "
         f"{summary['best_heldout_loss']:.3f} at step {summary['best_step']} ({summary['stop_reason']}), "
-        f"{summary['wall_s'] / 60:.1f} min")
+        f"{summary['wall_s'] / 60:.1f} min of training over {summary['sessions']} session(s)")
     update_summary(p, "target", summary)
+    if summary["stop_reason"] == "interrupted":
+        raise SystemExit(f"target training was interrupted at step {summary['steps']}; rerun `--stages 3` "
+                         "with the same settings to continue")
 
 
 def stage_export_target(p: Paths, args) -> None:
-    from tools.demo import export, lm
+    from tools.demo import export
 
     require(p.target_params, 3)
     flat, meta = lm.load_params(p.target_params)
@@ -240,14 +250,21 @@ def parse_stages(text: str) -> list[int]:
 
 
 def main(argv=None) -> int:
+    lm_defaults = lm.TrainSettings()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", default="1,2,3,4,5,6", help="comma-separated stages to run (default all)")
     ap.add_argument("--out", default="demo", help="output folder (default demo)")
     ap.add_argument("--work", default="build/demo_work", help="intermediate files (default build/demo_work)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-minutes", type=float, default=55.0, help="wall-time cap of stage 3's training")
-    ap.add_argument("--max-steps", type=int, default=100_000, help="step cap of stage 3's training")
-    ap.add_argument("--eval-every-seconds", type=float, default=150.0, help="held-out evaluation interval")
+    ap.add_argument("--max-steps", type=int, default=lm_defaults.max_steps,
+                    help="stage 3's step budget; the learning-rate schedule is defined over it")
+    ap.add_argument("--max-minutes", type=float, default=0.0,
+                    help="optional wall-time budget of stage 3 (0: none); when set, the schedule follows "
+                         "whichever of steps and time runs out first, so the result depends on the machine")
+    ap.add_argument("--eval-every-steps", type=int, default=lm_defaults.eval_every_steps,
+                    help="held-out evaluation (and state save) interval of stage 3")
+    ap.add_argument("--checkpoint-every-seconds", type=float, default=lm_defaults.checkpoint_every_seconds,
+                    help="stage 3 also saves its resumable state this often")
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=8)

@@ -11,34 +11,48 @@ that got fewer than the mean number of tokens in the batch, down for those that 
 bias only steers which experts are chosen, never the mixing weights, so it gets no gradient and
 is kept out of the optimizer.
 
-The learning rate warms up, then follows a cosine to 10 % of the peak over the run's *budget*:
-the fraction done is max(step / max_steps, elapsed / max_seconds). On a shared 2-core machine the
-step time is not known in advance, so tying the schedule to wall time makes a time-capped run end
-annealed instead of being cut off at a high learning rate.
+The learning rate warms up, then follows a cosine to 10 % of the peak over a *step* budget
+(``max_steps``), so a run that is stopped and resumed under a varying machine load follows exactly
+the same schedule as an uninterrupted one. An optional wall-time budget (``max_seconds`` > 0) makes
+the fraction done max(step / max_steps, elapsed / max_seconds) instead, which ends a time-capped
+run annealed; it makes the schedule depend on the machine's speed, so the demo recipe leaves it off.
+
+Training is resumable: every ``eval_every_steps`` steps (after the held-out evaluation) and every
+``checkpoint_every_seconds`` of training, the full state (parameters, optimizer state, router bias,
+step, the data sampler's random state, best loss so far, compute seconds spent) is written to
+``state_path`` atomically (a temporary file, then a rename). ``train`` continues from that file when
+it exists, and refuses when it was written with different settings, model or data. A resumed run
+gives the same parameters as an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 
-# The target's shape. Sized for a 2-core CPU: ~10M parameters, most of them in the 8 routed experts
-# and the 8k-vocabulary embedding and head.
+# The target's shape: deep and narrow like the real models relative to a one-layer draft, so that a
+# draft step costs well under 0.15 of a target decode step on a CPU (24 layers; 16 layers measured
+# 0.16). Fine-grained routed experts with top-k in groups as in DeepSeek-V3 (there 256 experts top-8,
+# 8 groups keep 4; here 16 top-4, 4 groups keep 2). ~22M parameters, ~44 MB in bf16, so that with
+# the draft the demo stays under 60 MB; most of them are in the routed experts and the
+# 8k-vocabulary embedding and head.
 TARGET_SHAPE = {
     "hidden_size": 256,
     "intermediate_size": 512,          # the dense first layer
-    "moe_intermediate_size": 128,      # each routed expert; the shared expert has the same width
-    "num_hidden_layers": 6,
+    "moe_intermediate_size": 48,       # each routed expert; the shared expert has the same width
+    "num_hidden_layers": 24,
     "first_k_dense_replace": 1,
     "moe_layer_freq": 1,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
     "n_shared_experts": 1,
     "n_group": 4,
     "topk_group": 2,
@@ -92,15 +106,22 @@ class TrainSettings:
     b2: float = 0.95
     grad_clip: float = 1.0
     bias_update_rate: float = 1e-2
-    max_steps: int = 100_000
-    max_seconds: float = 40 * 60
-    eval_every_seconds: float = 150.0
+    # The demo recipe's budget: ~2 h of an idle 2-core CPU at the 24-layer shape (~4.8 s a step,
+    # estimated from ~7 CPU-seconds a step measured on a busy machine), 3.1M tokens.
+    max_steps: int = 1500
+    max_seconds: float = 0.0           # > 0: a wall-time budget too (see the module docstring)
+    eval_every_steps: int = 50
     eval_windows: int = 48
     # "Flattened": the best held-out loss improved by less than this over the last `patience` evals.
     flat_delta: float = 0.01
     patience: int = 3
     seed: int = 0
     moe_kernel: str = "padded_blocks"
+    # How often the resumable state is written; the only setting a resumed run may change.
+    checkpoint_every_seconds: float = 300.0
+
+
+RESUMABLE_CHANGES = ("checkpoint_every_seconds",)
 
 
 # ---------------------------------------------------------------------- params on disk
@@ -155,7 +176,10 @@ def active_params(cfg, flat: dict) -> int:
 # ---------------------------------------------------------------------- training
 def lr_at(s: TrainSettings, step: int, elapsed: float) -> float:
     warm = min(1.0, (step + 1) / s.warmup_steps)
-    frac = min(1.0, max(step / s.max_steps, elapsed / s.max_seconds))
+    frac = step / s.max_steps
+    if s.max_seconds > 0:
+        frac = max(frac, elapsed / s.max_seconds)
+    frac = min(1.0, frac)
     return s.peak_lr * warm * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
@@ -168,9 +192,71 @@ def eval_windows(stream: np.ndarray, seq_len: int, n: int) -> np.ndarray:
     return np.stack([stream[i * seq_len:i * seq_len + seq_len + 1] for i in picks]).astype(np.int32)
 
 
-def train(hf_config: dict, train_stream: np.ndarray, heldout_stream: np.ndarray, s: TrainSettings,
-          log_path: str, ckpt_path: str, say=print) -> dict:
-    """Trains from scratch; returns a summary. The parameters are written to ``ckpt_path`` (npz)."""
+def stream_digest(*streams: np.ndarray) -> str:
+    h = hashlib.sha256()
+    for a in streams:
+        h.update(str(a.dtype).encode() + str(a.shape).encode() + np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def save_state(path: str, trees: dict, meta: dict) -> None:
+    """The resumable state: every leaf of each pytree in ``trees`` plus ``meta`` (JSON), atomically."""
+    import jax
+
+    arrays = {f"{name}/{i:05d}": np.asarray(x) for name, tree in trees.items()
+              for i, x in enumerate(jax.tree.leaves(tree))}
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+    os.replace(tmp, path)
+
+
+def load_state(path: str, like: dict) -> tuple[dict, dict]:
+    """Reads ``save_state``'s file into pytrees shaped like ``like`` (same structure, checked)."""
+    import jax
+    import jax.numpy as jnp
+
+    out = {}
+    with np.load(path) as z:
+        meta = json.loads(bytes(z["__meta__"]).decode())
+        for name, tree in like.items():
+            leaves, treedef = jax.tree.flatten(tree)
+            keys = sorted(k for k in z.files if k.startswith(name + "/"))
+            if len(keys) != len(leaves):
+                raise SystemExit(f"error: {path} holds {len(keys)} '{name}' arrays, this model has {len(leaves)}; "
+                                 "it was written by a different model: delete it to start over")
+            new = []
+            for k, ref in zip(keys, leaves):
+                a = z[k]
+                if a.shape != np.shape(ref):
+                    raise SystemExit(f"error: {path}: {k} has shape {a.shape}, this model expects "
+                                     f"{np.shape(ref)}; delete it to start over")
+                new.append(jnp.asarray(a, dtype=jnp.asarray(ref).dtype))
+            out[name] = jax.tree.unflatten(treedef, new)
+    return out, meta
+
+
+def check_resumable(path: str, meta: dict, expect: dict) -> None:
+    """Refuses to resume a state written with other settings, model or data (expected vs found)."""
+    diffs = []
+    for key in ("settings", "config", "data"):
+        want, got = expect[key], meta.get(key, {})
+        for k in sorted(set(want) | set(got)):
+            if key == "settings" and k in RESUMABLE_CHANGES:
+                continue
+            if want.get(k) != got.get(k):
+                diffs.append(f"{key}.{k}: checkpoint {got.get(k)!r}, now {want.get(k)!r}")
+    if diffs:
+        raise SystemExit(f"error: cannot resume from {path} (step {meta.get('step')}): it was written with "
+                         "different settings:\n  " + "\n  ".join(diffs) + "\nrerun with the checkpoint's settings, "
+                         f"or delete {path} to start over")
+
+
+# (config, optimizer settings) -> (tx, train_step, eval_step): built and compiled once per process,
+# so a run resumed in the same process (as in the tests) does not compile again.
+_STEP_FUNCTIONS: dict = {}
+
+
+def step_functions(hf_config: dict, s: TrainSettings, graphdef):
     import jax
     import jax.numpy as jnp
     import optax
@@ -178,17 +264,11 @@ def train(hf_config: dict, train_stream: np.ndarray, heldout_stream: np.ndarray,
 
     from eagle3_jax.models import moe
 
-    t_start = time.perf_counter()
-    cfg, model = build_target(hf_config, s.seed, s.moe_kernel)
-    graphdef, bias, params = nnx.split(model, nnx.PathContains("e_score_correction_bias"), nnx.Param)
-    bias_layers = [path[1] for path, _ in nnx.to_flat_state(bias)]
-    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
-    # The bias leaves flatten in layer order, the order the forward pass routes in.
-    assert bias_layers == moe_layers, (bias_layers, moe_layers)
-    flat0 = flat_arrays(bias, params)
-    n_params = count_params(flat0)
-    say(f"target: {n_params / 1e6:.2f}M parameters ({active_params(cfg, flat0) / 1e6:.2f}M active per token), "
-        f"{cfg.num_hidden_layers} layers, {cfg.n_routed_experts} routed experts top-{cfg.num_experts_per_tok}")
+    key = json.dumps([hf_config, s.grad_clip, s.peak_lr, s.b1, s.b2, s.weight_decay, s.bias_update_rate,
+                      s.moe_kernel], sort_keys=True)
+    if key in _STEP_FUNCTIONS:
+        return _STEP_FUNCTIONS[key]
+    E = hf_config["n_routed_experts"]
 
     tx = optax.chain(
         optax.clip_by_global_norm(s.grad_clip),
@@ -196,8 +276,6 @@ def train(hf_config: dict, train_stream: np.ndarray, heldout_stream: np.ndarray,
             learning_rate=s.peak_lr, b1=s.b1, b2=s.b2, weight_decay=s.weight_decay,
             mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
     )
-    opt_state = tx.init(params)
-    E = cfg.n_routed_experts
 
     def loss_fn(params, bias, ids_BT1):
         m = nnx.merge(graphdef, bias, params)
@@ -229,6 +307,32 @@ def train(hf_config: dict, train_stream: np.ndarray, heldout_stream: np.ndarray,
     def eval_step(params, bias, ids_BT1):
         return loss_fn(params, bias, ids_BT1)[0]
 
+    _STEP_FUNCTIONS[key] = tx, train_step, eval_step
+    return _STEP_FUNCTIONS[key]
+
+
+def train(hf_config: dict, train_stream: np.ndarray, heldout_stream: np.ndarray, s: TrainSettings,
+          log_path: str, ckpt_path: str, state_path: str, say=print) -> dict:
+    """Trains (resuming from ``state_path`` when it exists); returns a summary. The parameters with
+    the best held-out loss are written to ``ckpt_path`` (npz), the resumable state to ``state_path``."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    t_start = time.perf_counter()
+    cfg, model = build_target(hf_config, s.seed, s.moe_kernel)
+    graphdef, bias, params = nnx.split(model, nnx.PathContains("e_score_correction_bias"), nnx.Param)
+    bias_layers = [path[1] for path, _ in nnx.to_flat_state(bias)]
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    # The bias leaves flatten in layer order, the order the forward pass routes in.
+    assert bias_layers == moe_layers, (bias_layers, moe_layers)
+    flat0 = flat_arrays(bias, params)
+    n_params = count_params(flat0)
+    say(f"target: {n_params / 1e6:.2f}M parameters ({active_params(cfg, flat0) / 1e6:.2f}M active per token), "
+        f"{cfg.num_hidden_layers} layers, {cfg.n_routed_experts} routed experts top-{cfg.num_experts_per_tok}")
+
+    tx, train_step, eval_step = step_functions(hf_config, s, graphdef)
+    opt_state = tx.init(params)
+
     evals = eval_windows(heldout_stream, s.seq_len, s.eval_windows)
 
     def heldout_loss(params, bias):
@@ -243,68 +347,119 @@ def train(hf_config: dict, train_stream: np.ndarray, heldout_stream: np.ndarray,
         starts = rng.integers(0, n_starts, size=s.batch_size)
         return jnp.asarray(np.stack([train_stream[i:i + s.seq_len + 1] for i in starts]).astype(np.int32))
 
+    # Everything that determines the run; a resumed run must match it.
+    identity = {"settings": dict(s.__dict__), "config": hf_config,
+                "data": {"train": stream_digest(train_stream), "heldout": stream_digest(heldout_stream)}}
+    # The loop's state besides the arrays: what a resumed run needs to continue identically.
+    st = {"step": 0, "tokens": 0, "best": [float("inf"), 0], "history": [], "window_losses": [],
+          "elapsed_s": 0.0, "cpu_s": 0.0, "sessions": 0, "stop_reason": None, "lr": 0.0, "imbalance": float("nan")}
+    if os.path.isfile(state_path):
+        trees, meta = load_state(state_path, {"params": params, "bias": bias, "opt_state": opt_state})
+        check_resumable(state_path, meta, identity)
+        params, bias, opt_state = trees["params"], trees["bias"], trees["opt_state"]
+        st.update(meta["loop"])
+        rng.bit_generator.state = meta["rng"]
+        # Drop log rows written after the state was saved: the resumed run writes them again.
+        rows = [line for line in open(log_path) if json.loads(line)["step"] <= st["step"]] \
+            if os.path.isfile(log_path) else []
+        with open(log_path, "w") as f:
+            f.writelines(rows)
+        say(f"resuming from {state_path}: step {st['step']} of {s.max_steps}, {st['elapsed_s'] / 60:.1f} min of "
+            f"training so far, best held-out loss {st['best'][0]:.3f} (step {st['best'][1]})")
+    else:
+        open(log_path, "w").close()
+    st["sessions"] += 1
+
+    def save(why: str):
+        save_state(state_path, {"params": params, "bias": bias, "opt_state": opt_state},
+                   {**identity, "loop": st, "rng": rng.bit_generator.state, "saved_because": why})
+
     say(f"train stream {len(train_stream):,} tokens, held-out eval {evals.size:,} tokens; "
-        f"batch {s.batch_size} x {s.seq_len}; budget {s.max_seconds / 60:.1f} min or {s.max_steps} steps")
-    log = open(log_path, "w")
-    step, tokens = 0, 0
-    best = (float("inf"), 0)
-    history: list[float] = []
-    window_losses: list[float] = []
-    t0 = time.perf_counter()  # the schedule's clock; compile time is inside the budget too
-    t_last_eval = t0
-    stop_reason = "max_steps"
+        f"batch {s.batch_size} x {s.seq_len}; budget {s.max_steps} steps"
+        + (f" or {s.max_seconds / 60:.1f} min" if s.max_seconds > 0 else ""))
+    log = open(log_path, "a")
 
-    last_train_loss = [float("nan")]
-
-    def record(step, elapsed, lr, imbalance):
-        nonlocal best
+    def record():
         hl = heldout_loss(params, bias)
-        history.append(hl)
-        tl = float(np.mean(window_losses)) if window_losses else float("nan")
-        window_losses.clear()
-        last_train_loss[0] = tl
-        row = {"step": step, "tokens": tokens, "train_loss": round(tl, 4), "heldout_loss": round(hl, 4),
-               "lr": lr, "elapsed_s": round(elapsed, 1), "expert_load_max_over_mean": round(imbalance, 3)}
+        st["history"].append(hl)
+        tl = float(np.mean(st["window_losses"])) if st["window_losses"] else float("nan")
+        st["window_losses"] = []
+        st["final_train_loss"] = tl
+        row = {"step": st["step"], "tokens": st["tokens"], "train_loss": round(tl, 4), "heldout_loss": round(hl, 4),
+               "lr": st["lr"], "elapsed_s": round(st["elapsed_s"], 1), "cpu_s": round(st["cpu_s"], 1),
+               "expert_load_max_over_mean": round(st["imbalance"], 3)}
         log.write(json.dumps(row) + "\n")
         log.flush()
-        say(f"  step {step:5d}  tokens {tokens / 1e6:6.2f}M  train {tl:.3f}  held-out {hl:.3f}  "
-            f"lr {lr:.2e}  load max/mean {imbalance:.2f}  {elapsed / 60:.1f} min")
-        if hl < best[0]:
-            best = (hl, step)
+        say(f"  step {st['step']:5d}  tokens {st['tokens'] / 1e6:6.2f}M  train {tl:.3f}  held-out {hl:.3f}  "
+            f"lr {st['lr']:.2e}  load max/mean {st['imbalance']:.2f}  {st['elapsed_s'] / 60:.1f} min")
+        if hl < st["best"][0]:
+            st["best"] = [hl, st["step"]]
             save_params(ckpt_path, flat_arrays(bias, params),
-                        {"step": step, "heldout_loss": hl, "tokens": tokens, "config": hf_config})
-        return hl
+                        {"step": st["step"], "heldout_loss": hl, "tokens": st["tokens"], "config": hf_config})
 
-    lr, imbalance = s.peak_lr, float("nan")
-    record(0, 0.0, 0.0, imbalance)
-    while step < s.max_steps:
-        elapsed = time.perf_counter() - t0
-        if elapsed >= s.max_seconds:
-            stop_reason = "max_minutes"
-            break
-        lr = lr_at(s, step, elapsed)
-        params, opt_state, bias, loss, imb = train_step(params, opt_state, bias, batch(), jnp.float32(lr))
-        step += 1
-        tokens += s.batch_size * s.seq_len
-        window_losses.append(float(loss))
-        imbalance = float(imb)
-        if step % 25 == 0:
-            say(f"    step {step} loss {np.mean(window_losses[-25:]):.3f} lr {lr:.2e} "
-                f"({(time.perf_counter() - t0) / step:.2f} s/step)")
-        now = time.perf_counter()
-        if now - t_last_eval >= s.eval_every_seconds:
-            t_last_eval = now
-            record(step, now - t0, lr, imbalance)
-            if len(history) > s.patience and min(history[:-s.patience]) - min(history[-s.patience:]) < s.flat_delta:
-                stop_reason = "held-out loss flattened"
+    # A polite stop (SIGTERM, e.g. a machine being handed back) saves the state first.
+    stop_signal = []
+    previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop_signal.append(True))
+    try:
+        t_wall, t_cpu = time.perf_counter(), time.process_time()
+
+        def tick():  # compute seconds, summed over sessions (compilation included)
+            nonlocal t_wall, t_cpu
+            now_wall, now_cpu = time.perf_counter(), time.process_time()
+            st["elapsed_s"] += now_wall - t_wall
+            st["cpu_s"] += now_cpu - t_cpu
+            t_wall, t_cpu = now_wall, now_cpu
+
+        if st["step"] == 0 and not st["history"]:
+            record()
+        t_saved = time.perf_counter()
+        while st["stop_reason"] is None:
+            if st["step"] >= s.max_steps:
+                st["stop_reason"] = "max_steps"
                 break
-    if window_losses:
-        record(step, time.perf_counter() - t0, lr, imbalance)
-    log.close()
+            if s.max_seconds > 0 and st["elapsed_s"] >= s.max_seconds:
+                st["stop_reason"] = "max_minutes"
+                break
+            if stop_signal:
+                tick()
+                save("SIGTERM")
+                say(f"stopped by SIGTERM at step {st['step']}; the state is saved in {state_path}")
+                break
+            st["lr"] = lr_at(s, st["step"], st["elapsed_s"])
+            params, opt_state, bias, loss, imb = train_step(params, opt_state, bias, batch(), jnp.float32(st["lr"]))
+            st["step"] += 1
+            st["tokens"] += s.batch_size * s.seq_len
+            st["window_losses"].append(float(loss))
+            st["imbalance"] = float(imb)
+            tick()
+            if st["step"] % 25 == 0:
+                say(f"    step {st['step']} loss {np.mean(st['window_losses'][-25:]):.3f} lr {st['lr']:.2e} "
+                    f"({st['elapsed_s'] / 60:.1f} min, {st['cpu_s'] / 60:.1f} CPU min)")
+            if st["step"] % s.eval_every_steps == 0 or st["step"] == s.max_steps:
+                record()
+                h, p = st["history"], s.patience
+                if len(h) > p and min(h[:-p]) - min(h[-p:]) < s.flat_delta:
+                    st["stop_reason"] = "held-out loss flattened"
+                tick()
+                save(f"evaluated at step {st['step']}")
+                t_saved = time.perf_counter()
+            elif time.perf_counter() - t_saved >= s.checkpoint_every_seconds:
+                save(f"{s.checkpoint_every_seconds:.0f} s since the last save")
+                t_saved = time.perf_counter()
+        if st["stop_reason"] is not None:
+            if st["window_losses"]:
+                record()
+                tick()
+            save(f"finished: {st['stop_reason']}")
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+        log.close()
     return {
-        "params": n_params, "active_params": active_params(cfg, flat0), "steps": step, "tokens": tokens,
-        "best_heldout_loss": best[0], "best_step": best[1], "final_train_loss": last_train_loss[0],
-        "final_heldout_loss": history[-1],
-        "stop_reason": stop_reason, "wall_s": time.perf_counter() - t_start,
-        "settings": s.__dict__,
+        "params": n_params, "active_params": active_params(cfg, flat0), "steps": st["step"], "tokens": st["tokens"],
+        "best_heldout_loss": st["best"][0], "best_step": st["best"][1],
+        "final_train_loss": st.get("final_train_loss", float("nan")),
+        "final_heldout_loss": st["history"][-1] if st["history"] else float("nan"),
+        "stop_reason": st["stop_reason"] or "interrupted", "wall_s": st["elapsed_s"], "cpu_s": st["cpu_s"],
+        "sessions": st["sessions"], "session_wall_s": time.perf_counter() - t_start,
+        "settings": s.__dict__, "config": hf_config,
     }

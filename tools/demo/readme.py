@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import platform
 
+from tools.demo.lm import TARGET_SHAPE
+
 
 def _fmt(x, nd=3):
     return "n/a" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
@@ -13,6 +15,7 @@ def _fmt(x, nd=3):
 def render(s: dict, out: str, demo_bytes: int) -> str:
     c, tk, tg, ex = s.get("corpus", {}), s.get("tokenizer", {}), s.get("target", {}), s.get("export_target", {})
     st = tg.get("settings", {})
+    shape = tg.get("config", TARGET_SHAPE)
     lines = [
         "# The demo models",
         "",
@@ -33,12 +36,15 @@ def render(s: dict, out: str, demo_bytes: int) -> str:
         "",
     ]
     if c:
+        r, n = c.get("rules", {}), c.get("counts", {})
         lines += [
             f"1. **Corpus** — {c.get('source')}: {c['train']['files']} train files "
-            f"({c['train']['bytes'] / 1e6:.1f} MB), "
-            f"{c['heldout']['files']} held-out ({c['heldout']['bytes'] / 1e3:.0f} kB). Test directories, `test_*.py`, "
-            "files over 200 kB and generated codec tables are left out; a file is held out when "
-            "sha256(its path relative to the stdlib) mod 1000 < 20.",
+            f"({c['train']['bytes'] / 1e6:.1f} MB, of which {c['train'].get('test_files')} test modules, "
+            f"{c['train'].get('test_bytes', 0) / 1e6:.1f} MB), {c['heldout']['files']} held-out library files "
+            f"({c['heldout']['bytes'] / 1e3:.0f} kB) of the modules {', '.join(c.get('heldout_modules', []))}. "
+            f"Test modules: {r.get('test_files')}. Left out: {r.get('skip_files')}. Deduplicated: {r.get('dedupe')} "
+            f"({n.get('exact_duplicates')} exact, {n.get('near_duplicates')} near). Held out: {r.get('heldout')} "
+            f"({n.get('heldout_module_tests_left_out')} test files).",
         ]
     if tk:
         lines += [
@@ -51,18 +57,24 @@ def render(s: dict, out: str, demo_bytes: int) -> str:
     if tg:
         lines += [
             f"3. **Target** — DeepSeek-V3 architecture, {tg['params'] / 1e6:.2f}M parameters "
-            f"({tg['active_params'] / 1e6:.2f}M active per token): see `target/config.json` (MLA with q LoRA, dense "
-            "first layer, 8 routed experts top-2 in 4 groups keep 2, 1 shared expert, sigmoid router with "
+            f"({tg['active_params'] / 1e6:.2f}M active per token): see `target/config.json` ({shape['num_hidden_layers']} "
+            f"layers at hidden {shape['hidden_size']}, MLA with q LoRA, dense first layer, {shape['n_routed_experts']} "
+            f"routed experts top-{shape['num_experts_per_tok']} in {shape['n_group']} groups keep "
+            f"{shape['topk_group']}, {shape['n_shared_experts']} shared expert, sigmoid router with "
             "`e_score_correction_bias`). Trained by `tools/demo/lm.py` with the product's `Target` "
             f"(routed experts through the differentiable `{st.get('moe_kernel')}` kernel), float32: "
             f"AdamW (peak lr {st.get('peak_lr')}, betas ({st.get('b1')}, {st.get('b2')}), "
             f"weight decay {st.get('weight_decay')} on matrices, clip {st.get('grad_clip')}), {st.get('warmup_steps')} "
-            "warm-up steps then cosine to 10 % over the run's budget (fraction done = max(steps, wall time)); "
-            f"batch {st.get('batch_size')} random windows of {st.get('seq_len')} tokens; "
+            "warm-up steps then cosine to 10 % over "
+            + (f"the run's budget (fraction done = max(steps / {st.get('max_steps')}, time / "
+               f"{st.get('max_seconds', 0) / 60:.0f} min)); " if st.get("max_seconds") else
+               f"a budget of {st.get('max_steps')} steps; ")
+            + f"batch {st.get('batch_size')} random windows of {st.get('seq_len')} tokens; "
             f"seed {st.get('seed')}. Load balance: DeepSeek-V3's auxiliary-loss-free bias update "
             f"(±{st.get('bias_update_rate')} per step towards the mean expert load), no auxiliary loss.",
             "",
             f"   Ran {tg['steps']} steps / {tg['tokens'] / 1e6:.1f}M tokens in {tg['wall_s'] / 60:.1f} min "
+            f"of training ({tg.get('cpu_s', 0) / 60:.0f} CPU min, {tg.get('sessions', 1)} session(s)) "
             f"(stopped: {tg['stop_reason']}). Held-out loss {_fmt(tg['best_heldout_loss'])} nats/token "
             f"(best, step {tg['best_step']}); last train loss {_fmt(tg.get('final_train_loss'))}. "
             "The exported weights are the best held-out checkpoint.",
@@ -125,15 +137,18 @@ def render(s: dict, out: str, demo_bytes: int) -> str:
     if tg.get("stop_reason") == "max_minutes":
         pending.append("- the target stopped at the wall-time cap with its held-out loss still falling (see "
                        "`train_log.jsonl`); a larger `--max-minutes` gives a stronger target")
+    if tg.get("stop_reason") == "interrupted":
+        pending.append(f"- the target's pre-training stopped at step {tg['steps']} of {st.get('max_steps')}; "
+                       "rerun `--stages 3` to continue it")
     if not dh:
         pending.append("- the EAGLE-3 draft (stages 4-5) and its held-out acceptance length τ")
     if pending:
         lines += ["## Not done yet", "", *pending, ""]
     lines += [
-        f"Size of `{out}/` when this was written: {demo_bytes / 1e6:.1f} MB (limit 30 MB).",
+        f"Size of `{out}/` when this was written: {demo_bytes / 1e6:.1f} MB (limit 60 MB).",
         "",
-        "Rebuild: `python tools/make_demo.py` (all stages) or e.g. `--stages 3,4,5,6 --max-minutes 55`. "
-        "Reruns give equivalent models, not identical bytes (the training length follows wall time).",
+        "Rebuild: `python tools/make_demo.py` (all stages) or e.g. `--stages 3,4,5,6`. Stage 3 resumes from "
+        "its saved state when rerun with the same settings; its schedule follows steps, not wall time.",
         "",
     ]
     return "\n".join(lines)
