@@ -101,3 +101,13 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
 
     with pytest.raises(SystemExit, match=r"settings\.peak_lr: checkpoint 0\.003, now 0\.001"):
         tiny_run(str(parts), peak_lr=1e-3)()
+
+
+def test_a_second_trainer_on_the_same_state_is_refused(tmp_path):
+    state = str(tmp_path / "state.npz")
+    with lm.training_lock(state):
+        with pytest.raises(SystemExit, match=rf"another process \(pid {os.getpid()}\) is already training"):
+            with lm.training_lock(state):
+                pass
+    with lm.training_lock(state):  # released again
+        pass

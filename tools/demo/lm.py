@@ -27,6 +27,7 @@ gives the same parameters as an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -311,10 +312,40 @@ def step_functions(hf_config: dict, s: TrainSettings, graphdef):
     return _STEP_FUNCTIONS[key]
 
 
+@contextlib.contextmanager
+def training_lock(state_path: str):
+    """Only one process trains into a state file: a second one (say, a later session that missed the
+    first) would overwrite its checkpoints."""
+    import fcntl
+
+    f = open(state_path + ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise SystemExit(f"error: another process (pid {holder}) is already training into {state_path}; "
+                         "wait for it to finish, or stop it (SIGTERM saves its state) and rerun")
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
+    finally:
+        f.close()
+
+
 def train(hf_config: dict, train_stream: np.ndarray, heldout_stream: np.ndarray, s: TrainSettings,
           log_path: str, ckpt_path: str, state_path: str, say=print) -> dict:
     """Trains (resuming from ``state_path`` when it exists); returns a summary. The parameters with
     the best held-out loss are written to ``ckpt_path`` (npz), the resumable state to ``state_path``."""
+    with training_lock(state_path):
+        return _train(hf_config, train_stream, heldout_stream, s, log_path, ckpt_path, state_path, say)
+
+
+def _train(hf_config, train_stream, heldout_stream, s, log_path, ckpt_path, state_path, say) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
