@@ -182,9 +182,10 @@ def stage_regenerate(p: Paths, args) -> None:
 
     require(p.regen_prompts, 1)
     draft.regenerate(p.target, p.regen_prompts, p.regenerated, args.regen_new_tokens, args.regen_batch_size,
-                     max_len=args.seq_len, say=say)
+                     max_len=args.seq_len, temperatures=args.regen_temperatures, say=say)
     update_summary(p, "regenerate", {"prompts": sum(1 for _ in open(p.regen_prompts)),
-                                     "new_tokens": args.regen_new_tokens})
+                                     "new_tokens": args.regen_new_tokens,
+                                     "temperatures": list(args.regen_temperatures)})
 
 
 def stage_draft(p: Paths, args) -> None:
@@ -237,6 +238,16 @@ def write_readme(p: Paths, args) -> None:
 
 
 # ====================================================================== main
+def temperature_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        values = ()
+    if not values or any(t < 0 for t in values):
+        raise argparse.ArgumentTypeError(f"expected temperatures >= 0 separated by commas (e.g. 0,0.7,1), got '{text}'")
+    return values
+
+
 def parse_stages(text: str) -> list[int]:
     try:
         stages = sorted({int(s) for s in text.split(",") if s.strip()})
@@ -276,6 +287,9 @@ def main(argv=None) -> int:
     ap.add_argument("--regen-prompts", type=int, default=2000)
     ap.add_argument("--regen-new-tokens", type=int, default=96)
     ap.add_argument("--regen-batch-size", type=int, default=64)
+    ap.add_argument("--regen-temperatures", type=temperature_list, default=(0.0, 0.7, 1.0),
+                    help="stage 4 deals the prompts round-robin over these sampling temperatures (0: greedy), "
+                         "so the draft also learns sampled text")
     ap.add_argument("--num-draft-tokens", type=int, default=6, help="the shipped K (demo/demo.yaml)")
     ap.add_argument("--verify-tokens", type=int, default=48, help="greedy tokens compared with transformers")
     args = ap.parse_args(argv)

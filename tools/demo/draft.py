@@ -35,22 +35,53 @@ def _run(cmd: list[str], say) -> None:
 
 
 def regenerate(target_dir: str, prompts: str, output: str, max_new_tokens: int, batch_size: int, max_len: int,
-               say=print) -> str:
-    """Stage 4: the target's greedy continuations of ``prompts`` as {"messages": [...]} records."""
+               temperatures: tuple[float, ...] = (0.0,), seed: int = 0, say=print) -> str:
+    """Stage 4: the target's continuations of ``prompts`` as {"messages": [...]} records.
+
+    With several ``temperatures`` the prompts are dealt round-robin into one share per temperature
+    (prompt i goes to temperatures[i % n]) and each share is served at its temperature: a draft
+    trained only on greedy continuations meets sampled text it has never seen, and its acceptance
+    falls off by position at T > 0. The shares are concatenated in temperature order into ``output``.
+    """
     text = _help("serve.py")
-    missing = [flag for flag in ("--emit", "--target", "--input", "--output", "--max-new-tokens") if flag not in text]
+    missing = [flag for flag in ("--emit", "--target", "--input", "--output", "--max-new-tokens", "--seed")
+               if flag not in text]
     if missing or "training" not in text:
         raise StageUnavailable(
             f"serve.py does not support {', '.join(missing) or '--emit training'} yet; stage 4 needs "
             "`serve.py --target DIR --input PROMPTS --output OUT --emit training`")
     if not os.path.isfile(os.path.join(target_dir, "model.safetensors")):
         raise StageUnavailable(f"{target_dir} holds no exported target; run stage 6 (or stages 3 and 6) first")
-    cmd = [sys.executable, "serve.py", "--target", target_dir, "--input", prompts, "--output", output,
-           "--emit", "training", "--max-new-tokens", str(max_new_tokens), "--batch-size", str(batch_size),
-           "--max-len", str(max_len), "--temperature", "0", "--mesh", "none",
-           # float32: CPU backends have no fast bfloat16 matmuls
-           "--dtype", "float32"]
-    _run(cmd, say)
+    if not temperatures or any(t < 0 for t in temperatures):
+        raise ValueError(f"temperatures: expected one or more values >= 0, found {list(temperatures)}")
+    with open(prompts) as f:
+        lines = [line for line in f if line.strip()]
+    parts = []
+    for i, temperature in enumerate(temperatures):
+        share = lines[i::len(temperatures)]
+        if len(temperatures) == 1:
+            share_in, share_out = prompts, output
+        else:
+            share_in = f"{output}.T{temperature:g}.prompts.jsonl"
+            share_out = f"{output}.T{temperature:g}.jsonl"
+            with open(share_in, "w") as f:
+                f.writelines(share)
+        say(f"regenerating {len(share)} prompts at temperature {temperature:g}")
+        cmd = [sys.executable, "serve.py", "--target", target_dir, "--input", share_in, "--output", share_out,
+               "--emit", "training", "--max-new-tokens", str(max_new_tokens), "--batch-size", str(batch_size),
+               "--max-len", str(max_len), "--temperature", f"{temperature:g}", "--seed", str(seed + i),
+               "--mesh", "none",
+               # float32: CPU backends have no fast bfloat16 matmuls
+               "--dtype", "float32"]
+        _run(cmd, say)
+        parts.append(share_out)
+    if len(parts) > 1:
+        # written whole to a temporary name first: a crash never leaves a half-joined output behind
+        with open(output + ".tmp", "w") as out:
+            for part in parts:
+                with open(part) as f:
+                    out.write(f.read())
+        os.replace(output + ".tmp", output)
     return output
 
 

@@ -81,10 +81,12 @@ def render(s: dict, out: str, demo_bytes: int) -> str:
         ]
     rg, dt, dh = s.get("regenerate", {}), s.get("draft_training", {}), s.get("draft_heldout", {})
     dc = s.get("draft_config", {})
+    temps = rg.get("temperatures", [0.0])
     lines.append(
-        "4. **Regenerate** — `serve.py --emit training --temperature 0 --dtype float32` with the target on "
-        + (f"{rg['prompts']} prompts cut from the train files, {rg['new_tokens']} new tokens each, so the draft "
-           "learns what this target actually writes." if rg else "prompts from the train files. **Pending.**"))
+        "4. **Regenerate** — `serve.py --emit training --dtype float32 --temperature T` with the target on "
+        + (f"{rg['prompts']} prompts cut from the train files, {rg['new_tokens']} new tokens each, dealt "
+           f"round-robin over T = {', '.join(f'{t:g}' for t in temps)} (0: greedy), so the draft learns what "
+           "this target actually writes, greedy and sampled." if rg else "prompts from the train files. **Pending.**"))
     if dt:
         evals = ", ".join(f"{e['tau']:.2f} (step {e['step']})" for e in dt.get("evals", []))
         lines.append(
