@@ -9,7 +9,11 @@ lists the options.
 import os
 import sys
 
+from eagle3_jax import compile_cache
 from eagle3_jax.serve.cli import main
 
 if __name__ == "__main__":
+    # compiled programs persist on disk (EAGLE3_JAX_COMPILE_CACHE=off leaves JAX's settings alone):
+    # a later run of the same pair and shapes starts in seconds instead of compiling again
+    compile_cache.enable()
     sys.exit(main(demo_dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")))

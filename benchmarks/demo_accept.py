@@ -165,7 +165,7 @@ def main() -> int:
     ap.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy")
     ap.add_argument("--num-prompts", type=int, default=None, help="default: every prompt in prompts.jsonl")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--batch-size", type=int, default=None, help="default: demo.yaml batch_size")
+    ap.add_argument("--batch-size", type=int, default=None, help="default: the largest of demo.yaml batch_sizes")
     ap.add_argument("--png", default=os.path.join(REPO, "benchmarks", "demo_accept.png"), help="'' to skip")
     ap.add_argument("--json", default=None, metavar="OUT", help="also write the numbers as JSON")
     ap.add_argument("--seed", type=int, default=0)
@@ -176,7 +176,7 @@ def main() -> int:
           f"({jax.default_backend()}), load average at start {load_average()}")
     print("command: " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]), flush=True)
     pair = DemoPair.load(args.demo_dir, args.num_prompts)
-    batch_size = args.batch_size or pair.settings.batch_size
+    batch_size = args.batch_size or max(pair.settings.batch_sizes)
     print(describe(pair))
     print(f"{args.max_new_tokens} new tokens per prompt, batch {batch_size}, seed {args.seed}", flush=True)
 

@@ -210,7 +210,9 @@ def stage_export_draft(p: Paths, args) -> None:
     settings = demo.DemoSettings(num_draft_tokens=args.num_draft_tokens)
     with open(os.path.join(p.out, "demo.yaml"), "w") as f:
         f.write("# What `python serve.py` (no arguments) runs; written by tools/make_demo.py stage 6.\n")
-        yaml.safe_dump(settings.__dict__, f, sort_keys=False)
+        # tuples as YAML lists (safe_dump has no tuple)
+        yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in settings.__dict__.items()}, f,
+                       sort_keys=False)
     heldout = draft.heldout_acceptance(p.out, args.num_draft_tokens)
     say(f"draft at {p.draft}: held-out tau {heldout['tau']:.2f} at K={args.num_draft_tokens} over "
         f"{heldout['prompts']} prompts; per position {heldout['accept_rate_per_position']}")

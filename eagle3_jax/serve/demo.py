@@ -28,13 +28,26 @@ SHOWN_LINES = 8
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """``demo/demo.yaml``: what the demo runs (written by tools/make_demo.py with the shipped K)."""
+    """``demo/demo.yaml``: what the demo runs (written by tools/make_demo.py with the shipped K).
+    Every batch size runs at every temperature, target-only and EAGLE-3 side by side."""
 
     num_draft_tokens: int | str = "auto"   # or a fixed K
-    batch_size: int = 8
-    num_prompts: int = 16
+    batch_sizes: tuple[int, ...] = (1, 8)
+    num_prompts: tuple[int, ...] = (4, 16)     # prompts per batch size, in the same order
+    temperatures: tuple[float, ...] = (0.0, 1.0)   # 0: greedy (its tokens are checked against target-only)
     max_new_tokens: int = 96
     dtype: str = "float32"   # CPU backends have no fast bfloat16 matmuls
+    seed: int = 0
+
+    def __post_init__(self):
+        if len(self.batch_sizes) != len(self.num_prompts) or not self.batch_sizes:
+            raise ConfigError(f"demo.yaml: batch_sizes {list(self.batch_sizes)} and num_prompts "
+                              f"{list(self.num_prompts)} must be lists of the same length (prompts per batch size)")
+        if any(b < 1 for b in self.batch_sizes) or any(n < 1 for n in self.num_prompts):
+            raise ConfigError(f"demo.yaml: batch_sizes and num_prompts must be >= 1, found "
+                              f"{list(self.batch_sizes)} and {list(self.num_prompts)}")
+        if not self.temperatures or any(t < 0 for t in self.temperatures):
+            raise ConfigError(f"demo.yaml: temperatures must be one or more values >= 0, found {list(self.temperatures)}")
 
     @classmethod
     def load(cls, demo_dir: str) -> "DemoSettings":
@@ -138,13 +151,15 @@ class ModeRun:
     choice: object = None     # under auto: the DraftChoice after the timed pass
 
 
-def run_mode(pair: DemoPair, k: int | str) -> ModeRun:
+def run_mode(pair: DemoPair, gen, prompt_ids: list[list[int]], temperature: float, seed: int) -> ModeRun:
+    """``prompt_ids`` through ``gen`` twice: an untimed pass (compiles, calibrates, and under auto
+    learns which K pays) and the timed pass, both with the same seed."""
     s = pair.settings
-    gen = pair.generator(k, s.max_new_tokens, s.batch_size)
+    kw = dict(eos_token_ids=pair.eos, temperature=temperature, seed=seed, prompt_len=pair.prompt_len)
     t = time.perf_counter()
-    gen.generate(pair.prompt_ids, s.max_new_tokens, eos_token_ids=pair.eos)   # compiles; not counted
+    gen.generate(prompt_ids, s.max_new_tokens, **kw)
     compile_s = time.perf_counter() - t
-    res = gen.generate(pair.prompt_ids, s.max_new_tokens, eos_token_ids=pair.eos)
+    res = gen.generate(prompt_ids, s.max_new_tokens, **kw)
     return ModeRun(res.tokens, res.stats, compile_s, gen.draft_choice)
 
 
@@ -162,32 +177,55 @@ def show_completion(tok, prompt_text: str, tokens: list[int], eos: tuple[int, ..
 
 def mode_label(spec: ModeRun, k: int | str) -> str:
     if spec.choice is None:
-        return f"EAGLE-3 (K={k})"
-    return f"EAGLE-3 (K=auto, now {spec.choice.num_draft_tokens})"
+        return f"K={k}"
+    return f"auto K={spec.choice.num_draft_tokens}"
 
 
-def table(base: ModeRun, spec: ModeRun, k: int | str) -> str:
-    b, e = base.stats, spec.stats
-    rows = [
-        ("", "target-only", mode_label(spec, k)),
-        ("new tokens", f"{b.tokens}", f"{e.tokens}"),
-        ("seconds", f"{b.seconds:.2f}", f"{e.seconds:.2f}"),
-        ("tok/s", f"{b.tokens_per_second:.1f}", f"{e.tokens_per_second:.1f}"),
-        ("speedup", "1.00x", f"{e.tokens_per_second / b.tokens_per_second:.2f}x"),
-        ("tau (tokens per target step)", "1.00", f"{e.mean_accept_length:.2f}"),
-        ("compile (untimed)", f"{base.compile_seconds:.1f} s", f"{spec.compile_seconds:.1f} s"),
-    ]
-    w0 = max(len(r[0]) for r in rows)
-    w1 = max(len(r[1]) for r in rows)
-    out = [f"  {a:<{w0}}  {c1:>{w1}}  {c2}" for a, c1, c2 in rows]
-    out.append("  acceptance by draft position: "
-               + "  ".join(f"{i + 1}:{r:.2f}" for i, r in enumerate(e.accept_rate_per_position)))
-    c = spec.choice
-    if c is not None:
-        runs = ", ".join(f"K={j}: {n}" for j, n in sorted(c.rounds_per_k.items()))
-        out.append(f"  auto: loop iterations per K ({runs}); the round model predicts "
-                   f"{c.predicted_speedup:.2f}x at K={c.num_draft_tokens}")
-    return "\n".join(out)
+@dataclass
+class Case:
+    batch_size: int
+    temperature: float
+    base: ModeRun
+    spec: ModeRun
+
+    @property
+    def speedup(self) -> float:
+        return self.spec.stats.tokens_per_second / self.base.stats.tokens_per_second
+
+    @property
+    def identical(self) -> int:
+        return sum(a == b for a, b in zip(self.base.tokens, self.spec.tokens))
+
+
+def table(cases: list[Case], k: int | str) -> str:
+    rows = [("batch", "T", "target-only tok/s", "EAGLE-3 tok/s", "speedup", "K", "tau", "acceptance by draft position",
+             "compile (untimed)")]
+    for c in cases:
+        e = c.spec.stats
+        rows.append((f"{c.batch_size}", f"{c.temperature:g}", f"{c.base.stats.tokens_per_second:.1f}",
+                     f"{e.tokens_per_second:.1f}", f"{c.speedup:.2f}x", mode_label(c.spec, k),
+                     f"{e.mean_accept_length:.2f}",
+                     " ".join(f"{r:.2f}" for r in e.accept_rate_per_position) or "-",
+                     f"{c.base.compile_seconds:.0f} s / {c.spec.compile_seconds:.0f} s"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  " + "  ".join(v.ljust(w) if i == 7 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
+                     for r in rows)
+
+
+def why_line(case: Case) -> str | None:
+    """One line on why the EAGLE-3 round pays (or not): its cost in target decode steps against the
+    tokens it emits, from the live round timings of auto (or None without them)."""
+    c = case.spec.choice
+    if c is None or not c.num_draft_tokens:
+        return None
+    costs = c.round_seconds_per_k
+    k = c.num_draft_tokens
+    if k not in costs or 0 not in costs:
+        return None
+    steps = costs[k] / costs[0]
+    return (f"  why (batch {case.batch_size}, T={case.temperature:g}): a K={k} round (draft {k} tokens, verify {k + 1}) "
+            f"costs {steps:.2f} target decode steps and emits tau = {c.tau:.2f} tokens per row: "
+            f"{c.tau:.2f} / {steps:.2f} = {c.tau / steps:.2f}x")
 
 
 def run(demo_dir: str) -> int:
@@ -195,31 +233,46 @@ def run(demo_dir: str) -> int:
 
     s = DemoSettings.load(demo_dir)
     t = time.perf_counter()
-    pair = DemoPair.load(demo_dir, s.num_prompts)
-    print(f"eagle3-jax demo: {os.path.relpath(demo_dir)}/target + {os.path.relpath(demo_dir)}/draft, "
-          f"{len(pair.prompt_ids)} held-out prompts ({os.path.relpath(demo_dir)}/prompts.jsonl), greedy, "
-          f"{s.max_new_tokens} new tokens each, {s.batch_size} rows refilled as prompts finish, {s.dtype}",
-          flush=True)
+    pair = DemoPair.load(demo_dir, max(s.num_prompts))
+    where = os.path.relpath(demo_dir)
+    print(f"eagle3-jax demo: {where}/target + {where}/draft, held-out prompts ({where}/prompts.jsonl), "
+          f"{s.max_new_tokens} new tokens each, rows refilled as prompts finish, {s.dtype}", flush=True)
     n_params = sum(x.size for x in jax.tree.leaves(pair.target.state))
     c = pair.target.config
-    print(f"loaded in {time.perf_counter() - t:.1f}s: target {n_params / 1e6:.1f}M parameters "
-          f"({c.n_routed_experts} routed experts top-{c.num_experts_per_tok}), draft fuses "
-          f"target layers {list(pair.draft.aux_layer_ids)}", flush=True)
+    print(f"loaded in {time.perf_counter() - t:.1f}s: target {n_params / 1e6:.1f}M parameters, "
+          f"{c.num_hidden_layers} layers ({c.n_routed_experts} routed experts top-{c.num_experts_per_tok}), "
+          f"draft fuses target layers {list(pair.draft.aux_layer_ids)}", flush=True)
 
-    base = run_mode(pair, 0)
-    print(f"target-only: {base.stats.tokens_per_second:.1f} tok/s", flush=True)
-    spec = run_mode(pair, s.num_draft_tokens)
-    print(f"EAGLE-3:     {spec.stats.tokens_per_second:.1f} tok/s", flush=True)
+    cases = []
+    for batch_size, n in zip(s.batch_sizes, s.num_prompts):
+        prompt_ids = pair.prompt_ids[:n]
+        base_gen = pair.generator(0, s.max_new_tokens, batch_size)
+        spec_gen = pair.generator(s.num_draft_tokens, s.max_new_tokens, batch_size)
+        for temperature in s.temperatures:
+            base = run_mode(pair, base_gen, prompt_ids, temperature, s.seed)
+            spec = run_mode(pair, spec_gen, prompt_ids, temperature, s.seed)
+            case = Case(batch_size, temperature, base, spec)
+            cases.append(case)
+            print(f"batch {batch_size:>2} ({n} prompts), T={temperature:g}: target-only "
+                  f"{base.stats.tokens_per_second:.1f} tok/s, EAGLE-3 {spec.stats.tokens_per_second:.1f} tok/s "
+                  f"({case.speedup:.2f}x)", flush=True)
+            if temperature == 0 and case.identical != n:
+                print(f"error: batch {batch_size}, greedy: speculative decoding changed the output of "
+                      f"{n - case.identical} of {n} prompts; this is a bug, please report it")
+                return 1
 
-    same = sum(a == b for a, b in zip(base.tokens, spec.tokens))
+    greedy = next((c for c in cases if c.temperature == 0), cases[0])
     print()
-    for p, toks in list(zip(pair.prompts, spec.tokens))[:SHOWN_COMPLETIONS]:
+    for p, toks in list(zip(pair.prompts, greedy.spec.tokens))[:SHOWN_COMPLETIONS]:
         print(f"[{p['id']}]")
         print(show_completion(pair.tokenizer, p["prompt"], toks, pair.eos))
         print()
-    print(table(base, spec, s.num_draft_tokens))
-    print(f"  identical tokens (greedy is lossless): {same}/{len(pair.prompt_ids)} prompts")
-    if same != len(pair.prompt_ids):
-        print("error: speculative decoding changed the output; this is a bug, please report it")
-        return 1
+    print(table(cases, s.num_draft_tokens))
+    for case in cases:
+        if case.temperature == 0:
+            print(f"  identical tokens at batch {case.batch_size}, greedy (lossless): "
+                  f"{case.identical}/{len(case.base.tokens)} prompts")
+    for case in cases:
+        if (line := why_line(case)):
+            print(line)
     return 0

@@ -1,0 +1,29 @@
+"""JAX's persistent compilation cache under the project's cache directory.
+
+A serving run compiles one program per draft length under ``num_draft_tokens: auto`` (and per batch
+size and greedy / sampled); a second run of the same pair on the same machine reads the compiled
+executables from disk instead of compiling them again.
+"""
+
+from __future__ import annotations
+
+import os
+
+OFF_ENV = "EAGLE3_JAX_COMPILE_CACHE"   # "0" / "off": leave JAX's cache settings alone
+
+
+def enable(path: str | None = None) -> str | None:
+    """Points JAX's persistent cache at ``path`` (default: ``<cache_dir()>/xla``) and caches every
+    program however quickly it compiled; returns the directory, or None when turned off."""
+    if os.environ.get(OFF_ENV, "").lower() in ("0", "off", "false", "no"):
+        return None
+    import jax
+
+    from eagle3_jax.speculative.autodraft import cache_dir
+
+    path = path or os.path.join(cache_dir(), "xla")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
