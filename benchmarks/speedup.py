@@ -29,6 +29,7 @@ from _common import REPO, machine, table
 from demo_accept import describe, load_average, parse_list, quiet_watchdog
 
 import eagle3_jax as e3
+from eagle3_jax import compile_cache
 from eagle3_jax.serve.demo import DemoPair
 from eagle3_jax.speculative.autodraft import DEFAULT_MAX_DRAFT_TOKENS
 
@@ -96,6 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    compile_cache.enable()   # as serve.py: a rerun reads its programs from disk
     pair = DemoPair.load(args.demo_dir, num_prompts=args.num_prompts)
     ks = parse_list(args.k)
     if any(not 1 <= k <= DEFAULT_MAX_DRAFT_TOKENS for k in ks):

@@ -213,8 +213,9 @@ def stage_export_draft(p: Paths, args) -> None:
         # tuples as YAML lists (safe_dump has no tuple)
         yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in settings.__dict__.items()}, f,
                        sort_keys=False)
-    heldout = draft.heldout_acceptance(p.out, args.num_draft_tokens)
-    say(f"draft at {p.draft}: held-out tau {heldout['tau']:.2f} at K={args.num_draft_tokens} over "
+    heldout = draft.heldout_acceptance(p.out, args.heldout_k)
+    say(f"draft at {p.draft}: held-out tau at K={args.heldout_k} by temperature "
+        f"{ {t: v['tau'] for t, v in heldout['by_temperature'].items()} } over "
         f"{heldout['prompts']} prompts; per position {heldout['accept_rate_per_position']}")
     update_summary(p, "draft_heldout", heldout)
     update_summary(p, "draft_training", draft.training_summary(p.draft_run))
@@ -240,6 +241,15 @@ def write_readme(p: Paths, args) -> None:
 
 
 # ====================================================================== main
+def draft_tokens(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number, got '{text}'") from None
+
+
 def temperature_list(text: str) -> tuple[float, ...]:
     try:
         values = tuple(float(t) for t in text.split(",") if t.strip())
@@ -292,7 +302,10 @@ def main(argv=None) -> int:
     ap.add_argument("--regen-temperatures", type=temperature_list, default=(0.0, 0.7, 1.0),
                     help="stage 4 deals the prompts round-robin over these sampling temperatures (0: greedy), "
                          "so the draft also learns sampled text")
-    ap.add_argument("--num-draft-tokens", type=int, default=6, help="the shipped K (demo/demo.yaml)")
+    ap.add_argument("--num-draft-tokens", type=draft_tokens, default="auto",
+                    help="demo/demo.yaml's num_draft_tokens: auto (default) or a fixed K")
+    ap.add_argument("--heldout-k", type=int, default=6,
+                    help="the fixed K at which stage 6 measures held-out acceptance (greedy and T=1)")
     ap.add_argument("--verify-tokens", type=int, default=48, help="greedy tokens compared with transformers")
     args = ap.parse_args(argv)
     stages = parse_stages(args.stages)

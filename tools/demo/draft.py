@@ -104,18 +104,26 @@ def train_draft(config: str, target_dir: str, data: str, run_dir: str, export_di
     return export_dir
 
 
-def heldout_acceptance(demo_dir: str, k: int) -> dict:
-    """Greedy tau and per-position acceptance of the demo draft on every held-out prompt, through the
-    public loaders (``eagle3_jax.serve.demo.DemoPair``: the same loading and batching as the demo)."""
+def heldout_acceptance(demo_dir: str, k: int, temperatures: tuple[float, ...] = (0.0, 1.0), seed: int = 0) -> dict:
+    """Tau and per-position acceptance of the demo draft at a fixed K on every held-out prompt, greedy
+    and sampled, through the public loaders (``eagle3_jax.serve.demo.DemoPair``: the same loading and
+    batching as the demo). The first temperature's figures are also the top-level ``tau``."""
     from eagle3_jax.serve.demo import DemoPair, batches_of
 
     pair = DemoPair.load(demo_dir)
     s = pair.settings
-    _, stats = pair.generate(pair.generator(k, s.max_new_tokens), batches_of(pair.prompt_ids, s.batch_size),
-                             s.max_new_tokens)
-    return {"num_draft_tokens": k, "prompts": len(pair.prompt_ids), "max_new_tokens": s.max_new_tokens,
+    gen = pair.generator(k, s.max_new_tokens)
+    out = {"num_draft_tokens": k, "prompts": len(pair.prompt_ids), "max_new_tokens": s.max_new_tokens,
+           "by_temperature": {}}
+    for temperature in temperatures:
+        _, stats = pair.generate(gen, batches_of(pair.prompt_ids, max(s.batch_sizes)), s.max_new_tokens,
+                                 temperature=temperature, seed=seed)
+        out["by_temperature"][f"{temperature:g}"] = {
             "tau": round(stats.mean_accept_length, 3),
             "accept_rate_per_position": [round(r, 3) for r in stats.accept_rate_per_position]}
+    first = out["by_temperature"][f"{temperatures[0]:g}"]
+    out.update(temperature=temperatures[0], **first)
+    return out
 
 
 def training_summary(run_dir: str) -> dict:

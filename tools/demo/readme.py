@@ -109,12 +109,16 @@ def render(s: dict, out: str, demo_bytes: int) -> str:
         lines += [
             "## Acceptance on the held-out prompts",
             "",
-            f"Greedy, K = {dh['num_draft_tokens']} (the shipped `demo.yaml`), {dh['prompts']} prompts × "
-            f"{dh['max_new_tokens']} new tokens: **τ = {dh['tau']:.2f}** tokens per target forward pass; "
-            "acceptance by draft position "
-            + ", ".join(f"{i + 1}: {r:.2f}" for i, r in enumerate(dh["accept_rate_per_position"])) + ".",
+            f"K = {dh['num_draft_tokens']} (fixed), {dh['prompts']} prompts × {dh['max_new_tokens']} new tokens; "
+            "τ is tokens per target forward pass:",
             "",
+            "| T | τ | acceptance by draft position |",
+            "|--:|--:|---|",
         ]
+        for t, v in dh.get("by_temperature", {"0": dh}).items():
+            lines.append(f"| {t} | **{v['tau']:.2f}** | "
+                         + ", ".join(f"{i + 1}: {r:.2f}" for i, r in enumerate(v["accept_rate_per_position"])) + " |")
+        lines.append("")
     if ex.get("sample"):
         smp = ex["sample"]
         lines += [
