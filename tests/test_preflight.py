@@ -83,8 +83,8 @@ def test_mesh_larger_than_the_devices_names_both_counts_and_the_ways_out():
 @pytest.mark.parametrize("changes, error, words", [
     ({"draft_vocab_size": 1024}, e3.CheckpointError, ["lm_head.weight has 2048 rows", "draft_vocab_size is 1024"]),
     ({"target_hidden_size": 512}, e3.ConfigError, ["target_hidden_size=512", "hidden_size is 256"]),
-    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 6]}}, e3.ConfigError,
-     ["[6] outside the target's layers 0..5"]),
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 24]}}, e3.ConfigError,
+     ["[24] outside the target's layers 0..23"]),
     ({"quantization_config": {"quant_method": "fp8"}}, e3.ConfigError, ["quantization_config", "unquantized"]),
 ])
 def test_draft_mismatches_are_refused(tmp_path, no_tensor_reads, changes, error, words):

@@ -14,6 +14,7 @@ the timed pass is steady state.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -260,6 +261,12 @@ def run(demo_dir: str) -> int:
                 print(f"error: batch {batch_size}, greedy: speculative decoding changed the output of "
                       f"{n - case.identical} of {n} prompts; this is a bug, please report it")
                 return 1
+        # Each batch size compiles its own programs (one per K under auto, greedy and sampled); one
+        # process holding all of them runs out of memory mappings at Linux's default
+        # vm.max_map_count (65530), so they are dropped before the next batch size compiles.
+        del base_gen, spec_gen
+        jax.clear_caches()
+        gc.collect()
 
     greedy = next((c for c in cases if c.temperature == 0), cases[0])
     print()
