@@ -10,7 +10,9 @@ from tools.doctor.core import candidate_wirings
 REPO = Path(__file__).resolve().parent.parent
 DEMO_TARGET, DEMO_DRAFT = REPO / "demo" / "target", REPO / "demo" / "draft"
 # Few prompts and tokens: enough to separate the wirings on the demo pair, small enough to stay quick.
-FAST = ["--num-prompts", "3", "--max-new-tokens", "24", "--num-draft-tokens", "3"]
+# On the 24-layer demo target neighbouring layers are alike, so a one-layer shift costs little
+# acceptance: 3 prompts x 24 tokens tied (tau 2.76 both), 8 x 32 separate it (2.67 vs 2.48).
+FAST = ["--num-prompts", "8", "--max-new-tokens", "32", "--num-draft-tokens", "3"]
 
 
 def test_candidates_cover_both_conventions_and_both_engine_defaults():
@@ -34,7 +36,9 @@ def test_doctor_names_the_shipped_ids_when_the_config_is_shifted_and_confirms_th
 
     assert main(["--target", str(DEMO_TARGET), "--draft", str(shifted), *FAST]) == 3
     out = capsys.readouterr().out
-    assert f"verdict: use configured -1 {shipped}" in out
+    verdict = next(line for line in out.splitlines() if line.startswith("verdict:"))
+    # [1, 11, 20] is also SGLang's default for 24 layers, so the wiring carries both names
+    assert verdict.startswith("verdict: use configured -1") and f"{shipped}:" in verdict, verdict
     assert f"set `eagle_config.eagle_aux_hidden_state_layer_ids` to {shipped}" in out
     fix = json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": shipped, "use_aux_hidden_state": True}})
     assert fix in out
@@ -43,7 +47,8 @@ def test_doctor_names_the_shipped_ids_when_the_config_is_shifted_and_confirms_th
     report = json.loads(capsys.readouterr().out)
     assert report["configured_is_best"] and report["verdict"].startswith("configured wiring is best")
     assert report["best_ids"] == shipped and report["fix_json"] is None
-    rows = {w["name"]: w for w in report["wirings"]}
+    # a wiring equal to an engine's default carries both names ("configured = SGLang default")
+    rows = {w["name"].split(" = ")[0]: w for w in report["wirings"]}
     assert rows["configured"]["tau"] > rows["configured +1"]["tau"]
     assert len(rows["configured"]["accept_rate_per_position"]) == 3
     assert 0.0 < report["vocab_coverage"] <= 1.0

@@ -48,7 +48,8 @@ def seed_miswired_draft(tmp_path):
 
 def test_shipped_demo_pair_passes_from_headers(no_tensor_reads):
     facts = preflight.check_pair(DEMO_TARGET, DEMO_DRAFT, mesh="data=1,expert=8,tensor=1", dtype="float32")
-    assert facts.aux_layer_ids == (0, 2, 4)
+    shipped = json.loads((DEMO_DRAFT / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert facts.aux_layer_ids == tuple(shipped)
     assert facts.fc_in_width == 3 * 256 and facts.num_aux_layers == 3
     assert (facts.target_dtype, facts.draft_dtype, facts.quantization) == ("bfloat16", "bfloat16", None)
 
