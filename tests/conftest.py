@@ -73,3 +73,17 @@ def random_draft_dir(tiny_target, tmp_path_factory):
     path = tmp_path_factory.mktemp("drafts") / "random"
     e3.save_draft(draft, path)
     return path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """Each test file's compiled programs are dropped when it ends: a worker that keeps every program
+    of the suite runs out of memory mappings (vm.max_map_count, 65530 by default) and XLA:CPU's
+    code allocator then crashes the worker (seen once with the 24-layer demo pair)."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
