@@ -61,6 +61,20 @@ def test_the_wall_clock_vetoes_speculation_that_loses():
     assert auto.choose() == 1
 
 
+def test_without_target_only_cycles_the_veto_uses_its_round_cost():
+    """Target-only is not explored while speculating, so the wall clock may hold no cycles of it: the
+    veto then compares with target-only's rounds at their current cost (1 token per row per round)."""
+    acc = AcceptanceModel(1)
+    acc.observe(1, 1000, [500])                    # the round model: K = 1 is 1.5x target-only
+    auto = AutoDraft(RoundCosts({0: 0.1, 1: 0.1}), 1, acc)   # target-only: 10 tokens per row per second
+    for _ in range(autodraft.WALL_MIN_CYCLES):
+        auto.observe_cycle(1, 9.0, 1.0)            # speculating cycles: 9 tokens per row per second
+    assert auto.wall.rate(False) is None and auto.choose() == 0
+    for _ in range(autodraft.WALL_WINDOW):
+        auto.observe_cycle(1, 11.0, 1.0)
+    assert auto.choose() == 1
+
+
 def test_costs_are_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv(autodraft.CACHE_ENV, str(tmp_path))
     costs = RoundCosts({0: 0.5, 1: 0.75})
@@ -171,8 +185,15 @@ def test_exploration_backs_off_while_it_confirms_the_choice():
     auto.observe(0, 10, 10.0, 10, 10, [0, 0])     # live: target-only rounds as calibrated,
     auto.observe(2, 10, 20.0, 10, 30, [10, 10])   # K = 2 rounds at 2 s, every draft accepted
     assert auto.choose() == 2
-    more = [auto.next_k() for _ in range(40)]
-    assert more[0] == 2 and more.count(0) == 2 * 2   # explorations after 8 and after 16 more runs
+    # while speculating, target-only is priced, never explored: its rounds would leave every row's
+    # draft state stale
+    assert [auto.next_k() for _ in range(40)] == [2] * 40
+    # back at target-only (every draft rejected lately), speculation is explored again EXPLORE_FIRST
+    # runs later, not at once
+    auto.observe(2, 10, 20.0, 400, 400, [0, 0])
+    assert auto.choose() == 0
+    again = [auto.next_k() for _ in range(autodraft.EXPLORE_FIRST + 2)]
+    assert again[:autodraft.EXPLORE_FIRST - 1] == [0] * (autodraft.EXPLORE_FIRST - 1)
 
 
 def test_serve_auto_reports_its_choice_and_matches_target_only(tiny_target, draft, trained_draft_dir, tiny_target_dir,
