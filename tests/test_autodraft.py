@@ -309,3 +309,16 @@ def test_acceptance_is_learned_only_from_rows_with_a_current_draft(tiny_target, 
     acc = eng._auto.acceptance
     assert acc.offered[0] == fresh.rounds and acc.accepted.tolist() == fresh.accepted_per_position
     assert fresh.mean_accept_length > 1.5 and asked[0] is True
+
+
+def test_report_prices_target_only_rounds_that_did_not_run():
+    """While speculating, target-only is not explored: the report prices its round at the calibration
+    scaled by the live drift, so the measured speedup and the demo's "why" line still exist."""
+    costs = RoundCosts({0: 1.0, 1: 1.5})
+    acc = AcceptanceModel(1)
+    auto = AutoDraft(costs, 1, acc)
+    auto.observe(1, 10, 20.0, 10, 18, [8])   # K = 1 rounds at 2 s: the machine is 4/3 slower than calibrated
+    choice = auto.report()
+    assert costs.live_cost(0) is None and choice.round_seconds_per_k == {1: pytest.approx(2.0)}
+    assert choice.target_round_seconds == pytest.approx(4 / 3)
+    assert choice.measured_speedup == pytest.approx(acc.tau(1) * (4 / 3) / 2.0)

@@ -1,15 +1,17 @@
 """``python serve.py`` with no arguments: the embedded demo.
 
-Loads ``demo/target`` and ``demo/draft`` through the public loaders, generates completions for
-the bundled held-out prompts twice — target-only, then with the EAGLE-3 draft — in the same
-process on the same prompts, prints a few completions and a table: tokens/s of both, their
-ratio, the mean acceptance length tau and the per-position acceptance. Greedy decoding is
-lossless, so both runs must produce the same tokens; the demo checks that too.
+Loads ``demo/target`` and ``demo/draft`` through the public loaders and, for every batch size and
+temperature of ``demo/demo.yaml``, generates completions for the bundled held-out prompts twice —
+target-only, then with the EAGLE-3 draft — in the same process on the same prompts. It prints a
+few completions and one table: tokens/s of both, their ratio, the K that ran, the mean acceptance
+length tau and the per-position acceptance. Greedy decoding is lossless, so at temperature 0 both
+runs must produce the same tokens; the demo checks that per batch size, and says why speculation
+was faster or slower from the live round costs.
 
 Both modes run every prompt through the refill ``Engine`` on ``batch_size`` rows (a freed row
 takes the next prompt), as ``serve.py`` does. Each mode first runs once untimed: that compiles its
 programs and, under ``num_draft_tokens: auto``, calibrates the round costs and learns which K pays;
-the timed pass is steady state.
+the timed pass is steady state. Each batch size's compiled programs are dropped before the next.
 """
 
 from __future__ import annotations
@@ -219,11 +221,11 @@ def why_line(case: Case) -> str | None:
     c = case.spec.choice
     if c is None or not c.num_draft_tokens:
         return None
-    costs = c.round_seconds_per_k
     k = c.num_draft_tokens
-    if k not in costs or 0 not in costs:
+    if k not in c.round_seconds_per_k or not c.target_round_seconds > 0:
         return None
-    steps = costs[k] / costs[0]
+    # target-only rounds are priced (calibration x live drift) when they have not run lately
+    steps = c.round_seconds_per_k[k] / c.target_round_seconds
     return (f"  why (batch {case.batch_size}, T={case.temperature:g}): a K={k} round (draft {k} tokens, verify {k + 1}) "
             f"costs {steps:.2f} target decode steps and emits tau = {c.tau:.2f} tokens per row: "
             f"{c.tau:.2f} / {steps:.2f} = {c.tau / steps:.2f}x")

@@ -242,6 +242,7 @@ def _choice_dict(c, num) -> dict | None:
             "measured_speedup": num(c.measured_speedup), "tau": num(c.tau),
             "iterations_per_k": {str(k): n for k, n in sorted(c.rounds_per_k.items())},
             "round_seconds_per_k": {str(k): num(r) for k, r in sorted(c.round_seconds_per_k.items())},
+            "target_round_seconds": num(c.target_round_seconds),
             "calibration_seconds": c.calibration_seconds, "compiled_round_programs": c.compiled_programs}
 
 

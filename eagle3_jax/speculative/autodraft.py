@@ -253,12 +253,15 @@ class DraftChoice:
 
     num_draft_tokens: int                 # the K of the latest run
     predicted_speedup: float              # throughput at that K over target-only's with calibrated round costs
-    measured_speedup: float               # the same with live round costs (nan: not both measured lately)
+    # the same with live round costs: target-only's where it ran lately, else its calibration scaled by
+    # the live drift (RoundCosts.cost; it is not explored while speculating); nan before K has run
+    measured_speedup: float
     tau: float                            # predicted tokens per round per row at that K
     rounds_per_k: dict[int, int] = field(default_factory=dict)   # loop iterations run with each K
     compiled_programs: int = 0            # round programs compiled by the calibration
     calibration_seconds: float = 0.0      # its wall time, compiles included (0: costs from disk)
     round_seconds_per_k: dict[int, float] = field(default_factory=dict)   # live seconds per round
+    target_round_seconds: float = float("nan")   # a target-only round as priced now (RoundCosts.cost(0))
 
 
 class WallClock:
@@ -402,13 +405,14 @@ class AutoDraft:
 
     def report(self) -> DraftChoice:
         k = self.last_k
-        live_k, live_0 = self.costs.live_cost(k), self.costs.live_cost(0)
-        measured = (self.acceptance.tau(k) / live_k) / (1.0 / live_0) if live_k and live_0 else float("nan")
+        live_k, plain = self.costs.live_cost(k), self.costs.cost(0)
+        measured = self.acceptance.tau(k) * plain / live_k if live_k else float("nan")
         calibrated = self.costs.seconds
         return DraftChoice(num_draft_tokens=k,
                            predicted_speedup=self.acceptance.tau(k) * calibrated[0] / calibrated[k],
                            measured_speedup=measured, tau=self.acceptance.tau(k), rounds_per_k=dict(self.rounds_per_k),
                            compiled_programs=(self.max_draft_tokens + 1) if self.costs.calibration_seconds else 0,
                            calibration_seconds=self.costs.calibration_seconds,
+                           target_round_seconds=plain,
                            round_seconds_per_k={j: c for j in range(self.max_draft_tokens + 1)
                                                 if (c := self.costs.live_cost(j)) is not None})
