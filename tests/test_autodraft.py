@@ -96,7 +96,7 @@ def test_forced_switches_stay_lossless(tiny_target, draft, monkeypatch, tmp_path
     monkeypatch.setattr(session_mod, "calibrate",
                         lambda *a: RoundCosts({k: 1.0 + 0.1 * k for k in range(4)}, calibration_seconds=1.0))
     schedule = itertools.cycle([3, 0, 1, 2, 0, 0, 3, 1])
-    monkeypatch.setattr(AutoDraft, "choose", lambda self: next(schedule))
+    monkeypatch.setattr(AutoDraft, "choose", lambda self, remaining=None: next(schedule))
     # the draft was trained on the first rows of this corpus (long accepted runs), the last is unseen
     trained = np.random.default_rng(0).integers(2, tiny_target.config.vocab_size, size=(48, 6)).tolist()
     prompts = trained[:4] + [np.random.default_rng(3).integers(2, 256, size=7).tolist()]
@@ -289,7 +289,7 @@ def test_acceptance_is_learned_only_from_rows_with_a_current_draft(tiny_target, 
     monkeypatch.setattr(session_mod, "calibrate", lambda *a: RoundCosts({k: 1.0 for k in range(3)}, calibration_seconds=1.0))
     asked = []
 
-    def next_k(self, drafted_rows=True):   # target-only for the first run, K = 2 after
+    def next_k(self, drafted_rows=True, remaining=None):   # target-only for the first run, K = 2 after
         asked.append(drafted_rows)
         self.runs += 1
         self.last_was_exploration = False
@@ -309,6 +309,8 @@ def test_acceptance_is_learned_only_from_rows_with_a_current_draft(tiny_target, 
     acc = eng._auto.acceptance
     assert acc.offered[0] == fresh.rounds and acc.accepted.tolist() == fresh.accepted_per_position
     assert fresh.mean_accept_length > 1.5 and asked[0] is True
+    # only the prompt that speculated at one K from a current state tells how prompts spread (tail_rate)
+    assert list(eng._auto.prompt_spread) == [pytest.approx((fresh.mean_accept_length - 1) / (acc.tau(2) - 1))]
 
 
 def test_report_prices_target_only_rounds_that_did_not_run():
@@ -322,3 +324,46 @@ def test_report_prices_target_only_rounds_that_did_not_run():
     assert costs.live_cost(0) is None and choice.round_seconds_per_k == {1: pytest.approx(2.0)}
     assert choice.target_round_seconds == pytest.approx(4 / 3)
     assert choice.measured_speedup == pytest.approx(acc.tau(1) * (4 / 3) / 2.0)
+
+
+def test_the_tail_is_priced_by_its_slowest_row():
+    """With no prompt waiting, finished rows idle until the last row is done: the batch goes at its
+    slowest row's speed. Prompts whose acceptance spreads widely around the mean make speculation
+    that pays per row lose on a wide batch's tail; with no spread the tail prices as the mean row."""
+    def auto_with(spreads):
+        acc = AcceptanceModel(1)
+        acc.observe(1, 1000, [900])                   # tau(1) ~ 1.9: 1.27x per row at 1.5 target steps
+        auto = AutoDraft(RoundCosts({0: 1.0, 1: 1.5}), 1, acc)
+        auto.prompt_spread.extend(spreads)
+        return auto
+
+    wave = [96] * 32                                  # a 32-row batch just admitted, nothing queued
+    even = auto_with([1.0] * autodraft.TAIL_MIN_PROMPTS)
+    assert even.choose() == 1 and even.choose(remaining=wave) == 1
+    assert even.rate(1, wave) / even.rate(0, wave) == pytest.approx(even.rate(1) / even.rate(0))
+    # half the prompts accept 1.8x the model's extra tokens, half 0.2x: the same mean, but some row
+    # of 32 is nearly sure to be a slow one
+    spread = auto_with([1.8, 0.2] * (autodraft.TAIL_MIN_PROMPTS // 2))
+    assert spread.choose() == 1 and spread.choose(remaining=wave) == 0
+    # per row, K = 1 could pay, but a tail is not explored: its rows are about to finish
+    assert spread.could_pay() and [spread.next_k(remaining=wave) for _ in range(12)] == [0] * 12
+    # too few finished prompts to know the spread: the per-row model decides
+    few = auto_with([1.8, 0.2])
+    assert few.choose(remaining=wave) == 1
+
+
+def test_the_engine_reads_one_request_ahead():
+    """Whether a prompt is still waiting is known when the rows are filled, not one run later."""
+    from eagle3_jax.speculative.engine import _Lookahead
+
+    reads = []
+
+    def requests():
+        for i in range(3):
+            reads.append(i)
+            yield Request(str(i), [1, 2])
+
+    q = _Lookahead(requests())
+    assert [r.key for r in q.take(2)] == ["0", "1"] and reads == [0, 1]
+    assert q.waiting() and reads == [0, 1, 2]
+    assert [r.key for r in q.take(2)] == ["2"] and not q.waiting() and q.take(1) == []

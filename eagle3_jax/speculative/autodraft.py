@@ -67,6 +67,12 @@ EXPLORE_Z = 2.0
 # and admissions) and the draft's share of every prefill. On the demo pair at batch 8 those made a
 # K predicted 8 % faster run 15 % slower (benchmarks/RESULTS.md, "speedup").
 SPECULATION_MARGIN = 0.10
+# The batch's tail (no prompt waiting): how each prompt's own acceptance compared with the model's,
+# over the latest TAIL_WINDOW prompts that speculated at one K, once there are TAIL_MIN_PROMPTS;
+# TAIL_DRAWS draws of them per row estimate when the batch's last row finishes.
+TAIL_WINDOW = 64
+TAIL_MIN_PROMPTS = 8
+TAIL_DRAWS = 64
 # The wall-clock veto: the latest WALL_WINDOW cycles of each kind, once there are WALL_MIN_CYCLES.
 WALL_WINDOW = 16
 WALL_MIN_CYCLES = 4
@@ -299,6 +305,8 @@ class AutoDraft:
         self.max_draft_tokens = max_draft_tokens
         self.wall = WallClock()
         self.rounds_per_k: dict[int, int] = {}
+        # per finished prompt that speculated at one K: (its tau - 1) / (the model's tau(K) - 1)
+        self.prompt_spread: deque = deque(maxlen=TAIL_WINDOW)
         self.runs = 0
         self.spec_row_rounds = 0    # rounds with K >= 1, summed over rows, and the tokens they emitted
         self.spec_round_tokens = 0
@@ -310,18 +318,47 @@ class AutoDraft:
         self.last_k = self.choose()
         self.last_was_exploration = False
 
-    def rate(self, k: int) -> float:
-        """Predicted tokens per second per row at K."""
+    def rate(self, k: int, remaining=None) -> float:
+        """Predicted tokens per second per row at K; with ``remaining`` (see ``choose``) and enough
+        finished prompts to know how acceptance spreads over prompts, tokens per second until the
+        batch's last row is done (``tail_rate``)."""
+        if remaining is not None and len(remaining) and len(self.prompt_spread) >= TAIL_MIN_PROMPTS:
+            return self.tail_rate(k, remaining)
         return self.costs.predicted_throughput(k, self.acceptance.tau(k))
 
-    def choose(self) -> int:
+    def tail_rate(self, k: int, remaining) -> float:
+        """With no prompt waiting, a finished row idles until the batch's last row is done, so the
+        batch's speed is set by its slowest row, not by the mean row the per-row model prices. The
+        rows still to run (``remaining`` tokens each) finish after max over rows of remaining / tau_r
+        rounds, each row's tau_r = 1 + spread * (tau(K) - 1) with the spread drawn from the latest
+        finished prompts (TAIL_DRAWS draws per row, a fixed seed: the same inputs give the same
+        choice). At K = 0 every row emits one token per round. Returns tokens per second."""
+        left = np.asarray(remaining, float)
+        if k == 0:
+            rounds = float(left.max())
+        else:
+            spread = np.asarray(self.prompt_spread, float)
+            draws = np.random.default_rng(0).choice(spread, size=(TAIL_DRAWS, len(left)))
+            tau_r = 1.0 + draws * (self.acceptance.tau(k) - 1.0)
+            rounds = float(np.mean(np.max(left[None, :] / tau_r, axis=1)))
+        return float(left.sum()) / (max(rounds, 1.0) * self.costs.cost(k))
+
+    def observe_prompt(self, k: int, tau: float) -> None:
+        """A finished prompt whose rounds all ran at K >= 1 from a current draft state emitted ``tau``
+        tokens per round: how it compares with the model's tau(K) feeds ``tail_rate``."""
+        model = self.acceptance.tau(k)
+        if k > 0 and model > 1.0:
+            self.prompt_spread.append(max(tau - 1.0, 0.0) / (model - 1.0))
+
+    def choose(self, remaining=None) -> int:
         """The K >= 1 of the highest predicted throughput (ties to the smaller K), if it beats
         target-only by SPECULATION_MARGIN and the wall clock does not say speculating is slower
-        (``WallClock``); else 0."""
+        (``WallClock``); else 0. ``remaining``: with no prompt waiting, the tokens each occupied row
+        still has to emit (the batch's tail: ``tail_rate``); None while prompts wait for rows."""
         if self.max_draft_tokens == 0:
             return 0
-        best = max(range(1, self.max_draft_tokens + 1), key=lambda k: (self.rate(k), -k))
-        if self.rate(best) < (1.0 + SPECULATION_MARGIN) * self.rate(0):
+        best = max(range(1, self.max_draft_tokens + 1), key=lambda k: (self.rate(k, remaining), -k))
+        if self.rate(best, remaining) < (1.0 + SPECULATION_MARGIN) * self.rate(0, remaining):
             return 0
         spec, plain = self.wall.rate(True), self.wall.rate(False)
         if plain is None:
@@ -340,7 +377,7 @@ class AutoDraft:
     def _best_speculating(self) -> int:
         return max(range(1, self.max_draft_tokens + 1), key=lambda k: (self.rate(k), -k))
 
-    def next_k(self, drafted_rows: bool = True) -> int:
+    def next_k(self, drafted_rows: bool = True, remaining=None) -> int:
         """The K of the next run: ``choose()``, except for exploration runs (EXPLORE_RUNS in a row)
         of the best K >= 1 while target-only is chosen. Without them speculation that once lost
         (say, under a load that has since gone) would never be measured again. The interval between
@@ -350,9 +387,9 @@ class AutoDraft:
         ``drafted_rows``: whether a speculating run now would have rows with a current draft state
         (rows admitted for it, or that have speculated since their admission). Acceptance is only
         learned from such rows, so an exploration of speculation waits until there are some, and
-        until it could pay (``could_pay``)."""
+        until it could pay (``could_pay``). ``remaining``: see ``choose``."""
         self.runs += 1
-        best = self.choose()
+        best = self.choose(remaining)
         self.last_was_exploration = True
         if self.exploring:
             self.exploring -= 1
@@ -368,7 +405,8 @@ class AutoDraft:
         # explorations against 1.47x without). What it costs needs no exploring either: a K = 0
         # round is priced by its calibration scaled by the live drift (RoundCosts.cost), and the
         # wall-clock veto falls back to that price (choose).
-        if (self.runs < self.explore_at or self.max_draft_tokens == 0 or best > 0
+        # Nor is speculation explored in a batch's tail: its rows are about to finish.
+        if (self.runs < self.explore_at or self.max_draft_tokens == 0 or best > 0 or remaining is not None
                 or not (drafted_rows and self.could_pay())):
             self.last_was_exploration = False
             return best

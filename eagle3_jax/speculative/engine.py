@@ -56,6 +56,24 @@ class Finished:
         return self.stats.mean_accept_length
 
 
+class _Lookahead:
+    """The requests, read one ahead: whether any is still waiting is known before the rows it would
+    take are run (a batch's tail is priced differently: autodraft.AutoDraft.tail_rate)."""
+
+    def __init__(self, requests: Iterable[Request]):
+        self._it = iter(requests)
+        self._ahead: list[Request] = []
+
+    def take(self, n: int) -> list[Request]:
+        out, self._ahead = self._ahead[:n], self._ahead[n:]
+        return out + list(itertools.islice(self._it, n - len(out)))
+
+    def waiting(self) -> bool:
+        if not self._ahead:
+            self._ahead.extend(itertools.islice(self._it, 1))
+        return bool(self._ahead)
+
+
 class Engine:
     """Continuous batching: a thin front end over ``DecodeSession`` that keeps ``batch_size`` rows busy.
 
@@ -145,7 +163,7 @@ class Engine:
             self._auto = session.autodraft(program, sp)
             self.compile_intervals.append((t, time.perf_counter()))
         auto = self._auto
-        pending = iter(requests)
+        queue = _Lookahead(requests)
         occupant: list[Request | None] = [None] * self.batch_size
         # Per-row counters after the previous run (admitted rows restart at zero): auto's deltas.
         seen_rounds_B = np.zeros(self.batch_size, np.int64)
@@ -154,6 +172,10 @@ class Engine:
         # Rows whose draft state is current: admitted with the draft and not advanced by a
         # target-only run since. Under auto, only they teach acceptance (autodraft.AutoDraft.observe).
         drafted_B = np.zeros(self.batch_size, bool)
+        # Under auto: the one K each row has run since its admission (-1: none yet, -2: several), and
+        # the tokens it has left (its budget less what it emitted by the previous run).
+        row_k_B = np.full(self.batch_size, -1, np.int64)
+        left_B = np.zeros(self.batch_size, np.int64)
         cycle = None   # under auto: (K, start, tokens per taught row, compiles so far) of the open cycle
         start = time.perf_counter()
         seconds_before = session.stats.seconds
@@ -164,11 +186,13 @@ class Engine:
                 free = [b for b, o in enumerate(occupant) if o is None]
                 new = {}
                 if free and not exhausted:
-                    for b, req in zip(free, itertools.islice(pending, len(free))):
+                    for b, req in zip(free, queue.take(len(free))):
                         session.check_prompt(req.prompt, f"request {req.key!r}: prompt")
                         occupant[b] = req
                         new[b] = list(req.prompt)
-                    exhausted = len(new) < len(free)
+                        left_B[b] = min(program.max_new_tokens, self.max_len - len(req.prompt))
+                        row_k_B[b] = -1
+                    exhausted = not queue.waiting()
                 if all(o is None for o in occupant):
                     break
                 running = np.array([o is not None for o in occupant])
@@ -176,7 +200,9 @@ class Engine:
                 # K is chosen before admitting, so that rows admitted for a target-only run skip the
                 # draft's prefill: K = 0 then costs what having no draft costs.
                 if auto is not None:
-                    k = auto.next_k(drafted_rows=bool(new) or bool((drafted_B & running).any()))
+                    # with no prompt waiting, the batch's tail: its speed is its slowest row's
+                    k = auto.next_k(drafted_rows=bool(new) or bool((drafted_B & running).any()),
+                                    remaining=left_B[running] if exhausted else None)
                 else:
                     k = program.num_draft_tokens
                 if new:
@@ -207,8 +233,12 @@ class Engine:
                 if auto is None:
                     finish = fetch(state.finish_B)
                 else:
-                    finish, rounds_B, tokens_B, acc_BK = fetch_all(
-                        state.finish_B, state.rounds_B, state.round_tokens_B, state.accepted_BK)
+                    finish, rounds_B, tokens_B, acc_BK, n_out_B, budget_B = fetch_all(
+                        state.finish_B, state.rounds_B, state.round_tokens_B, state.accepted_BK, state.n_out_B,
+                        state.budget_B)
+                    left_B = np.maximum(budget_B.astype(np.int64) - n_out_B, 0)
+                    row_k_B[running] = np.where(row_k_B[running] == -1, k,
+                                                np.where(row_k_B[running] == k, k, -2))
                     rounds_B, tokens_B, acc_BK = (x.astype(np.int64) for x in (rounds_B, tokens_B, acc_BK))
                     # a run that compiled is timed as 0 s: its rounds still teach acceptance
                     seconds = time.perf_counter() - t if compiles == len(self.compile_intervals) else 0.0
@@ -226,6 +256,8 @@ class Engine:
                 for b, (tokens, reason, stats) in zip(done, session.row_results(state, done,
                                                                                program.max_draft_tokens)):
                     fin = Finished(key=occupant[b].key, tokens=tokens, finish_reason=reason, stats=stats)
+                    if auto is not None and row_k_B[b] > 0 and drafted_B[b] and stats.rounds:
+                        auto.observe_prompt(int(row_k_B[b]), stats.mean_accept_length)
                     occupant[b] = None
                     session.record(stats)
                     session.stats.seconds = seconds_before + time.perf_counter() - start
