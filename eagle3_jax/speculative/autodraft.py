@@ -18,7 +18,14 @@ Admissions (the next prompts' prefill) are timed out of round costs; the wall cl
 sees them. K = 0 is a real choice: when speculation does not pay, it is turned off (prompts are
 then admitted without the draft, so K = 0 costs what having no draft costs), and re-tried now and
 then, on rows admitted with the draft, at intervals that grow while it keeps losing, as long as
-acceptance at its upper confidence bound could still make it pay.
+acceptance at its upper confidence bound could still make it pay. While speculating, target-only is
+priced from its calibration, not explored: its rounds would leave every row's draft state stale.
+
+The tail. With prompts waiting, a finished row is refilled at once, so the mean row's τ is the
+batch's. With none waiting, finished rows idle until the last one is done: then K is chosen for when
+the slowest row finishes (``AutoDraft.tail_rate``), from how finished prompts' acceptance spread
+around the model's. A wide batch of prompts that accept unevenly can lose to target-only there even
+where the mean row gains.
 """
 
 from __future__ import annotations
