@@ -397,6 +397,10 @@ class AutoDraft:
         until it could pay (``could_pay``). ``remaining``: see ``choose``."""
         self.runs += 1
         best = self.choose(remaining)
+        if remaining is not None and not drafted_rows:
+            # A tail that went target-only stays there: every row's draft state is stale by now, so
+            # speculating again would draft from it until the rows finish.
+            best = 0
         self.last_was_exploration = True
         if self.exploring:
             self.exploring -= 1
