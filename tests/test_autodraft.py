@@ -347,9 +347,10 @@ def test_the_tail_is_priced_by_its_slowest_row():
     assert spread.choose() == 1 and spread.choose(remaining=wave) == 0
     # per row, K = 1 could pay, but a tail is not explored: its rows are about to finish
     assert spread.could_pay() and [spread.next_k(remaining=wave) for _ in range(12)] == [0] * 12
-    # a tail that went target-only stays there: no row has a current draft state to speculate from
+    # rows that ran target-only have no current draft state to speculate from
     assert even.next_k(drafted_rows=True, remaining=wave) == 1
     assert even.next_k(drafted_rows=False, remaining=wave) == 0
+    assert even.next_k(drafted_rows=False) == 0   # nor, with prompts waiting, before the next admission
     # too few finished prompts to know the spread: the per-row model decides
     few = auto_with([1.8, 0.2])
     assert few.choose(remaining=wave) == 1

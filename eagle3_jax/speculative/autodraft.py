@@ -393,13 +393,15 @@ class AutoDraft:
 
         ``drafted_rows``: whether a speculating run now would have rows with a current draft state
         (rows admitted for it, or that have speculated since their admission). Acceptance is only
-        learned from such rows, so an exploration of speculation waits until there are some, and
+        learned from such rows, and speculating without any drafts from stale states: without them
+        the run is target-only, and an exploration of speculation waits until there are some and
         until it could pay (``could_pay``). ``remaining``: see ``choose``."""
         self.runs += 1
         best = self.choose(remaining)
-        if remaining is not None and not drafted_rows:
-            # A tail that went target-only stays there: every row's draft state is stale by now, so
-            # speculating again would draft from it until the rows finish.
+        if not drafted_rows:
+            # Rows that ran target-only have a stale draft state: speculating on them would draft from
+            # it until they finish. Speculation resumes with the next admission (rows admitted with
+            # the draft); a tail that went target-only stays there.
             best = 0
         self.last_was_exploration = True
         if self.exploring:
