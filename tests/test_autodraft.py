@@ -371,3 +371,33 @@ def test_the_engine_reads_one_request_ahead():
     assert [r.key for r in q.take(2)] == ["0", "1"] and reads == [0, 1]
     assert q.waiting() and reads == [0, 1, 2]
     assert [r.key for r in q.take(2)] == ["2"] and not q.waiting() and q.take(1) == []
+
+
+def test_only_one_wave_is_priced_by_its_slowest_row(tiny_target, draft, monkeypatch, tmp_path):
+    """``remaining`` reaches auto only while every occupied row was admitted together and nothing
+    waits: a wave. The tail of a refilled batch holds rows admitted at different times, which finish
+    at different times whatever K is."""
+    monkeypatch.setenv(autodraft.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(session_mod, "calibrate", lambda *a: RoundCosts({k: 1.0 for k in range(3)}, calibration_seconds=1.0))
+    seen = []
+    original = AutoDraft.next_k
+
+    def next_k(self, drafted_rows=True, remaining=None):
+        seen.append(None if remaining is None else list(remaining))
+        return original(self, drafted_rows, remaining)
+
+    monkeypatch.setattr(AutoDraft, "next_k", next_k)
+    prompts = [np.random.default_rng(i).integers(2, 256, size=5).tolist() for i in range(5)]
+
+    def run(n):
+        seen.clear()
+        eng = Engine(tiny_target, draft, num_draft_tokens="auto", max_draft_tokens=2, max_len=40, batch_size=2,
+                     max_new_tokens=12, rounds_per_sync=2)
+        list(eng.run(Request(str(i), p) for i, p in enumerate(prompts[:n])))
+        return list(seen)
+
+    wave = run(2)   # as many prompts as rows: one wave from the first run on
+    assert wave[0] == [12, 12] and all(r is not None for r in wave)
+    refill = run(5)  # prompts wait at first; the last prompt's admission leaves rows of two admissions
+    assert refill[0] is None and any(r is not None and len(r) == 1 for r in refill)
+    assert not any(r is not None and len(r) == 2 for r in refill[1:])

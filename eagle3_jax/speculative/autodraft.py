@@ -21,11 +21,12 @@ then, on rows admitted with the draft, at intervals that grow while it keeps los
 acceptance at its upper confidence bound could still make it pay. While speculating, target-only is
 priced from its calibration, not explored: its rounds would leave every row's draft state stale.
 
-The tail. With prompts waiting, a finished row is refilled at once, so the mean row's τ is the
-batch's. With none waiting, finished rows idle until the last one is done: then K is chosen for when
-the slowest row finishes (``AutoDraft.tail_rate``), from how finished prompts' acceptance spread
-around the model's. A wide batch of prompts that accept unevenly can lose to target-only there even
-where the mean row gains.
+One wave. With prompts waiting, a finished row is refilled at once, so the mean row's τ is the
+batch's, and rows admitted at different times finish at different times whatever K is. A batch
+admitted together with nothing waiting (one wave: as many prompts as rows, or fewer) idles its
+finished rows until the last one is done: there K is chosen for when the slowest row finishes
+(``AutoDraft.tail_rate``), from how finished prompts' acceptance spread around the model's. A wide
+wave of prompts that accept unevenly can lose to target-only even where the mean row gains.
 """
 
 from __future__ import annotations
@@ -334,8 +335,9 @@ class AutoDraft:
         return self.costs.predicted_throughput(k, self.acceptance.tau(k))
 
     def tail_rate(self, k: int, remaining) -> float:
-        """With no prompt waiting, a finished row idles until the batch's last row is done, so the
-        batch's speed is set by its slowest row, not by the mean row the per-row model prices. The
+        """In one wave (rows admitted together, no prompt waiting), a finished row idles until the
+        batch's last row is done, so its speed is set by its slowest row, not by the mean row the
+        per-row model prices. The
         rows still to run (``remaining`` tokens each) finish after max over rows of remaining / tau_r
         rounds, each row's tau_r = 1 + spread * (tau(K) - 1) with the spread drawn from the latest
         finished prompts (TAIL_DRAWS draws per row, a fixed seed: the same inputs give the same
@@ -360,8 +362,8 @@ class AutoDraft:
     def choose(self, remaining=None) -> int:
         """The K >= 1 of the highest predicted throughput (ties to the smaller K), if it beats
         target-only by SPECULATION_MARGIN and the wall clock does not say speculating is slower
-        (``WallClock``); else 0. ``remaining``: with no prompt waiting, the tokens each occupied row
-        still has to emit (the batch's tail: ``tail_rate``); None while prompts wait for rows."""
+        (``WallClock``); else 0. ``remaining``: in one wave (rows admitted together, no prompt
+        waiting), the tokens each occupied row still has to emit (``tail_rate``); else None."""
         if self.max_draft_tokens == 0:
             return 0
         best = max(range(1, self.max_draft_tokens + 1), key=lambda k: (self.rate(k, remaining), -k))

@@ -176,6 +176,7 @@ class Engine:
         # the tokens it has left (its budget less what it emitted by the previous run).
         row_k_B = np.full(self.batch_size, -1, np.int64)
         left_B = np.zeros(self.batch_size, np.int64)
+        wave_B = np.zeros(self.batch_size, np.int64)   # which admission (loop iteration) filled each row
         cycle = None   # under auto: (K, start, tokens per taught row, compiles so far) of the open cycle
         start = time.perf_counter()
         seconds_before = session.stats.seconds
@@ -192,6 +193,7 @@ class Engine:
                         new[b] = list(req.prompt)
                         left_B[b] = min(program.max_new_tokens, self.max_len - len(req.prompt))
                         row_k_B[b] = -1
+                        wave_B[b] = auto.runs if auto is not None else 0
                     exhausted = not queue.waiting()
                 if all(o is None for o in occupant):
                     break
@@ -200,9 +202,12 @@ class Engine:
                 # K is chosen before admitting, so that rows admitted for a target-only run skip the
                 # draft's prefill: K = 0 then costs what having no draft costs.
                 if auto is not None:
-                    # with no prompt waiting, the batch's tail: its speed is its slowest row's
+                    # One wave (every row admitted together, none waiting) ends with its slowest row:
+                    # priced as such. Rows admitted at different times (a refill's tail) finish at
+                    # different times anyway, and the per-row model prices them as measured.
+                    wave = exhausted and len(set(wave_B[running].tolist())) == 1
                     k = auto.next_k(drafted_rows=bool(new) or bool((drafted_B & running).any()),
-                                    remaining=left_B[running] if exhausted else None)
+                                    remaining=left_B[running] if wave else None)
                 else:
                     k = program.num_draft_tokens
                 if new:
