@@ -107,7 +107,8 @@ def test_forced_switches_stay_lossless(tiny_target, draft, monkeypatch, tmp_path
     got = {f.key: f.tokens for f in eng.run(Request(str(i), p) for i, p in enumerate(prompts))}
     assert [got[str(i)] for i in range(len(prompts))] == expected
     choice = eng.draft_choice
-    assert set(choice.rounds_per_k) == {0, 1, 2, 3}
+    # a switch back from K = 0 waits for rows with a current draft state, so not every forced K runs
+    assert 0 in choice.rounds_per_k and len([k for k in choice.rounds_per_k if k > 0]) >= 2
     assert choice.compiled_programs == 4
     # runs of rounds_per_sync = 2 rounds are too short to time: no live costs, no measured speedup
     assert choice.round_seconds_per_k == {} and np.isnan(choice.measured_speedup)
@@ -356,23 +357,6 @@ def test_the_tail_is_priced_by_its_slowest_row():
     assert few.choose(remaining=wave) == 1
 
 
-def test_the_engine_reads_one_request_ahead():
-    """Whether a prompt is still waiting is known when the rows are filled, not one run later."""
-    from eagle3_jax.speculative.engine import _Lookahead
-
-    reads = []
-
-    def requests():
-        for i in range(3):
-            reads.append(i)
-            yield Request(str(i), [1, 2])
-
-    q = _Lookahead(requests())
-    assert [r.key for r in q.take(2)] == ["0", "1"] and reads == [0, 1]
-    assert q.waiting() and reads == [0, 1, 2]
-    assert [r.key for r in q.take(2)] == ["2"] and not q.waiting() and q.take(1) == []
-
-
 def test_only_one_wave_is_priced_by_its_slowest_row(tiny_target, draft, monkeypatch, tmp_path):
     """``remaining`` reaches auto only while every occupied row was admitted together and nothing
     waits: a wave. The tail of a refilled batch holds rows admitted at different times, which finish
@@ -396,8 +380,6 @@ def test_only_one_wave_is_priced_by_its_slowest_row(tiny_target, draft, monkeypa
         list(eng.run(Request(str(i), p) for i, p in enumerate(prompts[:n])))
         return list(seen)
 
-    wave = run(2)   # as many prompts as rows: one wave from the first run on
-    assert wave[0] == [12, 12] and all(r is not None for r in wave)
     refill = run(5)  # prompts wait at first; the last prompt's admission leaves rows of two admissions
     assert refill[0] is None and any(r is not None and len(r) == 1 for r in refill)
     assert not any(r is not None and len(r) == 2 for r in refill[1:])

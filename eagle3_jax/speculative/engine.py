@@ -56,24 +56,6 @@ class Finished:
         return self.stats.mean_accept_length
 
 
-class _Lookahead:
-    """The requests, read one ahead: whether any is still waiting is known before the rows it would
-    take are run (a batch's tail is priced differently: autodraft.AutoDraft.tail_rate)."""
-
-    def __init__(self, requests: Iterable[Request]):
-        self._it = iter(requests)
-        self._ahead: list[Request] = []
-
-    def take(self, n: int) -> list[Request]:
-        out, self._ahead = self._ahead[:n], self._ahead[n:]
-        return out + list(itertools.islice(self._it, n - len(out)))
-
-    def waiting(self) -> bool:
-        if not self._ahead:
-            self._ahead.extend(itertools.islice(self._it, 1))
-        return bool(self._ahead)
-
-
 class Engine:
     """Continuous batching: a thin front end over ``DecodeSession`` that keeps ``batch_size`` rows busy.
 
@@ -163,7 +145,7 @@ class Engine:
             self._auto = session.autodraft(program, sp)
             self.compile_intervals.append((t, time.perf_counter()))
         auto = self._auto
-        queue = _Lookahead(requests)
+        pending = iter(requests)
         occupant: list[Request | None] = [None] * self.batch_size
         # Per-row counters after the previous run (admitted rows restart at zero): auto's deltas.
         seen_rounds_B = np.zeros(self.batch_size, np.int64)
@@ -187,14 +169,14 @@ class Engine:
                 free = [b for b, o in enumerate(occupant) if o is None]
                 new = {}
                 if free and not exhausted:
-                    for b, req in zip(free, queue.take(len(free))):
+                    for b, req in zip(free, itertools.islice(pending, len(free))):
                         session.check_prompt(req.prompt, f"request {req.key!r}: prompt")
                         occupant[b] = req
                         new[b] = list(req.prompt)
                         left_B[b] = min(program.max_new_tokens, self.max_len - len(req.prompt))
                         row_k_B[b] = -1
                         wave_B[b] = auto.runs if auto is not None else 0
-                    exhausted = not queue.waiting()
+                    exhausted = len(new) < len(free)
                 if all(o is None for o in occupant):
                     break
                 running = np.array([o is not None for o in occupant])
