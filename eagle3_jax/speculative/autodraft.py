@@ -75,9 +75,9 @@ EXPLORE_Z = 2.0
 # and admissions) and the draft's share of every prefill. On the demo pair at batch 8 those made a
 # K predicted 8 % faster run 15 % slower (benchmarks/RESULTS.md, "speedup").
 SPECULATION_MARGIN = 0.10
-# The batch's tail (no prompt waiting): how each prompt's own acceptance compared with the model's,
-# over the latest TAIL_WINDOW prompts that speculated at one K, once there are TAIL_MIN_PROMPTS;
-# TAIL_DRAWS draws of them per row estimate when the batch's last row finishes.
+# One wave (rows admitted together, no prompt waiting): how each prompt's own acceptance compared with
+# the model's, over the latest TAIL_WINDOW prompts that speculated at one K, once there are
+# TAIL_MIN_PROMPTS; TAIL_DRAWS draws of them per row estimate when the wave's last row finishes.
 TAIL_WINDOW = 64
 TAIL_MIN_PROMPTS = 8
 TAIL_DRAWS = 64
@@ -337,9 +337,8 @@ class AutoDraft:
     def tail_rate(self, k: int, remaining) -> float:
         """In one wave (rows admitted together, no prompt waiting), a finished row idles until the
         batch's last row is done, so its speed is set by its slowest row, not by the mean row the
-        per-row model prices. The
-        rows still to run (``remaining`` tokens each) finish after max over rows of remaining / tau_r
-        rounds, each row's tau_r = 1 + spread * (tau(K) - 1) with the spread drawn from the latest
+        per-row model prices. The rows still to run (``remaining`` tokens each) finish after max over
+        rows of remaining / tau_r rounds, each row's tau_r = 1 + spread * (tau(K) - 1) with the spread drawn from the latest
         finished prompts (TAIL_DRAWS draws per row, a fixed seed: the same inputs give the same
         choice). At K = 0 every row emits one token per round. Returns tokens per second."""
         left = np.asarray(remaining, float)
@@ -403,7 +402,7 @@ class AutoDraft:
         if not drafted_rows:
             # Rows that ran target-only have a stale draft state: speculating on them would draft from
             # it until they finish. Speculation resumes with the next admission (rows admitted with
-            # the draft); a tail that went target-only stays there.
+            # the draft); a wave that went target-only stays there.
             best = 0
         self.last_was_exploration = True
         if self.exploring:
@@ -420,7 +419,7 @@ class AutoDraft:
         # explorations against 1.47x without). What it costs needs no exploring either: a K = 0
         # round is priced by its calibration scaled by the live drift (RoundCosts.cost), and the
         # wall-clock veto falls back to that price (choose).
-        # Nor is speculation explored in a batch's tail: its rows are about to finish.
+        # Nor is speculation explored in one wave: its rows are about to finish.
         if (self.runs < self.explore_at or self.max_draft_tokens == 0 or best > 0 or remaining is not None
                 or not (drafted_rows and self.could_pay())):
             self.last_was_exploration = False
