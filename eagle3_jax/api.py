@@ -315,7 +315,7 @@ class Generator:
             raise ConfigError("generate() got no prompts")
         rows = min(len(prompts), self.batch_size or len(prompts))
         if session.auto or rows < len(prompts):
-            return self._generate_refilled(prompts, rows, max_new_tokens, sampling, rounds_per_sync)
+            return self._generate_refilled(prompts, rows, max_new_tokens, sampling, rounds_per_sync, prompt_len)
         program = session.program(len(prompts), max_new_tokens, sampling)
         ids, lengths, _ = session.pack_prompts(dict(enumerate(prompts)), program.batch_size, prompt_len)
         start = time.perf_counter()
@@ -331,14 +331,15 @@ class Generator:
         return GenerationResult(tokens=[r[0] for r in rows], finish_reasons=[r[1] for r in rows], stats=stats)
 
     def _generate_refilled(self, prompts, rows: int, max_new_tokens: int, sampling: SamplingSettings,
-                           rounds_per_sync: int) -> GenerationResult:
+                           rounds_per_sync: int, prompt_len: int | None) -> GenerationResult:
         import time
 
         from eagle3_jax.speculative.engine import Engine, Request
 
         engine = Engine(None, batch_size=rows, max_new_tokens=max_new_tokens, temperature=sampling.temperature,
                         top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
-                        eos_token_ids=sampling.eos_token_ids, rounds_per_sync=rounds_per_sync, session=self.session)
+                        eos_token_ids=sampling.eos_token_ids, rounds_per_sync=rounds_per_sync, session=self.session,
+                        prompt_len=prompt_len)
         start = time.perf_counter()
         by_key = {int(f.key): f for f in engine.run(Request(str(i), list(p)) for i, p in enumerate(prompts))}
         done = [by_key[i] for i in range(len(prompts))]

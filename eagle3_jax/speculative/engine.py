@@ -66,13 +66,17 @@ class Engine:
                  max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int = 0, eos_token_ids: Sequence[int] = (), rounds_per_sync: int = 16,
                  max_draft_tokens: int | None = None, session: DecodeSession | None = None,
-                 max_admit_rows: int | None = None, prefill_chunk: int | None = None):
+                 max_admit_rows: int | None = None, prefill_chunk: int | None = None,
+                 prompt_len: int | None = None):
         """``session``: run on an existing session (its target, draft and K setting; the arguments
         naming them are then ignored), e.g. a Generator's, so statistics and acceptance carry over.
         ``max_admit_rows``: the most rows one prefill call admits (more free rows are filled by
         several calls); it bounds the prefill's fresh caches, which hold that many rows (None: the
         whole batch). ``python -m tools.plan --admit-rows`` plans the same. ``prefill_chunk``: see
-        ``DecodeSession``."""
+        ``DecodeSession``. ``prompt_len``: every admission pads its prompts to this length (None: the
+        longest admitted prompt's bucket). Pinned, one admission program serves every prompt; else
+        each prompt bucket compiles its own (measured on the demo pair: three programs for four
+        prompts at batch 1, ~3.5 s each to trace and load from the compilation cache)."""
         if rounds_per_sync < 1:
             raise ConfigError(f"rounds_per_sync must be >= 1, found {rounds_per_sync}")
         if max_admit_rows is not None and max_admit_rows < 1:
@@ -91,6 +95,7 @@ class Engine:
         # Rows freed per refill while prompts wait: one at a time keeps every row busy; at large
         # batches a few at a time saves syncs and admission calls.
         self.refill_rows = max(1, self.batch_size // 8)
+        self.prompt_len = prompt_len
         self._auto = None
         # (start, end) perf_counter times of the calls that compiled a program (until the call
         # returned: tracing and compiling) and of auto's calibration: what throughput leaves out.
@@ -130,7 +135,7 @@ class Engine:
         are dropped."""
         A = min(1 << (len(new) - 1).bit_length(), self.batch_size)
         rows = list(new) + [self.batch_size] * (A - len(new))
-        ids, lengths, _ = self.session.pack_prompts(dict(enumerate(new.values())), A)
+        ids, lengths, _ = self.session.pack_prompts(dict(enumerate(new.values())), A, self.prompt_len)
         return self._call(admit_rows, *models, state, np.asarray(rows, np.int32), ids, lengths, sp, program=self.program)
 
     def run(self, requests: Iterable[Request]) -> Iterator[Finished]:
