@@ -11,6 +11,7 @@ import eagle3_jax as e3
 from eagle3_jax.speculative import autodraft, session as session_mod
 from eagle3_jax.speculative.autodraft import AcceptanceModel, AutoDraft, RoundCosts
 from eagle3_jax.speculative.engine import Engine, Request
+from eagle3_jax.speculative.session import SamplingSettings
 
 
 def test_choice_follows_costs_and_acceptance():
@@ -383,3 +384,30 @@ def test_only_one_wave_is_priced_by_its_slowest_row(tiny_target, draft, monkeypa
     refill = run(5)  # prompts wait at first; the last prompt's admission leaves rows of two admissions
     assert refill[0] is None and any(r is not None and len(r) == 1 for r in refill)
     assert not any(r is not None and len(r) == 2 for r in refill[1:])
+
+
+def test_acceptance_is_learned_per_sampling_setting(tiny_target, draft, monkeypatch, tmp_path):
+    """Greedy and sampled decoding accept very differently: a session learns acceptance per sampling
+    setting (shared across batch sizes) and round costs per batch shape (shared across settings)."""
+    monkeypatch.setenv(autodraft.CACHE_ENV, str(tmp_path))
+    calibrated = []
+
+    def calibrate(session, program, sp):
+        calibrated.append(program.batch_size)
+        return RoundCosts({k: 1.0 for k in range(3)})
+
+    monkeypatch.setattr(session_mod, "calibrate", calibrate)
+    session = session_mod.DecodeSession(tiny_target, draft, "auto", max_len=40, max_draft_tokens=2)
+    greedy, hot = SamplingSettings(0.0), SamplingSettings(1.0)
+    p1 = session.program(1, 8, greedy)
+    p1_hot, p2_hot = session.program(1, 8, hot), session.program(2, 8, hot)
+    a_greedy = session.autodraft(p1, greedy.traced(), greedy)
+    a_greedy.observe(2, 10, 1.0, 10, 30, [10, 10])          # greedy: every draft token accepted
+    a_hot = session.autodraft(p1_hot, hot.traced(), hot)
+    assert a_hot.acceptance is not a_greedy.acceptance and a_hot.acceptance.offered.sum() == 0
+    assert a_hot.acceptance.tau(2) < a_greedy.acceptance.tau(2)
+    # the same setting at another batch size shares what was learned; the same shape reuses its costs
+    assert session.autodraft(p2_hot, hot.traced(), hot).acceptance is a_hot.acceptance
+    assert session.autodraft(p1, greedy.traced(), greedy) is a_greedy
+    # greedy and sampled are different programs (costs per program); two batch sizes: three calibrations
+    assert sorted(calibrated) == [1, 1, 2]

@@ -147,7 +147,7 @@ class Engine:
         sp = self.sampling.traced()
         if session.auto and self._auto is None:
             t = time.perf_counter()
-            self._auto = session.autodraft(program, sp)
+            self._auto = session.autodraft(program, sp, self.sampling)
             self.compile_intervals.append((t, time.perf_counter()))
         auto = self._auto
         pending = iter(requests)

@@ -21,8 +21,8 @@ from eagle3_jax.distributed import fetch
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import GenerationStats
 from eagle3_jax.sharding import data_parallel_size, mesh_context
-from eagle3_jax.speculative.autodraft import (AUTO, DEFAULT_MAX_DRAFT_TOKENS, AcceptanceModel, AutoDraft, calibrate,
-                                              cost_key, load_costs, pair_fingerprint, save_costs)
+from eagle3_jax.speculative.autodraft import (AUTO, DEFAULT_MAX_DRAFT_TOKENS, AcceptanceModel, AutoDraft, RoundCosts,
+                                              calibrate, cost_key, load_costs, pair_fingerprint, save_costs)
 from eagle3_jax.speculative.generate import FINISH_NAMES, DecodeProgram, LoopState, Sampling, StaticGraph
 
 # Prompts are right-padded to a multiple of this, so nearby lengths share one compiled program.
@@ -95,8 +95,12 @@ class DecodeSession:
         self.max_len = max_len
         self.mesh = target.mesh
         self.stats = GenerationStats.empty(self.max_draft_tokens)
-        self.acceptance = AcceptanceModel(max(self.max_draft_tokens, 1))
-        self._auto: dict[DecodeProgram, AutoDraft] = {}
+        # Acceptance per sampling setting: greedy and T = 1 accept very differently (demo pair, batch 8:
+        # 0.88 / 0.20 at draft position 1), and a model shared across them priced T = 1 rounds with the
+        # greedy rounds' acceptance (0.70x target-only). Round costs per batch shape (RoundCosts).
+        self._acceptance: dict[tuple, AcceptanceModel] = {}
+        self._costs: dict[DecodeProgram, RoundCosts] = {}
+        self._auto: dict[tuple, AutoDraft] = {}
         self._static = None   # the graphdefs as StaticGraph, made on first use
 
     # ---------------------------------------------------------------- settings
@@ -124,18 +128,24 @@ class DecodeSession:
             aux_layer_ids=self.draft.aux_layer_ids if self.draft is not None else (), greedy=sampling.greedy,
             prefill_chunk=self.prefill_chunk)
 
-    def autodraft(self, program: DecodeProgram, sp) -> AutoDraft:
-        """The K chooser of this batch shape: round costs from the disk cache, or calibrated now
-        (compiles one round program per K, which later runs reuse)."""
-        key = dataclasses.replace(program, max_new_tokens=0)
-        if key not in self._auto:
-            ckey = cost_key(pair_fingerprint(self.target, self.draft), program)
-            costs = load_costs(ckey)
-            if costs is None:
-                costs = calibrate(self, program, sp)
-                save_costs(ckey, costs)
-            self._auto[key] = AutoDraft(costs, self.max_draft_tokens, self.acceptance)
-        return self._auto[key]
+    def autodraft(self, program: DecodeProgram, sp, sampling: SamplingSettings) -> AutoDraft:
+        """The K chooser of this batch shape and sampling setting: round costs (shared by every
+        sampling setting of the shape) from the disk cache, or calibrated now (compiles one round
+        program per K, which later runs reuse); acceptance learned per sampling setting, across batch
+        shapes (it depends on the text and the sampler, not on the batch)."""
+        shape = dataclasses.replace(program, max_new_tokens=0)
+        setting = (sampling.temperature, sampling.top_p, sampling.top_k)
+        if (shape, setting) not in self._auto:
+            if shape not in self._costs:
+                ckey = cost_key(pair_fingerprint(self.target, self.draft), program)
+                costs = load_costs(ckey)
+                if costs is None:
+                    costs = calibrate(self, program, sp)
+                    save_costs(ckey, costs)
+                self._costs[shape] = costs
+            acceptance = self._acceptance.setdefault(setting, AcceptanceModel(max(self.max_draft_tokens, 1)))
+            self._auto[shape, setting] = AutoDraft(self._costs[shape], self.max_draft_tokens, acceptance)
+        return self._auto[shape, setting]
 
     def models(self) -> tuple:
         """(target graphdef, target state, draft graphdef, draft state): the loop's leading arguments
