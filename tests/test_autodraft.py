@@ -53,13 +53,35 @@ def test_the_wall_clock_vetoes_speculation_that_loses():
     for _ in range(3):                             # whole cycles: speculating slower on the wall clock
         auto.observe_cycle(1, 10.0, 1.0)
         auto.observe_cycle(0, 12.0, 1.0)
-    assert auto.wall.rate(True) is None and auto.choose() == 1   # too few cycles to veto
+    assert auto.wall.rate(1) is None and auto.choose() == 1   # too few cycles to veto
     auto.observe_cycle(1, 10.0, 1.0)
     auto.observe_cycle(0, 12.0, 1.0)
-    assert auto.wall.rate(True) == 10.0 and auto.wall.rate(False) == 12.0 and auto.choose() == 0
+    assert auto.wall.rate(1) == 10.0 and auto.wall.rate(0) == 12.0 and auto.choose() == 0
     for _ in range(autodraft.WALL_WINDOW):       # the latest cycles count: speculation pays again
         auto.observe_cycle(1, 15.0, 1.0)
     assert auto.choose() == 1
+
+
+def test_the_veto_is_per_k():
+    """A K that loses on the wall clock is overruled alone: the round model's next best K runs, and
+    an exploration from target-only tries it rather than the vetoed one."""
+    costs = RoundCosts({0: 1.0, 1: 1.3, 2: 1.45, 3: 1.6})
+    acc = AcceptanceModel(3)
+    acc.observe(3, 1000, [800, 640, 512])          # a_j = 0.8: K = 3 best, then K = 2, both pay
+    auto = AutoDraft(costs, 3, acc)
+    assert auto.choose() == 3
+    for _ in range(autodraft.WALL_MIN_CYCLES):
+        auto.observe_cycle(3, 9.0, 1.0)            # K = 3 slower than target-only on the wall clock
+        auto.observe_cycle(0, 10.0, 1.0)
+    assert auto.vetoed(3) and not auto.vetoed(2) and auto.choose() == 2
+    assert auto._best_speculating() == 2
+    for _ in range(autodraft.WALL_MIN_CYCLES):
+        auto.observe_cycle(2, 9.5, 1.0)            # K = 2 loses too, K = 1 has no cycles yet
+    assert auto.choose() == 1
+    for _ in range(autodraft.WALL_MIN_CYCLES):
+        auto.observe_cycle(1, 9.9, 1.0)
+    assert auto.choose() == 0
+    assert auto._best_speculating() == 3           # all vetoed: the round model's best is measured again
 
 
 def test_without_target_only_cycles_the_veto_uses_its_round_cost():
@@ -70,7 +92,7 @@ def test_without_target_only_cycles_the_veto_uses_its_round_cost():
     auto = AutoDraft(RoundCosts({0: 0.1, 1: 0.1}), 1, acc)   # target-only: 10 tokens per row per second
     for _ in range(autodraft.WALL_MIN_CYCLES):
         auto.observe_cycle(1, 9.0, 1.0)            # speculating cycles: 9 tokens per row per second
-    assert auto.wall.rate(False) is None and auto.choose() == 0
+    assert auto.wall.rate(0) is None and auto.choose() == 0
     for _ in range(autodraft.WALL_WINDOW):
         auto.observe_cycle(1, 11.0, 1.0)
     assert auto.choose() == 1
