@@ -42,9 +42,13 @@ def test_tokens_per_second_excludes_compiles_across_two_prompt_buckets(tmp_path,
     assert m1["tokens"] == m2["tokens"] > 0
     assert m1["compile_seconds"] > 0 and m1["compile_seconds"] > 5 * m2["compile_seconds"]
     assert m1["load_seconds"] >= 0 and m1["tokens_per_second"] == pytest.approx(m1["tokens"] / m1["seconds"])
-    # Decode throughput of the compiling run is the steady-state figure, not compile-bound.
+    # Decode throughput of the compiling run is the steady-state figure, not compile-bound. Had the
+    # compiles been counted, the first run's figure would be ~50x lower (here ~40 s of compiling
+    # against ~1 s of decoding); the first executions of its programs, which count, and a loaded
+    # machine (a full suite on 2 workers measured 0.46) leave it within a few x of the second's.
     timings = [(m["seconds"], m["compile_seconds"], m["load_seconds"]) for m in (m1, m2)]
-    assert 0.5 <= m1["tokens_per_second"] / m2["tokens_per_second"] <= 2.0, timings
+    assert m1["compile_seconds"] > 5 * m1["seconds"], timings   # the check below can tell the two apart
+    assert 0.2 <= m1["tokens_per_second"] / m2["tokens_per_second"] <= 5.0, timings
     assert "compiling prompt bucket 32" in progress
 
 
