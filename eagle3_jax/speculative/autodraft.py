@@ -367,7 +367,7 @@ class AutoDraft:
         occupied row still has to emit (``tail_rate``); else None."""
         if self.max_draft_tokens == 0:
             return 0
-        ks = [k for k in range(1, self.max_draft_tokens + 1) if not self.vetoed(k)]
+        ks = self._not_vetoed()
         if not ks:
             return 0
         best = max(ks, key=lambda k: (self.rate(k, remaining), -k))
@@ -385,6 +385,9 @@ class AutoDraft:
             plain = 1.0 / self.costs.cost(0)
         return spec is not None and spec < plain
 
+    def _not_vetoed(self) -> list[int]:
+        return [k for k in range(1, self.max_draft_tokens + 1) if not self.vetoed(k)]
+
     def could_pay(self) -> bool:
         """Whether some K >= 1 would beat target-only by SPECULATION_MARGIN at its optimistic τ."""
         plain = (1.0 + SPECULATION_MARGIN) * self.rate(0)
@@ -394,8 +397,7 @@ class AutoDraft:
     def _best_speculating(self) -> int:
         """What an exploration runs: the best K >= 1 the wall clock has not vetoed (if it vetoed
         every K, the round model's best, measured again)."""
-        ks = [k for k in range(1, self.max_draft_tokens + 1) if not self.vetoed(k)]
-        return max(ks or range(1, self.max_draft_tokens + 1), key=lambda k: (self.rate(k), -k))
+        return max(self._not_vetoed() or range(1, self.max_draft_tokens + 1), key=lambda k: (self.rate(k), -k))
 
     def next_k(self, drafted_rows: bool = True, remaining=None) -> int:
         """The K of the next run: ``choose()``, except for exploration runs (EXPLORE_RUNS in a row)
