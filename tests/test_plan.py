@@ -79,14 +79,14 @@ def test_cache_bytes(plan):
 
 
 def test_compiled_arguments_are_params_plus_state(plan):
-    """XLA's per-device argument size is exactly what the plan counts, less the inputs the greedy
-    loop never reads (the draft's t2d map; temperature, top-k, top-p), plus max_rounds, stop_free and
-    the EOS ids."""
+    """XLA's per-device argument size is exactly what the plan counts, less the input the loop never
+    reads (the draft's t2d map), plus max_rounds, stop_free, the EOS ids, temperature, top-k, top-p
+    (4 bytes each) and the greedy flag (1 byte): one program serves greedy and sampling."""
     mem = plan.programs["decode"]
     counted = plan.param_bytes() + plan.state_bytes()
     unread = sum(leaf.device_bytes for leaf in plan.draft_params if leaf.path == "draft.t2d")
     assert unread > 0
-    assert mem.argument == counted - unread + 4 + 4 + 4
+    assert mem.argument == counted - unread + 6 * 4 + 1
     assert mem.alias == plan.state_bytes(), "the donated loop state should come back in place (same layout)"
     hi, lo = plan.totals("decode")
     assert hi == lo == counted + (mem.output - mem.alias) + mem.temp

@@ -37,13 +37,13 @@ def compiled():
     target = e3.build_target(cfg, mesh=mesh)
     draft = e3.build_draft(spec_fixtures.tiny_draft_config(cfg), target)
     with jax.set_mesh(mesh):
-        sp = Sampling(jnp.float32(1e-6), jnp.int32(0), jnp.float32(1.0), jnp.asarray([-1], jnp.int32))
+        sp = Sampling(jnp.float32(1e-6), jnp.int32(0), jnp.float32(1.0), jnp.asarray([-1], jnp.int32), jnp.bool_(True))
         ids = jnp.zeros((B, T), jnp.int32)
         lengths = jnp.full((B,), T, jnp.int32)
         program = generate_loop.lower(
             target.graphdef, target.state, draft.graphdef, draft.state, ids, lengths, jax.random.key(0), sp,
             program=DecodeProgram(batch_size=B, max_len=CAPACITY, max_new_tokens=8, num_draft_tokens=K,
-                                  aux_layer_ids=draft.aux_layer_ids, greedy=True)).compile()
+                                  aux_layer_ids=draft.aux_layer_ids)).compile()
     return mesh, target, draft, program
 
 

@@ -40,7 +40,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.distributed import fetch
@@ -153,9 +152,9 @@ class RoundCosts:
         return tau / self.cost(k)
 
 
-def cost_key(fingerprint: str, program) -> str:
+def cost_key(fingerprint: str, program, greedy: bool) -> str:
     return (f"{fingerprint}|{jax.devices()[0].device_kind}|B={program.batch_size}|S={program.max_len}"
-            f"|Kmax={program.max_draft_tokens}|{'greedy' if program.greedy else 'sampled'}")
+            f"|Kmax={program.max_draft_tokens}|{'greedy' if greedy else 'sampled'}")
 
 
 def load_costs(key: str) -> RoundCosts | None:
@@ -200,15 +199,20 @@ def calibrate(session, program, sp) -> RoundCosts:
     vocab = session.target.config.vocab_size
     T = min(CALIBRATION_PROMPT_LEN, session.max_len - 1)
     ids, lengths, _ = session.pack_prompts({b: rng.integers(0, vocab, T).tolist() for b in range(B)}, B)
-    rows = jnp.arange(B, dtype=jnp.int32)
+    rows = np.arange(B, dtype=np.int32)
+
+    # K = 0 runs without the draft's weights, as the Engine runs it: the same compiled program,
+    # which the Engine then finds compiled (with them it was one more program to compile).
+    target_models = models[:2] + (None, None)
 
     def timed(k: int) -> float:
         prog = program.with_draft_tokens(k)   # only the rounds differ per K; admission is shared
         state = blank_state(*models, jax.random.key(0), sp, program=program)
-        state = admit_rows(*models, state, rows, jnp.asarray(ids), jnp.asarray(lengths), sp, program=program)
+        state = admit_rows(*models, state, rows, ids, lengths, sp, program=program)
         before = fetch(state.rounds_B).max()
         t = time.perf_counter()
-        state = run_rounds(*models, state, jnp.int32(CALIBRATION_ROUNDS), jnp.int32(B + 1), sp, program=prog)
+        state = run_rounds(*(models if k else target_models), state, np.int32(CALIBRATION_ROUNDS), np.int32(B + 1),
+                           sp, program=prog)
         executed = fetch(state.rounds_B).max() - before   # the fetch waits for the run
         return (time.perf_counter() - t) / max(int(executed), 1)
 

@@ -63,7 +63,9 @@ class DecodeProgram:
     which leave a draft's state untouched); ``max_draft_tokens`` the largest K of the session, which
     fixes the loop state's layout, so programs of every K <= it run on the same state;
     ``max_len`` the per-row capacity of the caches (prompt + generation); ``aux_layer_ids`` the
-    target layers whose outputs feed the draft (empty without a draft).
+    target layers whose outputs feed the draft (empty without a draft). Greedy vs sampling is not
+    part of it: it is the traced ``Sampling.greedy``, so one program serves both (the demo's
+    greedy and T = 1 cases shared none of their ~35 programs while it was static).
     """
 
     batch_size: int
@@ -71,7 +73,6 @@ class DecodeProgram:
     max_new_tokens: int
     num_draft_tokens: int
     aux_layer_ids: tuple[int, ...]
-    greedy: bool
     # Prompt positions per target call in prefill (``prefill.py``); None runs the whole block at once.
     prefill_chunk: int | None = None
     max_draft_tokens: int | None = None   # None: num_draft_tokens
@@ -102,18 +103,26 @@ LOOP_STATE_AXES = {
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling settings as traced scalars (one compiled program serves every value)."""
+    """Sampling settings as traced scalars (one compiled program serves every value, greedy included:
+    ``greedy`` selects, with ``lax.cond``, the argmax path that draws no random numbers)."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     eos_E: jax.Array
+    greedy: jax.Array   # bool scalar: temperature 0
 
 
-def _choose(key, logits_BV, greedy, sp: Sampling):
-    if greedy:
-        return first_argmax(logits_BV)
-    return sample_from_probs(key, target_probs(logits_BV, sp.temperature, sp.top_k, sp.top_p))
+def _split(key, num: int, sp: Sampling):
+    """``num`` subkeys, or at greedy ``num`` copies of the key: greedy rounds do no key work (a
+    conditional, so the program stays shared with sampling)."""
+    return jax.lax.cond(sp.greedy, lambda k: jnp.stack([k] * num), lambda k: jax.random.split(k, num), key)
+
+
+def _choose(key, logits_BV, sp: Sampling):
+    return jax.lax.cond(
+        sp.greedy, lambda k, x: first_argmax(x),
+        lambda k, x: sample_from_probs(k, target_probs(x, sp.temperature, sp.top_k, sp.top_p)), key, logits_BV)
 
 
 def _emit(state: LoopState, new_BJ, n_new_B, eos_E):
@@ -157,8 +166,8 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
         tcache, aux_BTX = out.cache, out.aux_BTX
     else:
         last_hidden_BD, tcache, aux_BTX = chunked_target(target, prompt_BT, prompt_len_B, tcache, want_aux, chunk)
-    key, k0 = (key, key) if program.greedy else jax.random.split(key)
-    first_B = _choose(k0, target.logits(last_hidden_BD[:, None])[:, 0], program.greedy, sp)
+    key, k0 = _split(key, 2, sp)
+    first_B = _choose(k0, target.logits(last_hidden_BD[:, None])[:, 0], sp)
 
     max_new_B = jnp.full((B,), max_new_tokens, jnp.int32)
     room_B = max_len - prompt_len_B
@@ -193,24 +202,23 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
 
 def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
     """One round of the loop body: speculative with a draft, plain decoding without."""
-    greedy, aux_ids = program.greedy, program.aux_layer_ids
+    aux_ids = program.aux_layer_ids
     embed_VD = target.embed_tokens[...]
 
     def draft_pick(key, logits_BW):
-        if greedy:
-            return first_argmax(logits_BW), None
-        q_BW = jax.nn.softmax(logits_BW / jnp.maximum(sp.temperature, 1e-6), axis=-1)
-        return sample_from_probs(key, q_BW), q_BW
+        """The draft's token and its distribution q (zeros at greedy, where nothing reads it)."""
+        def sample(k, x):
+            q_BW = jax.nn.softmax(x / jnp.maximum(sp.temperature, 1e-6), axis=-1)
+            return sample_from_probs(k, q_BW), q_BW
+        return jax.lax.cond(sp.greedy, lambda k, x: (first_argmax(x), jnp.zeros(x.shape, jnp.float32)),
+                            sample, key, logits_BW)
 
     def spec_round(s: LoopState) -> LoopState:
         K = program.num_draft_tokens
         B = s.last_B.shape[0]
         rows_B = jnp.arange(B)
-        if greedy:   # greedy rounds draw no random numbers: no key work either
-            key, k_accept, draft_keys = s.key, None, [None] * K
-        else:
-            key, k_draft, k_accept = jax.random.split(s.key, 3)
-            draft_keys = jax.random.split(k_draft, K)
+        key, k_draft, k_accept = _split(s.key, 3, sp)
+        draft_keys = _split(k_draft, K, sp)
         d_ids, q_list = [], []
         d_B, q_BW = draft_pick(draft_keys[0], s.dlogits_BW)
         d_ids.append(d_B)
@@ -229,14 +237,14 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
         pos_BK1 = s.lengths_B[:, None] + jnp.arange(K + 1, dtype=jnp.int32)[None, :]
         tout = target(ids_BK1, pos_BK1, s.tcache, aux_ids)
         logits_BK1V = target.logits(tout.hidden_BTD)
-        if greedy:
-            n_acc_B, out_BK1 = greedy_accept(drafts_BK, logits_BK1V)
-        else:
+        def rejection(k, logits_BK1V, q_BKW):
             p_BK1V = target_probs(logits_BK1V, sp.temperature, sp.top_k, sp.top_p)
-            q_BKW = jnp.stack(q_list, axis=1)
             target_ids_W = draft.to_target_ids(jnp.arange(q_BKW.shape[-1]))
             q_BKV = jnp.zeros((B, K, logits_BK1V.shape[-1]), jnp.float32).at[:, :, target_ids_W].set(q_BKW)
-            n_acc_B, out_BK1 = rejection_accept(k_accept, drafts_BK, q_BKV, p_BK1V)
+            return rejection_accept(k, drafts_BK, q_BKV, p_BK1V)
+
+        n_acc_B, out_BK1 = jax.lax.cond(sp.greedy, lambda k, x, q: greedy_accept(drafts_BK, x), rejection,
+                                        k_accept, logits_BK1V, jnp.stack(q_list, axis=1))
 
         running_B = s.finish_B == RUNNING
         tokens_BN, n_out_B, finish_B, n_emit_B = _emit(s, out_BK1, n_acc_B + 1, sp.eos_E)
@@ -258,9 +266,9 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
             accepted_BK=accepted_BK.astype(jnp.int32))
 
     def target_round(s: LoopState) -> LoopState:
-        key, k = (s.key, s.key) if greedy else jax.random.split(s.key)
+        key, k = _split(s.key, 2, sp)
         tout = target(s.last_B[:, None], s.lengths_B[:, None], s.tcache, ())
-        next_B = _choose(k, target.logits(tout.hidden_BTD)[:, 0], greedy, sp)
+        next_B = _choose(k, target.logits(tout.hidden_BTD)[:, 0], sp)
         running_B = s.finish_B == RUNNING
         tokens_BN, n_out_B, finish_B, n_emit_B = _emit(s, next_B[:, None], jnp.ones_like(next_B), sp.eos_E)
         return dataclasses.replace(

@@ -52,7 +52,7 @@ class SamplingSettings:
 
     def traced(self) -> Sampling:
         return Sampling(jnp.float32(max(self.temperature, 1e-6)), jnp.int32(self.top_k), jnp.float32(self.top_p),
-                        jnp.asarray(list(self.eos_token_ids) or [-1], jnp.int32))
+                        jnp.asarray(list(self.eos_token_ids) or [-1], jnp.int32), jnp.bool_(self.greedy))
 
 
 def bucket_prompt_len(longest: int, max_len: int) -> int:
@@ -99,7 +99,7 @@ class DecodeSession:
         # 0.88 / 0.20 at draft position 1), and a model shared across them priced T = 1 rounds with the
         # greedy rounds' acceptance (0.70x target-only). Round costs per batch shape (RoundCosts).
         self._acceptance: dict[tuple, AcceptanceModel] = {}
-        self._costs: dict[DecodeProgram, RoundCosts] = {}
+        self._costs: dict[tuple, RoundCosts] = {}
         self._auto: dict[tuple, AutoDraft] = {}
         self._static = None   # the graphdefs as StaticGraph, made on first use
 
@@ -125,7 +125,7 @@ class DecodeSession:
             batch_size=self.padded_batch(batch_size), max_len=self.max_len, max_new_tokens=int(max_new_tokens),
             num_draft_tokens=self.max_draft_tokens if num_draft_tokens is None else num_draft_tokens,
             max_draft_tokens=self.max_draft_tokens,
-            aux_layer_ids=self.draft.aux_layer_ids if self.draft is not None else (), greedy=sampling.greedy,
+            aux_layer_ids=self.draft.aux_layer_ids if self.draft is not None else (),
             prefill_chunk=self.prefill_chunk)
 
     def autodraft(self, program: DecodeProgram, sp, sampling: SamplingSettings) -> AutoDraft:
@@ -133,11 +133,13 @@ class DecodeSession:
         sampling setting of the shape) from the disk cache, or calibrated now (compiles one round
         program per K, which later runs reuse); acceptance learned per sampling setting, across batch
         shapes (it depends on the text and the sampler, not on the batch)."""
-        shape = dataclasses.replace(program, max_new_tokens=0)
+        # greedy and sampled rounds run the same program but cost differently (sampling's softmax,
+        # sort and key work), so each has its own costs
+        shape = (dataclasses.replace(program, max_new_tokens=0), sampling.greedy)
         setting = (sampling.temperature, sampling.top_p, sampling.top_k)
         if (shape, setting) not in self._auto:
             if shape not in self._costs:
-                ckey = cost_key(pair_fingerprint(self.target, self.draft), program)
+                ckey = cost_key(pair_fingerprint(self.target, self.draft), program, sampling.greedy)
                 costs = load_costs(ckey)
                 if costs is None:
                     costs = calibrate(self, program, sp)

@@ -65,7 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "tools/plan/drafts/, else one derived from the target)")
     p.add_argument("--programs", default="decode,prefill",
                    help="comma list of decode (run_rounds), prefill (admit_rows), generate (generate_loop)")
-    p.add_argument("--sampled", action="store_true", help="plan the sampling program (temperature > 0) not greedy")
     p.add_argument("--moe-kernel", choices=["blocked", "ragged"], default="blocked",
                    help="expert kernel to compile (ragged lowers to a dense dot over all experts on CPU, "
                         "which inflates temporaries there)")
@@ -116,7 +115,7 @@ def main(argv=None) -> int:
                 num_draft_tokens=args.num_draft_tokens, prompt_len=args.prompt_len, max_new_tokens=args.max_new,
                 dtype=args.dtype, compile_dtype=args.compile_dtype, expert_bits=bits, draft=args.draft,
                 programs=tuple(p.strip() for p in args.programs.split(",") if p.strip()),
-                greedy=not args.sampled, moe_kernel=args.moe_kernel, train=args.train,
+                moe_kernel=args.moe_kernel, train=args.train,
                 train_batch=args.train_batch, train_len=args.train_len, train_accum=args.grad_accum,
                 ttt_steps=args.ttt_steps, train_dtype=args.train_dtype, hidden_source=args.hidden_source,
                 weights=args.weights, prefill_chunk=args.prefill_chunk, hbm=hbm,

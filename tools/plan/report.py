@@ -75,7 +75,7 @@ def format_header(plan: Plan) -> list[str]:
         + f"{_count(sum(math.prod(leaf.shape) for leaf in plan.draft_params))} parameters",
         f"# draft: {plan.draft_source}: {describe_draft(plan.draft)}, aux layers {list(plan.aux_ids)}",
         f"# batch {s.batch}, max_len {s.max_len}, K={s.num_draft_tokens} draft tokens, prompt block {s.prompt_len}, "
-        f"{'greedy' if s.greedy else 'sampled'}; weights {s.dtype}; compiled in {s.compile_dtype} on "
+        f"greedy and sampled (one program); weights {s.dtype}; compiled in {s.compile_dtype} on "
         f"{jax.devices()[0].platform.upper()}, moe kernel '{s.moe_kernel}'",
     ] + [f"#   {name}: {PROGRAM_DOC[name]}" for name in plan.programs]
 

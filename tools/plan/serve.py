@@ -80,7 +80,6 @@ class PlanSettings:
     expert_bits: tuple[int, ...] = (16,)
     draft: str | None = None            # a draft config.json; default: a matching preset, else derived
     programs: tuple[str, ...] = ("decode", "prefill")
-    greedy: bool = True
     moe_kernel: str = "blocked"
     train: bool = False
     # the draft training step (eagle3_jax.train.trainer.train_step), with TrainConfig's defaults
@@ -298,7 +297,7 @@ def abstract_state(mesh, batch: int, shapes: Any) -> Any:
 
 def sampling_args(mesh) -> gen.Sampling:
     return gen.Sampling(_sds(mesh, (), jnp.float32), _sds(mesh, (), jnp.int32), _sds(mesh, (), jnp.float32),
-                        _sds(mesh, (1,), jnp.int32, (None,)))
+                        _sds(mesh, (1,), jnp.int32, (None,)), _sds(mesh, (), jnp.bool_))
 
 
 def _compile_prefill(result: Plan, name, fn, args, static, log) -> ProgramMemory:
@@ -368,7 +367,7 @@ def plan(s: PlanSettings, log=None) -> Plan:
     B, S, K = s.batch, s.max_len, s.num_draft_tokens
     max_new_tokens = s.max_new_tokens if s.max_new_tokens is not None else S - s.prompt_len
     static = dict(program=gen.DecodeProgram(batch_size=B, max_len=S, max_new_tokens=max_new_tokens,
-                                            num_draft_tokens=K, aux_layer_ids=aux_ids, greedy=s.greedy))
+                                            num_draft_tokens=K, aux_layer_ids=aux_ids))
     key = jax.eval_shape(lambda: jax.random.key(0))
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, P()))
     sp = sampling_args(mesh)
