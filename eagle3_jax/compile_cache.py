@@ -1,7 +1,7 @@
 """JAX's persistent compilation cache under the project's cache directory.
 
 A serving run compiles one program per draft length under ``num_draft_tokens: auto`` (and per batch
-size and greedy / sampled); a second run of the same pair on the same machine reads the compiled
+size; greedy and sampling share them); a second run of the same pair on the same machine reads the compiled
 executables from disk instead of compiling them again.
 """
 

@@ -79,7 +79,10 @@ def test_the_veto_is_per_k():
         auto.observe_cycle(2, 9.5, 1.0)            # K = 2 loses too, K = 1 has no cycles yet
     assert auto.choose() == 1
     for _ in range(autodraft.WALL_MIN_CYCLES):
-        auto.observe_cycle(1, 9.9, 1.0)
+        auto.observe_cycle(1, 9.8, 1.0)            # 2 % slower: within the margin, level with target-only
+    assert not auto.vetoed(1) and auto.choose() == 1
+    for _ in range(autodraft.WALL_WINDOW):
+        auto.observe_cycle(1, 9.6, 1.0)            # 4 % slower: vetoed
     assert auto.choose() == 0
     assert auto._best_speculating() == 3           # all vetoed: the round model's best is measured again
 
