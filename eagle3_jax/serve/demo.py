@@ -263,8 +263,8 @@ def run(demo_dir: str) -> int:
                 print(f"error: batch {batch_size}, greedy: speculative decoding changed the output of "
                       f"{n - case.identical} of {n} prompts; this is a bug, please report it")
                 return 1
-        # Each batch size compiles its own programs (one per K under auto, greedy and sampled); one
-        # process holding all of them runs out of memory mappings at Linux's default
+        # Each batch size compiles its own programs (one per K under auto, each serving greedy and
+        # sampling); one process holding all of them runs out of memory mappings at Linux's default
         # vm.max_map_count (65530), so they are dropped before the next batch size compiles.
         del base_gen, spec_gen
         jax.clear_caches()
