@@ -33,6 +33,22 @@ def test_choice_follows_costs_and_acceptance():
     assert AutoDraft(expensive, 4, acc2).choose() == 0
 
 
+def test_unreached_positions_are_priced_from_the_one_before():
+    """Rounds at K = 3 never offer positions 4..6: their prior is the estimate of position 3, not a
+    fixed 0.7. The numbers are a measured case (demo pair, batch 1, greedy: live round costs, 87 %
+    acceptance per position), where the fixed prior held K = 3 and K = 6 ran 14 % faster."""
+    costs = RoundCosts({0: 1.0, 1: 1.60, 2: 2.11, 3: 2.34, 4: 2.67, 5: 2.91, 6: 3.16})
+    acc = AcceptanceModel(6)
+    acc.observe(3, 800, [696, 606, 527])           # a_1..a_3 = 0.87
+    a = acc.conditional()
+    np.testing.assert_allclose(a[:3], 0.87, atol=0.005)
+    np.testing.assert_allclose(a[3:], a[2])        # carried over, not 0.7
+    assert AutoDraft(costs, 6, acc).choose() == 6
+    low = AcceptanceModel(6)
+    low.observe(2, 800, [400, 100])                # a_1 = 0.5, a_2 = 0.25: deeper positions stay low
+    assert low.conditional()[5] < 0.3
+
+
 def test_speculation_must_beat_target_only_by_the_margin():
     costs = RoundCosts({0: 1.0, 1: 1.0})            # drafting and verifying as cheap as a decode step
     slight = AcceptanceModel(1)

@@ -47,8 +47,9 @@ from eagle3_jax.metrics import GenerationStats
 
 AUTO = "auto"
 DEFAULT_MAX_DRAFT_TOKENS = 6
-# Prior conditional acceptance per position, worth PRIOR_ROUNDS observed rounds: optimistic enough
-# that a session tries speculating, weak enough that a few syncs of real data override it.
+# Prior conditional acceptance of draft position 1, worth PRIOR_ROUNDS observed rounds: optimistic
+# enough that a session tries speculating, weak enough that a few syncs of real data override it.
+# Each later position's prior is the estimate of the position before it (AcceptanceModel.conditional).
 PRIOR_ACCEPT = 0.7
 PRIOR_ROUNDS = 8
 CACHE_ENV = "EAGLE3_JAX_CACHE"
@@ -254,7 +255,17 @@ class AcceptanceModel:
         self.offered[:k] += np.concatenate([[rounds], acc[:-1]])
 
     def conditional(self) -> np.ndarray:
-        return (self.accepted + PRIOR_ACCEPT * PRIOR_ROUNDS) / (self.offered + PRIOR_ROUNDS)
+        """a_j, each position's counts on top of a prior worth PRIOR_ROUNDS rounds: PRIOR_ACCEPT for
+        position 1, the estimate of position j-1 for position j. Positions past the K that has run
+        are never offered, so a fixed prior would price them forever: with 0.7 there, a greedy
+        session accepting 87 % per position held K = 3 at 1.38x target-only while K = 6 ran at
+        1.57x (demo pair, batch 1, RESULTS "autodraft: unreached positions"). Carried over from the
+        position before, they are priced as the nearest data say until their own counts tell."""
+        out = np.empty(self.max_draft_tokens)
+        prior = PRIOR_ACCEPT
+        for j in range(self.max_draft_tokens):
+            out[j] = prior = (self.accepted[j] + prior * PRIOR_ROUNDS) / (self.offered[j] + PRIOR_ROUNDS)
+        return out
 
     def tau(self, k: int) -> float:
         return 1.0 + float(np.cumprod(self.conditional()[:k]).sum())
