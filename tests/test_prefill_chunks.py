@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import eagle3_jax as e3
-from eagle3_jax.speculative.generate import DecodeProgram, Sampling, generate_loop
+from eagle3_jax.speculative.generate import DecodeProgram, generate_loop
 from eagle3_jax.speculative.session import SamplingSettings
 
 
@@ -17,12 +17,13 @@ def run(target, draft, prompts, chunk, k=3, max_new=12, capacity=48):
     lengths = np.array([len(p) for p in prompts], np.int32)
     for b, p in enumerate(prompts):
         ids[b, :len(p)] = p
-    sp = Sampling(jnp.float32(1e-6), jnp.int32(0), jnp.float32(1.0), jnp.asarray([-1], jnp.int32), jnp.bool_(True))
+    sp = SamplingSettings().traced()
     out = generate_loop(target.graphdef, target.state, draft.graphdef if draft else None,
                         draft.state if draft else None, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(0),
                         sp, program=DecodeProgram(
                             batch_size=len(prompts), max_len=capacity, max_new_tokens=max_new,
-                            num_draft_tokens=k if draft else 0, aux_layer_ids=draft.aux_layer_ids if draft else (), prefill_chunk=chunk))
+                            num_draft_tokens=k if draft else 0, aux_layer_ids=draft.aux_layer_ids if draft else (),
+                            prefill_chunk=chunk))
     n = np.asarray(out.n_out_B)
     return [np.asarray(out.tokens_BN)[b, :n[b]].tolist() for b in range(len(prompts))], np.asarray(out.finish_B)
 
@@ -51,7 +52,7 @@ def test_admitting_rows_into_a_running_state_in_chunks(tiny_target, trained_draf
 
     draft = e3.load_draft(trained_draft_dir, tiny_target)
     want, _ = run(tiny_target, draft, prompts, None)
-    sp = Sampling(jnp.float32(1e-6), jnp.int32(0), jnp.float32(1.0), jnp.asarray([-1], jnp.int32), jnp.bool_(True))
+    sp = SamplingSettings().traced()
     models = (tiny_target.graphdef, tiny_target.state, draft.graphdef, draft.state)
     program = DecodeProgram(batch_size=len(prompts), max_len=48, max_new_tokens=12, num_draft_tokens=3,
                             aux_layer_ids=draft.aux_layer_ids, prefill_chunk=5)

@@ -14,7 +14,8 @@ from flax import nnx
 
 import eagle3_jax as e3
 from eagle3_jax.sharding import LOGICAL_AXIS_RULES, logical_to_spec
-from eagle3_jax.speculative.generate import DecodeProgram, Sampling, generate_loop
+from eagle3_jax.speculative.generate import DecodeProgram, generate_loop
+from eagle3_jax.speculative.session import SamplingSettings
 from tests import spec_fixtures
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -37,7 +38,7 @@ def compiled():
     target = e3.build_target(cfg, mesh=mesh)
     draft = e3.build_draft(spec_fixtures.tiny_draft_config(cfg), target)
     with jax.set_mesh(mesh):
-        sp = Sampling(jnp.float32(1e-6), jnp.int32(0), jnp.float32(1.0), jnp.asarray([-1], jnp.int32), jnp.bool_(True))
+        sp = SamplingSettings().traced()
         ids = jnp.zeros((B, T), jnp.int32)
         lengths = jnp.full((B,), T, jnp.int32)
         program = generate_loop.lower(

@@ -130,7 +130,7 @@ class DecodeSession:
 
     def autodraft(self, program: DecodeProgram, sp, sampling: SamplingSettings) -> AutoDraft:
         """The K chooser of this batch shape and sampling setting: round costs (shared by every
-        sampling setting of the shape) from the disk cache, or calibrated now (compiles one round
+        greedy, or every sampled, setting of the shape) from the disk cache, or calibrated now (compiles one round
         program per K, which later runs reuse); acceptance learned per sampling setting, across batch
         shapes (it depends on the text and the sampler, not on the batch)."""
         # greedy and sampled rounds run the same program but cost differently (sampling's softmax,
