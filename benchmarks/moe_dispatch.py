@@ -59,7 +59,7 @@ def make_inputs(M, E, K, D, F, seed=0):
 def blocked_trips(idx_MK: np.ndarray, E: int) -> tuple[int, int, int]:
     """(experts hit, loop trips, block rows) of experts_blocked for this routing (moe.py's formula)."""
     M, K = idx_MK.shape
-    b = block_rows(M * K, E)
+    b = block_rows(M, K, E)
     counts = np.bincount(np.asarray(idx_MK).reshape(-1), minlength=E)
     return int((counts > 0).sum()), int(((counts + b - 1) // b).sum()), b
 

@@ -36,8 +36,10 @@ def inputs(M, E, K, D=16, F=8, seed=0):
             jax.random.normal(k[0], (E, F, D)) / 3)
 
 
-# (M, E, K): decode-sized (M*K <= E: about one block per assignment) and bigger (several rows per block).
-@pytest.mark.parametrize("M,E,K", [(2, 16, 4), (16, 8, 2), (5, 8, 8)])
+# (M, E, K): decode-sized (M*K <= E: about one block per assignment), a verify-sized batch whose
+# blocks are padded (7 tokens: 4-row blocks of experts that got 1-3 rows), and bigger (several rows
+# per block, several blocks per expert).
+@pytest.mark.parametrize("M,E,K", [(2, 16, 4), (7, 16, 4), (16, 8, 2), (5, 8, 8), (40, 16, 4)])
 @pytest.mark.parametrize("name", sorted(moe.EXPERT_KERNELS))
 def test_kernel_matches_dense_oracle(name, M, E, K):
     x, idx, w, wg, wu, wd = inputs(M, E, K)
@@ -49,6 +51,27 @@ def test_kernel_matches_dense_oracle(name, M, E, K):
     got = kernel(x, idx, w, wg[half:], wu[half:], wd[half:], half)
     np.testing.assert_allclose(got, dense_oracle(x, idx, w, wg[half:], wu[half:], wd[half:], half),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_blocked_kernel_when_every_token_picks_the_same_experts():
+    """The most skewed routing: K experts get all M rows each, so each spans several blocks."""
+    M, E, K = 24, 16, 4
+    x, _, w, wg, wu, wd = inputs(M, E, K)
+    idx = jnp.tile(jnp.array([[3, 9, 0, 14]], jnp.int32), (M, 1))
+    np.testing.assert_allclose(moe.experts_blocked(x, idx, w, wg, wu, wd, 0), dense_oracle(x, idx, w, wg, wu, wd, 0),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_block_rows_follow_the_rows_of_a_hit_expert():
+    # Decode: one row per expert hit; verifying 7 tokens over 16 experts (top-4): an expert that is
+    # hit holds ~2 rows, so 4-row blocks (one trip per expert), not one trip per row.
+    assert moe.block_rows(1, 4, 16) == 1
+    assert moe.block_rows(7, 4, 16) == 4
+    # Many tokens: the mean rows per expert (64 x 4 / 16 = 16), capped at 256.
+    assert moe.block_rows(64, 4, 16) == 16
+    assert moe.block_rows(100_000, 8, 384) == 256
+    # Never wider than the tokens rounded up to a power of two.
+    assert moe.block_rows(3, 8, 8) == 4
 
 
 def test_padded_blocks_has_ragged_gradients():
