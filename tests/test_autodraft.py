@@ -415,16 +415,22 @@ def test_only_one_wave_is_priced_by_its_slowest_row(tiny_target, draft, monkeypa
     monkeypatch.setattr(AutoDraft, "next_k", next_k)
     prompts = [np.random.default_rng(i).integers(2, 256, size=5).tolist() for i in range(5)]
 
-    def run(n):
+    def run(n, sized=False):
         seen.clear()
         eng = Engine(tiny_target, draft, num_draft_tokens="auto", max_draft_tokens=2, max_len=40, batch_size=2,
                      max_new_tokens=12, rounds_per_sync=2)
-        list(eng.run(Request(str(i), p) for i, p in enumerate(prompts[:n])))
+        requests = (Request(str(i), p) for i, p in enumerate(prompts[:n]))
+        list(eng.run(list(requests) if sized else requests))
         return list(seen)
 
     refill = run(5)  # prompts wait at first; the last prompt's admission leaves rows of two admissions
     assert refill[0] is None and any(r is not None and len(r) == 1 for r in refill)
     assert not any(r is not None and len(r) == 2 for r in refill[1:])
+    # One wave handed over as a list (as Generator does) is known as one from its first run: both
+    # rows with their whole budget. From an iterator it is only known once a row is done and the
+    # iterator turns out empty, so the first run is priced per row.
+    assert run(2, sized=True)[0] == [12, 12]
+    assert run(2)[0] is None
 
 
 def test_acceptance_is_learned_per_sampling_setting(tiny_target, draft, monkeypatch, tmp_path):

@@ -150,7 +150,12 @@ class Engine:
             self._auto = session.autodraft(program, sp, self.sampling)
             self.compile_intervals.append((t, time.perf_counter()))
         auto = self._auto
+        # A sized collection (a list of requests) says when the last one has been admitted, so a
+        # single wave is known as one before its first run; an iterator only once it runs dry (no
+        # look-ahead: that would take a request before a row is free for it).
+        total = len(requests) if hasattr(requests, "__len__") else None
         pending = iter(requests)
+        admitted_count = 0
         occupant: list[Request | None] = [None] * self.batch_size
         # Per-row counters after the previous run (admitted rows restart at zero): auto's deltas.
         seen_rounds_B = np.zeros(self.batch_size, np.int64)
@@ -181,7 +186,8 @@ class Engine:
                         left_B[b] = min(program.max_new_tokens, self.max_len - len(req.prompt))
                         row_k_B[b] = -1
                         wave_B[b] = auto.runs if auto is not None else 0
-                    exhausted = len(new) < len(free)
+                    admitted_count += len(new)
+                    exhausted = len(new) < len(free) or admitted_count == total
                 if all(o is None for o in occupant):
                     break
                 running = np.array([o is not None for o in occupant])
