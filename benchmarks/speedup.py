@@ -1,9 +1,11 @@
 """Side by side on the demo pair's held-out prompts: target-only vs EAGLE-3 at fixed K and at K = auto.
 
-For every batch size B and temperature T, each mode decodes all prompts through the refill
-``Engine`` on B rows (``Generator(..., batch_size=B)``): target-only, EAGLE-3 with K = 1..K_max and
+For every batch size B and temperature T, each mode decodes all prompts on B rows as
+``Generator(..., batch_size=B)`` does: target-only, EAGLE-3 with K = 1..K_max and
 ``num_draft_tokens="auto"`` (K re-chosen between bounded runs from calibrated round costs and live
-acceptance). Every mode shares one cache capacity, so round costs are comparable. Untimed passes
+acceptance). With more prompts than rows every mode runs the refill ``Engine``; with exactly B
+prompts target-only and a fixed K run one static program (prefill and loop, no host round trip),
+while auto still runs the Engine (it decides between bounded runs), as a user's call would. Every mode shares one cache capacity, so round costs are comparable. Untimed passes
 per mode compile (and, for auto, calibrate or read its cost cache), until one compiles nothing (at
 most three; the table's "warm / compiled" gives how many ran, and how many timed passes still
 compiled something); then --repeats passes run

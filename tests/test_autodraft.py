@@ -175,6 +175,36 @@ def test_generator_auto_calibrates_once_and_matches_target_only(tiny_target, dra
     assert again.draft_choice.calibration_seconds == 0
 
 
+def test_a_wave_auto_prices_as_target_only_runs_as_one_static_program(tiny_target, draft, monkeypatch, tmp_path):
+    """As many prompts as rows, and speculation priced to lose: the wave runs the static target-only
+    program (no Engine, no draft), gives target-only's tokens and counts as a K = 0 run. Priced to
+    win, the same call goes through the Engine."""
+    monkeypatch.setenv(autodraft.CACHE_ENV, str(tmp_path))
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(2, 256, size=n).tolist() for n in (4, 6, 3)]
+    expected = e3.Generator(tiny_target, None, max_len=32).generate(prompts, 12).tokens
+    engines = []
+    original_run = Engine.run
+
+    def counting_run(self, requests):
+        engines.append(self)
+        return original_run(self, requests)
+
+    monkeypatch.setattr(Engine, "run", counting_run)
+    monkeypatch.setattr(session_mod, "calibrate", lambda *a: RoundCosts({0: 1.0, 1: 5.0, 2: 9.0}, calibration_seconds=1.0))
+    gen = e3.Generator(tiny_target, draft, num_draft_tokens="auto", max_draft_tokens=2, max_len=32)
+    assert gen.generate(prompts, 12).tokens == expected
+    # 12 tokens: the first from the prefill, then 11 loop iterations
+    assert engines == [] and gen.draft_choice.num_draft_tokens == 0 and gen.draft_choice.rounds_per_k == {0: 11}
+    assert gen.last_compile_seconds > 0     # the calibration (and the first compile) are not throughput
+
+    monkeypatch.setenv(autodraft.CACHE_ENV, str(tmp_path / "cheap"))
+    monkeypatch.setattr(session_mod, "calibrate", lambda *a: RoundCosts({0: 1.0, 1: 1.0, 2: 1.0}, calibration_seconds=1.0))
+    cheap = e3.Generator(tiny_target, draft, num_draft_tokens="auto", max_draft_tokens=2, max_len=32)
+    assert cheap.generate(prompts, 12).tokens == expected
+    assert len(engines) == 1 and cheap.draft_choice.num_draft_tokens > 0
+
+
 def test_generator_refills_when_prompts_outnumber_rows(tiny_target, draft):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(2, 256, size=n).tolist() for n in (4, 6, 3, 8, 5)]
