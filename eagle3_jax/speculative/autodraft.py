@@ -493,7 +493,9 @@ class AutoDraft:
     def report(self) -> DraftChoice:
         k = self.last_k
         live_k, plain = self.costs.live_cost(k), self.costs.cost(0)
-        measured = self.acceptance.tau(k) * plain / live_k if live_k else float("nan")
+        # K = 0 is target-only: 1 by definition (a wave run as the static target-only program has no
+        # live round timing)
+        measured = 1.0 if k == 0 else self.acceptance.tau(k) * plain / live_k if live_k else float("nan")
         calibrated = self.costs.seconds
         return DraftChoice(num_draft_tokens=k,
                            predicted_speedup=self.acceptance.tau(k) * calibrated[0] / calibrated[k],
