@@ -153,7 +153,9 @@ def test_forced_switches_stay_lossless(tiny_target, draft, monkeypatch, tmp_path
     assert 0 in choice.rounds_per_k and len([k for k in choice.rounds_per_k if k > 0]) >= 2
     assert choice.compiled_programs == 4
     # runs of rounds_per_sync = 2 rounds are too short to time: no live costs, no measured speedup
-    assert choice.round_seconds_per_k == {} and np.isnan(choice.measured_speedup)
+    # for a speculating K (target-only's is 1 by definition)
+    assert choice.round_seconds_per_k == {}
+    assert np.isnan(choice.measured_speedup) if choice.num_draft_tokens else choice.measured_speedup == 1.0
     assert eng._auto.speculative_stats().mean_accept_length > 1.2   # multi-token acceptance was exercised
 
 
