@@ -5,12 +5,12 @@ For every batch size B and temperature T, each mode decodes all prompts on B row
 ``num_draft_tokens="auto"`` (K re-chosen between bounded runs from calibrated round costs and live
 acceptance). With more prompts than rows every mode runs the refill ``Engine``; with exactly B
 prompts target-only and a fixed K run one static program (prefill and loop, no host round trip),
-while auto still runs the Engine (it decides between bounded runs), as a user's call would. Every mode shares one cache capacity, so round costs are comparable. Untimed passes
-per mode compile (and, for auto, calibrate or read its cost cache), until one compiles nothing (at
+and so does auto where it prices the wave as target-only (else it runs the Engine), as a user's
+call would. Every mode shares one cache capacity, so round costs are comparable. Untimed passes
+per mode compile (and, for auto, calibrate or read its cost cache) until one compiles nothing (at
 most three; the table's "warm / compiled" gives how many ran, and how many timed passes still
-compiled something); then --repeats passes run
-the modes interleaved (the order rotates), and each mode's tok/s is the median over its passes
-(new tokens / wall seconds, compile excluded); its × target-only is the median over repeats of
+compiled something); then --repeats passes run the modes interleaved (the order rotates), and
+each mode's tok/s is the median over its passes (new tokens / wall seconds, compile excluded); its × target-only is the median over repeats of
 its pass / target-only's pass in the same repeat (paired, so load drifting across repeats cancels),
 with the range of those ratios beside it. At T = 0 every mode's tokens must equal
 target-only's (greedy is lossless); the table says how many prompts do. For auto it also gives the
