@@ -247,15 +247,15 @@ def test_live_round_costs_outvote_the_calibration():
 
 
 def test_exploration_backs_off_while_it_confirms_the_choice():
-    # K = 1 is predicted 6 % faster at the prior's acceptance (within the margin: K = 0 is chosen),
-    # 25 % faster at its upper confidence bound: worth exploring
+    # K = 1 is predicted 6 % faster at the prior's acceptance (within the margin: K = 0 is chosen);
+    # at their upper confidence bounds K = 1 is 25 % and K = 2 36 % faster: worth exploring
     auto = AutoDraft(RoundCosts({0: 1.0, 1: 1.6, 2: 2.2}), 2, AcceptanceModel(2))
     assert auto.choose() == 0 and auto.could_pay()
     picks = [auto.next_k() for _ in range(100)]
     explored = [i + 1 for i, k in enumerate(picks) if k != 0]   # run numbers that speculated
     # first right away (runs 2-3), then after 8, 16, 32, 64 runs of the choice: few runs lost where K = 0 wins
     assert explored == [2, 3, 12, 13, 30, 31, 64, 65]
-    assert set(picks) == {0, 1}
+    assert set(picks) == {0, 2}   # the K of the highest optimistic rate
     # when a measurement changes the choice, the interval starts again from EXPLORE_FIRST
     auto.observe(0, 10, 10.0, 10, 10, [0, 0])     # live: target-only rounds as calibrated,
     auto.observe(2, 10, 20.0, 10, 30, [10, 10])   # K = 2 rounds at 2 s, every draft accepted
@@ -317,6 +317,28 @@ def test_speculation_that_cannot_pay_is_not_explored():
     assert cheap.could_pay()
     acc.observe(1, 400, [40])                      # a_1 = 0.1 over 400 rounds
     assert acc.tau_upper(1) < 1.2 and not cheap.could_pay()
+
+
+def test_exploration_goes_where_the_optimism_is_and_ends_when_data_rule_it_out():
+    """An exploration runs the K whose acceptance at its upper confidence bound would pay most: the
+    one whose data are thinnest where it matters. Exploring the point estimate's best instead (here
+    the cheapest K) never offers the deeper positions, which keep their prior's optimism, so
+    exploring would never stop (as on the demo pair at batch 1, T = 1)."""
+    costs = RoundCosts({0: 1.0, 1: 1.6, 2: 2.0, 3: 2.3, 4: 2.6, 5: 2.8, 6: 3.0})
+    acc = AcceptanceModel(6)
+    acc.observe(2, 400, [236, 142])                # a_1 = 0.59, a_2 = 0.6; positions 3..6 never offered
+    auto = AutoDraft(costs, 6, acc)
+    assert auto.choose() == 0                      # every K loses at the point estimates,
+    assert max(range(1, 7), key=auto.rate) == 1    # K = 1 loses least,
+    assert auto.could_pay() and auto._best_speculating() == 6   # K = 6 could pay at its optimistic tau
+    explored = []
+    for _ in range(300):
+        k = auto.next_k()
+        if k:   # 200 rounds at the true acceptance: 0.6 at every position
+            explored.append(k)
+            auto.observe(k, 16, 16 * costs.seconds[k], 200, 0, [round(200 * 0.6 ** (j + 1)) for j in range(k)])
+    assert explored == [6] * autodraft.EXPLORE_RUNS   # one exploration settled it
+    assert not auto.could_pay() and auto.choose() == 0
 
 
 def test_admitting_without_the_draft(tiny_target, draft):

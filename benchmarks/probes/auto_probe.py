@@ -19,6 +19,8 @@ def next_k(self, drafted_rows=True, remaining=None):
           " | tau " + " ".join(f"{self.acceptance.tau(j):.2f}" for j in range(1, 4)) +
           " | cost/c0 " + " ".join(f"{self.costs.cost(j) / self.costs.cost(0):.2f}" for j in range(1, 4)) +
           " | wall " + " ".join(f"{j}:{v:.0f}" for j, v in wall.items()) +
+          " | optimistic/rate0 " + " ".join(f"{self.acceptance.tau_upper(j) / self.costs.cost(j) / rates[0]:.2f}"
+                                            for j in range(1, self.max_draft_tokens + 1)) +
           " | veto " + "".join(str(j) for j in range(1, self.max_draft_tokens + 1) if self.vetoed(j)), flush=True)
     return k
 ad.AutoDraft.next_k = next_k
