@@ -323,9 +323,8 @@ class Generator:
             # (AutoDraft.tail_rate), as the Engine would before its first run. Where that says
             # target-only, the wave runs as one static target-only program: the Engine's bounded
             # runs and syncs cost ~7 % at batch 32 on the demo pair with nothing to refill.
-            t = time.perf_counter()
             auto = session.autodraft(program, sampling.traced(), sampling)
-            auto_seconds = time.perf_counter() - t if auto.runs == 0 else 0.0   # calibration: compile time
+            auto_seconds = auto.claim_setup_seconds()   # calibration or disk read just now: compile time
             budget = [min(max_new_tokens, session.max_len - len(p)) for p in prompts]
             if auto.choose(remaining=budget) != 0:
                 auto = None
@@ -350,7 +349,6 @@ class Generator:
         if auto is not None:
             # Counted as a target-only run (no timing: its seconds include the prefill, which the
             # round costs leave out; no acceptance: no draft ran).
-            auto.runs += 1
             auto.observe(0, max(r[2].rounds for r in rows), 0.0, 0, 0, np.zeros(auto.max_draft_tokens))
             self.draft_choice = auto.report()
         elif self.draft is not None:

@@ -3,6 +3,7 @@
 import functools
 import itertools
 import json
+import time
 
 import numpy as np
 import pytest
@@ -205,6 +206,24 @@ def test_a_wave_auto_prices_as_target_only_runs_as_one_static_program(tiny_targe
     cheap = e3.Generator(tiny_target, draft, num_draft_tokens="auto", max_draft_tokens=2, max_len=32)
     assert cheap.generate(prompts, 12).tokens == expected
     assert len(engines) == 1 and cheap.draft_choice.num_draft_tokens > 0
+
+
+def test_the_choosers_set_up_time_is_claimed_once(tiny_target, draft, monkeypatch, tmp_path):
+    """Calibrating (or reading costs from disk) is compile time, counted by the first caller only: a
+    wave the static path hands to the Engine, or a later call, reuses the chooser without it."""
+    monkeypatch.setenv(autodraft.CACHE_ENV, str(tmp_path))
+
+    def slow_calibration(*a):
+        time.sleep(0.2)
+        return RoundCosts({0: 1.0, 1: 1.0, 2: 1.0}, calibration_seconds=0.2)
+
+    monkeypatch.setattr(session_mod, "calibrate", slow_calibration)
+    session = e3.Generator(tiny_target, draft, num_draft_tokens="auto", max_draft_tokens=2, max_len=32).session
+    sampling = SamplingSettings(0.0, 1.0, 0, 0, ())
+    program = session.program(2, 12, sampling)
+    auto = session.autodraft(program, sampling.traced(), sampling)
+    assert auto.claim_setup_seconds() >= 0.2 and auto.claim_setup_seconds() == 0.0
+    assert session.autodraft(program, sampling.traced(), sampling) is auto and auto.claim_setup_seconds() == 0.0
 
 
 def test_generator_refills_when_prompts_outnumber_rows(tiny_target, draft):

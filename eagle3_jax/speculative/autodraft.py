@@ -347,6 +347,15 @@ class AutoDraft:
         self.settled = None         # the choice the exploration schedule was set for
         self.last_k = self.choose()
         self.last_was_exploration = False
+        # Wall time of setting this chooser up (calibrating, or reading costs from disk), set by
+        # DecodeSession.autodraft: compile time, which the first caller claims (claim_setup_seconds).
+        self.setup_seconds = 0.0
+
+    def claim_setup_seconds(self) -> float:
+        """The set-up time not yet counted by a caller, once: a chooser made for one call and reused
+        by the next (a wave handed to the Engine, a later generate) is set-up time only once."""
+        seconds, self.setup_seconds = self.setup_seconds, 0.0
+        return seconds
 
     def rate(self, k: int, remaining=None) -> float:
         """Predicted tokens per second per row at K; with ``remaining`` (see ``choose``) and enough

@@ -148,8 +148,8 @@ class Engine:
         if session.auto and self._auto is None:
             t = time.perf_counter()
             self._auto = session.autodraft(program, sp, self.sampling)
-            if self._auto.runs == 0:   # made now (calibrated, or its costs read from disk), not reused
-                self.compile_intervals.append((t, time.perf_counter()))
+            if (setup := self._auto.claim_setup_seconds()):   # calibrated or read from disk just now
+                self.compile_intervals.append((t, t + setup))
         auto = self._auto
         # A sized collection (a list of requests) says when the last one has been admitted, so a
         # single wave is known as one before its first run; an iterator only once it runs dry (no

@@ -11,6 +11,7 @@ program; the jitted functions in ``generate.py`` take it as their single static 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -138,6 +139,7 @@ class DecodeSession:
         shape = (dataclasses.replace(program, max_new_tokens=0), sampling.greedy)
         setting = (sampling.temperature, sampling.top_p, sampling.top_k)
         if (shape, setting) not in self._auto:
+            t = time.perf_counter()
             if shape not in self._costs:
                 ckey = cost_key(pair_fingerprint(self.target, self.draft), program, sampling.greedy)
                 costs = load_costs(ckey)
@@ -146,7 +148,8 @@ class DecodeSession:
                     save_costs(ckey, costs)
                 self._costs[shape] = costs
             acceptance = self._acceptance.setdefault(setting, AcceptanceModel(max(self.max_draft_tokens, 1)))
-            self._auto[shape, setting] = AutoDraft(self._costs[shape], self.max_draft_tokens, acceptance)
+            auto = self._auto[shape, setting] = AutoDraft(self._costs[shape], self.max_draft_tokens, acceptance)
+            auto.setup_seconds = time.perf_counter() - t
         return self._auto[shape, setting]
 
     def models(self) -> tuple:
