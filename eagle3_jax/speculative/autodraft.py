@@ -19,8 +19,9 @@ sees them. K = 0 is a real choice: when speculation does not pay, it is turned o
 then admitted without the draft, so K = 0 costs what having no draft costs), and re-tried now and
 then, on rows admitted with the draft, at intervals that grow while it keeps losing, as long as
 acceptance at its upper confidence bound could still make it pay; each exploration runs the K that
-bound favours most, so the data it brings are the ones that could end the exploring. While speculating, target-only is
-priced from its calibration, not explored: its rounds would leave every row's draft state stale.
+bound favours most, so the data it brings are the ones that could end the exploring. While
+speculating, target-only is priced from its calibration, not explored: its rounds would leave every
+row's draft state stale.
 
 One wave. With prompts waiting, a finished row is refilled at once, so the mean row's τ is the
 batch's, and rows admitted at different times finish at different times whatever K is. A batch
