@@ -1,14 +1,20 @@
-"""Shared helpers for the benchmark scripts: timing, table printing, a random HF target checkpoint.
+"""Shared helpers for the benchmark scripts: timing, table printing and reading back, the demo
+pair's description, a random HF target checkpoint. The one module benchmark scripts import from
+each other.
 
-Benchmarks are not tests: they print tables of ratios measured side by side in one run.
+Benchmarks are not tests: they print tables of ratios measured side by side in one run;
+``run_all.py`` turns what they print into JSON and RESULTS.md.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import platform
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -18,9 +24,64 @@ if str(REPO) not in sys.path:
 
 
 def machine() -> str:
-    import os
-
     return f"{os.cpu_count()}-core {platform.machine()} {platform.system()}"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def parse_list(text: str, kind=int) -> list:
+    return [kind(x) for x in text.split(",") if x.strip()]
+
+
+def shown_path(path: str) -> str:
+    """Relative to the repo when inside it (as a newcomer types it), else absolute."""
+    path = os.path.abspath(path)
+    return os.path.relpath(path, REPO) if path.startswith(str(REPO) + os.sep) else path
+
+
+def describe(pair) -> str:
+    """One line on a loaded ``eagle3_jax.serve.demo.DemoPair``: sizes, aux layers, dtype, prompts."""
+    import jax
+
+    n_target = sum(x.size for x in jax.tree.leaves(pair.target.state))
+    n_draft = sum(x.size for x in jax.tree.leaves(pair.draft.state))
+    c = pair.target.config
+    return (f"demo pair {shown_path(pair.demo_dir)}: target {n_target / 1e6:.1f}M params ({c.num_hidden_layers} "
+            f"layers, {c.n_routed_experts} routed experts top-{c.num_experts_per_tok}, vocab {c.vocab_size}), "
+            f"draft {n_draft / 1e6:.1f}M params (aux layers {list(pair.draft.aux_layer_ids)}), "
+            f"{pair.settings.dtype}; {len(pair.prompt_ids)} held-out prompts, padded to {pair.prompt_len} tokens")
+
+
+class quiet_watchdog:
+    """Silences the acceptance-collapse watchdog: a weak draft at T=1 is a result here, not an alarm."""
+
+    def __enter__(self):
+        from eagle3_jax.metrics import AcceptanceCollapseWarning
+
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("ignore", AcceptanceCollapseWarning)
+        self._log = logging.getLogger("eagle3_jax")
+        self._level = self._log.level
+        self._log.setLevel(logging.ERROR)
+        return self
+
+    def __exit__(self, *exc):
+        self._log.setLevel(self._level)
+        return self._warnings.__exit__(*exc)
 
 
 def block(x):
@@ -58,6 +119,53 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     line = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+def read_tables(text: str) -> list[dict]:
+    """The markdown tables in a script's printed output, as ``{"title", "headers", "rows"}``:
+    what ``table`` printed, read back. The title is the nearest non-empty, non-comment line above
+    a table ("" if none); cells that read as numbers become numbers."""
+    tables, lines = [], text.splitlines()
+    i = 0
+    while i < len(lines):
+        if not (_is_row(lines[i]) and i + 1 < len(lines) and _is_separator(lines[i + 1])):
+            i += 1
+            continue
+        title = next((l.strip() for l in reversed(lines[:i]) if l.strip() and not l.startswith("#")), "")
+        if title and _is_row(title):
+            title = ""
+        headers = _cells(lines[i])
+        rows = []
+        i += 2
+        while i < len(lines) and _is_row(lines[i]):
+            rows.append([_number(c) for c in _cells(lines[i])])
+            i += 1
+        tables.append({"title": title, "headers": headers, "rows": rows})
+    return tables
+
+
+def _is_row(line: str) -> bool:
+    line = line.strip()
+    return len(line) > 1 and line.startswith("|") and line.endswith("|")
+
+
+def _is_separator(line: str) -> bool:
+    return _is_row(line) and set(line.strip()) <= set("|-: ")
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip()[1:-1].split("|")]
+
+
+def _number(cell: str):
+    try:
+        return int(cell)
+    except ValueError:
+        pass
+    try:
+        return float(cell)
+    except ValueError:
+        return cell
 
 
 def _fmt(c) -> str:

@@ -29,8 +29,7 @@ import os
 import statistics
 import sys
 
-from _common import REPO, machine, table
-from demo_accept import describe, load_average, parse_list, quiet_watchdog
+from _common import REPO, describe, load_average, machine, parse_list, quiet_watchdog, table
 
 import eagle3_jax as e3
 from eagle3_jax import compile_cache

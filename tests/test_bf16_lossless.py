@@ -20,7 +20,7 @@ from eagle3_jax.serve.demo import DemoPair
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo")
 BF16_EPS = 2.0 ** -8   # bf16 unit roundoff (8 significant bits)
-MARGIN_ULPS = 8        # benchmarks/bf16_lossless.py: margins of 0 to 2.4 ulps at the demo's divergences
+MARGIN_ULPS = 8        # benchmarks/studies/bf16_lossless.py: margins of 0 to 2.4 ulps at the demo's divergences
 K = 6
 NEW_TOKENS = 64
 PROMPTS = 6

@@ -13,9 +13,9 @@ Every batch pins the same padded prompt length, so each (K, greedy-or-not) compi
 The PNG (needs matplotlib, ``pip install -e '.[plot]'``; without it the plot is skipped) has one
 panel per temperature with the per-position acceptance curve of every K, and a panel of tau vs K.
 
-    .venv/bin/python benchmarks/demo_accept.py [--demo-dir demo] [--ks 1,2,3,4,5,6,7,8]
+    .venv/bin/python benchmarks/studies/demo_accept.py [--demo-dir demo] [--ks 1,2,3,4,5,6,7,8]
         [--temperatures 0,1] [--num-prompts N (default: all)] [--max-new-tokens 96] [--batch-size B]
-        [--png benchmarks/demo_accept.png] [--json OUT.json] [--seed 0]
+        [--png benchmarks/studies/demo_accept.png] [--json OUT.json] [--seed 0]
 """
 
 from __future__ import annotations
@@ -23,61 +23,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import logging
 import os
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 
-from _common import REPO, machine, table
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # benchmarks/_common.py
+from _common import REPO, describe, load_average, machine, parse_list, quiet_watchdog, table  # noqa: E402
 
 import jax
 
-from eagle3_jax.metrics import AcceptanceCollapseWarning, GenerationStats
+from eagle3_jax.metrics import GenerationStats
 from eagle3_jax.serve.demo import DemoPair, batches_of
-
-
-def parse_list(text: str, kind=int) -> list:
-    return [kind(x) for x in text.split(",") if x.strip()]
-
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def shown_path(path: str) -> str:
-    """Relative to the repo when inside it (as a newcomer types it), else absolute."""
-    path = os.path.abspath(path)
-    return os.path.relpath(path, REPO) if path.startswith(str(REPO) + os.sep) else path
-
-
-# ---------------------------------------------------------------- the demo pair and its prompts
-def describe(pair: DemoPair) -> str:
-    n_target = sum(x.size for x in jax.tree.leaves(pair.target.state))
-    n_draft = sum(x.size for x in jax.tree.leaves(pair.draft.state))
-    c = pair.target.config
-    return (f"demo pair {shown_path(pair.demo_dir)}: target {n_target / 1e6:.1f}M params ({c.num_hidden_layers} "
-            f"layers, {c.n_routed_experts} routed experts top-{c.num_experts_per_tok}, vocab {c.vocab_size}), "
-            f"draft {n_draft / 1e6:.1f}M params (aux layers {list(pair.draft.aux_layer_ids)}), "
-            f"{pair.settings.dtype}; {len(pair.prompt_ids)} held-out prompts, padded to {pair.prompt_len} tokens")
-
-
-class quiet_watchdog:
-    """Silences the acceptance-collapse watchdog: a weak draft at T=1 is a result here, not an alarm."""
-
-    def __enter__(self):
-        self._warnings = warnings.catch_warnings()
-        self._warnings.__enter__()
-        warnings.simplefilter("ignore", AcceptanceCollapseWarning)
-        self._log = logging.getLogger("eagle3_jax")
-        self._level = self._log.level
-        self._log.setLevel(logging.ERROR)
-        return self
-
-    def __exit__(self, *exc):
-        self._log.setLevel(self._level)
-        return self._warnings.__exit__(*exc)
 
 
 # ---------------------------------------------------------------- measurement
@@ -166,7 +123,7 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=None, help="default: every prompt in prompts.jsonl")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--batch-size", type=int, default=None, help="default: the largest of demo.yaml batch_sizes")
-    ap.add_argument("--png", default=os.path.join(REPO, "benchmarks", "demo_accept.png"), help="'' to skip")
+    ap.add_argument("--png", default=os.path.join(REPO, "benchmarks", "studies", "demo_accept.png"), help="'' to skip")
     ap.add_argument("--json", default=None, metavar="OUT", help="also write the numbers as JSON")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

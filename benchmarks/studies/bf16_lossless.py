@@ -7,7 +7,7 @@ target's logits for the same positions differ between the 1-token decode path an
 first divergence, target-only's top-2 margin in the same unit — a divergence at a margin of a
 few ulps is a near tie that rounding flipped; a large margin would be a bug.
 
-    .venv/bin/python benchmarks/bf16_lossless.py [--demo-dir demo] [--num-prompts 16] [--max-new-tokens 96] [--k 6]
+    .venv/bin/python benchmarks/studies/bf16_lossless.py [--demo-dir demo] [--num-prompts 16] [--max-new-tokens 96] [--k 6]
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
-from _common import REPO, machine, table
-from demo_accept import load_average, quiet_watchdog
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # benchmarks/_common.py
+from _common import REPO, load_average, machine, quiet_watchdog, table  # noqa: E402
 
 import eagle3_jax as e3
 from eagle3_jax.serve.demo import read_prompts

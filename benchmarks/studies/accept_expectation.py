@@ -14,7 +14,7 @@ error, the expectation, their difference in standard errors (of the count, under
 expectation) and PASS when that is within --sigmas. Rounds from one prompt at different seeds share
 a start but not the first token, so contexts vary with the seed too.
 
-    .venv/bin/python benchmarks/accept_expectation.py [--demo-dir demo] [--num-prompts N]
+    .venv/bin/python benchmarks/studies/accept_expectation.py [--demo-dir demo] [--num-prompts N]
         [--copies 8] [--seeds 8] [--temperature 1.0] [--top-p 1.0,0.9] [--sigmas 3] [--json OUT.json]
 """
 
@@ -27,8 +27,8 @@ import os
 import sys
 import time
 
-from _common import REPO, machine, table
-from demo_accept import describe, load_average, parse_list, quiet_watchdog
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # benchmarks/_common.py
+from _common import REPO, describe, load_average, machine, parse_list, quiet_watchdog, table  # noqa: E402
 
 import eagle3_jax as e3
 from eagle3_jax.serve.demo import DemoPair

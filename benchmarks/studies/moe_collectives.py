@@ -25,7 +25,7 @@ Every output is compared with one device running all experts (``experts_blocked`
 The 8 devices are fake CPU devices of one process sharing one memory: this measures the compute
 and copy overhead of each scheme, not an interconnect.
 
-    .venv/bin/python benchmarks/moe_collectives.py [--tokens 8,64,512] [--experts 64] [--topk 8]
+    .venv/bin/python benchmarks/studies/moe_collectives.py [--tokens 8,64,512] [--experts 64] [--topk 8]
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ import functools  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # benchmarks/_common.py
 from _common import machine, table, time_calls  # noqa: E402
 
 import jax  # noqa: E402
