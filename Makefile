@@ -21,9 +21,10 @@ test: setup
 demo: setup
 	$(VENV)/bin/python serve.py
 
+# Every benchmark, one after another: JSON in benchmarks/results/, then benchmarks/RESULTS.md from it.
+# BENCH_ARGS="--quick" checks the pipeline in minutes; "--only speedup,convert" runs a subset.
 bench: setup
-	$(VENV)/bin/python benchmarks/target_decode.py
-	$(VENV)/bin/python benchmarks/spec_decode.py
+	$(VENV)/bin/python benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV)

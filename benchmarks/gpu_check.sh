@@ -1,25 +1,30 @@
 #!/usr/bin/env bash
-# The demo and the speedup benchmark on a GPU machine, in about 8 minutes. Installs nothing: it
-# uses the first Python whose jax sees a GPU among $PYTHON, the repo's .venv and python3.
+# One GPU run that answers two questions, in about 10 minutes. Installs nothing: it uses the first
+# Python whose jax sees a GPU among $PYTHON, the repo's .venv and python3, with PYTHONPATH=. (no
+# network needed; grain is not needed).
 #
 #     benchmarks/gpu_check.sh
 #
-# 1. prints jax.devices() (exits 1 when no GPU is visible);
-# 2. `python serve.py`: the embedded demo (demo/target + demo/draft), its completions and table;
-# 3. benchmarks/demo_speedup.py --batch 1,8,32 --repeats 2: measured speedup of the demo pair and the
-#    projection on a big random target (bfloat16, as a GPU serves it).
-# Each step runs under `timeout`; a failed step does not stop the next, but the exit status is
-# non-zero. Output is also written to $OUT (else /tmp): gpu_check.log, demo_speedup_gpu.json.
+# 1. which machine: jax.devices(), nvidia-smi (exits 1 when jax sees no GPU);
+# 2. target-only vs EAGLE-3 tok/s on the demo pair at batch 1, 8 and 32, greedy, fixed K = 2 and 4
+#    and auto, identical tokens checked (benchmarks/speedup.py);
+# 3. the expert-kernel choice: blocked loop vs ragged_dot (grouped matmul) vs a dense reference at
+#    8 to 384 experts, decode and prefill row counts (benchmarks/moe_dispatch.py).
+# Both run through benchmarks/run_all.py, so the answer is JSON plus a RESULTS.md, written under $OUT
+# (else /tmp/gpu_check): results/*.json, RESULTS.md, gpu_check.log. Each step runs under `timeout`;
+# a failed step does not stop the next, but the exit status is non-zero.
 #
-# Knobs for a plumbing check elsewhere: GPU_CHECK_ALLOW_CPU=1 skips the GPU requirement;
-# SPEEDUP_ARGS="..." appends flags to demo_speedup.py (later flags win).
+# Knobs: GPU_CHECK_ALLOW_CPU=1 runs without a GPU (a plumbing check); GPU_CHECK_QUICK=1 passes
+# --quick (tiny sizes, seconds of work after compiles).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 
-OUT_DIR=${OUT:-/tmp}
+OUT_DIR=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/gpu_check.log"
-DEMO_TIMEOUT_S=150
-SPEEDUP_TIMEOUT_S=330
+SPEEDUP_TIMEOUT_S=420
+MOE_TIMEOUT_S=150
 
 has_gpu() {   # exit status 0 when this interpreter's jax lists a GPU device
     "$1" -c "import jax, sys; sys.exit(0 if any(d.platform == 'gpu' for d in jax.devices()) else 1)" 2>/dev/null
@@ -37,8 +42,18 @@ pick_python() {
     return 1
 }
 
+run_step() {   # run_step TIMEOUT_S NAME ARGS...: one benchmark through run_all.py under a timeout
+    local limit=$1 name=$2; shift 2
+    echo
+    echo "== $name (timeout ${limit}s)"
+    # shellcheck disable=SC2086  # QUICK is an optional flag
+    timeout "$limit" "$py" benchmarks/run_all.py --only "$name" --out "$OUT_DIR/results" \
+        --results-md "$OUT_DIR/RESULTS.md" ${QUICK:-} "$@" \
+        || { echo "error: $name failed or timed out (status $?)" >&2; return 1; }
+}
+
 main() {
-    local py status=0
+    local status=0
     echo "== gpu_check $(date -u '+%Y-%m-%d %H:%M UTC') on $(hostname), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
     py=$(pick_python)
     local found=$?
@@ -49,25 +64,19 @@ main() {
         echo "error: no GPU visible to jax (tried \$PYTHON, .venv/bin/python, python3); install jax[cuda] there" >&2
         return 1
     fi
-
-    echo
-    echo "== demo: python serve.py (timeout ${DEMO_TIMEOUT_S}s)"
     if [ ! -f demo/draft/config.json ]; then
-        echo "error: demo/draft is missing; build the demo first (python tools/make_demo.py)" >&2
-        status=1
-    else
-        timeout "$DEMO_TIMEOUT_S" "$py" serve.py || { echo "error: the demo failed or timed out (status $?)" >&2; status=1; }
+        echo "error: demo/draft is missing; the speedup step needs the shipped demo pair" >&2
+        return 1
     fi
+    [ "${GPU_CHECK_QUICK:-0}" = 1 ] && QUICK=--quick
+
+    # greedy only, two fixed K beside auto and 2 timed passes: the matrix's GPU answer in minutes
+    run_step "$SPEEDUP_TIMEOUT_S" speedup --script-args "--batch 1,8,32 --temperature 0 --k 2,4 --repeats 2" \
+        || status=1
+    run_step "$MOE_TIMEOUT_S" moe_dispatch || status=1
 
     echo
-    echo "== speedup: benchmarks/demo_speedup.py --batch 1,8,32 (timeout ${SPEEDUP_TIMEOUT_S}s)"
-    # shellcheck disable=SC2086  # SPEEDUP_ARGS is a list of flags
-    timeout "$SPEEDUP_TIMEOUT_S" "$py" benchmarks/demo_speedup.py --batch 1,8,32 --repeats 2 --proj-dtype bfloat16 \
-        --json "$OUT_DIR/demo_speedup_gpu.json" ${SPEEDUP_ARGS:-} \
-        || { echo "error: demo_speedup.py failed or timed out (status $?)" >&2; status=1; }
-
-    echo
-    echo "== gpu_check done, status $status; log: $LOG"
+    echo "== gpu_check done, status $status; results: $OUT_DIR/RESULTS.md, $OUT_DIR/results/*.json; log: $LOG"
     return "$status"
 }
 

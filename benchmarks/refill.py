@@ -15,7 +15,7 @@ prompts, greedy; outputs must be identical (checked). Every configuration runs o
 warm up, then ``--repeats`` times round-robin; the fastest run counts (other jobs on a shared machine
 only ever add time). tok/s = all generated tokens / wall seconds, prefill included.
 
-    .venv/bin/python benchmarks/serve.py [--prompts 48] [--batch 8] [--max-new-tokens 128]
+    .venv/bin/python benchmarks/refill.py [--prompts 48] [--batch 8] [--max-new-tokens 128]
         [--rounds-per-sync 4,16,64] [--num-draft-tokens 4] [--repeats 2]
 """
 
@@ -140,7 +140,7 @@ def main():
         rows.append((name, method, n_tok, best, n_tok / best, static_best / best,
                      "-" if name == "target only" else tau, f"{same}/{len(prompts)}"))
 
-    print(f"# serve  machine: {machine()}, jax {jax.__version__} ({jax.default_backend()}), "
+    print(f"# refill  machine: {machine()}, jax {jax.__version__} ({jax.default_backend()}), "
           f"load average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
     print(f"# target: bench config hidden {tcfg.hidden_size}, {L} layers, {tcfg.n_routed_experts} experts, vocab "
           f"{tcfg.vocab_size}, float32; draft trained {args.train_steps} steps on the target's greedy corpus")

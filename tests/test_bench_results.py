@@ -1,0 +1,106 @@
+"""``make bench``'s pipeline, on tiny inputs in seconds: a script's printed tables -> JSON -> RESULTS.md.
+
+The benchmarks themselves are not run here (they measure speed; tests never do); a stand-in
+script that prints the way they do goes through ``benchmarks/run_all.py``'s own run and render
+functions, and every flag run_all passes to a real benchmark is checked to exist in its script.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH_DIR = REPO / "benchmarks"
+
+
+def _load(name: str):
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))   # the scripts import _common as a sibling module
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH_DIR / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod   # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+run_all = _load("run_all")
+common = sys.modules["_common"]   # the copy run_all imported
+
+MACHINE = {"cpu": "Test CPU", "cores": 2, "jax": "0.0", "backend": "cpu", "devices": 8, "device_kind": "cpu"}
+
+STAND_IN = f"""
+import sys
+sys.path.insert(0, {str(BENCH_DIR)!r})
+from _common import table
+n = int(sys.argv[sys.argv.index("--n") + 1])
+print("# stand-in  machine: test, load average 0.0")
+print()
+print("Tokens per second by batch (higher is better)")
+print(table(["batch", "mode", "tok/s", "x target-only"],
+            [[b, "EAGLE-3", 100.0 * b, 1.25] for b in range(1, n + 1)]))
+print()
+print(table(["what", "value"], [["identical", "4/4"]]))
+"""
+
+
+def test_tables_read_back_as_printed():
+    headers = ["B", "mode", "tok/s", "ratio"]
+    rows = [[1, "target-only", 177.8, 1.0], [8, "K=2", 404.25, 0.0123]]
+    text = "# a setup line\nSome title\n" + common.table(headers, rows) + "\n\ntrailing prose\n"
+    (t,) = common.read_tables(text)
+    assert t["title"] == "Some title" and t["headers"] == headers
+    # numbers come back as the numbers table() printed (its rounding), text as text
+    assert t["rows"] == [[1, "target-only", 178.0, 1.0], [8, "K=2", 404.0, 0.012]]
+    assert common.read_tables("no tables | here\n") == []
+
+
+def test_run_one_writes_json_and_results_md(tmp_path):
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    broken = tmp_path / "broken.py"
+    broken.write_text("import sys\nprint('# started')\nsys.exit('error: the demo pair is missing')\n")
+    ok = run_all.Bench("stand_in", str(script), "a stand-in benchmark", quick_args=("--n", "3"))
+    bad = run_all.Bench("broken", str(broken), "a benchmark that fails")
+    out = tmp_path / "results"
+
+    r = run_all.run_one(ok, quick=True, out_dir=out, machine=MACHINE, commit="abc1234")
+    saved = json.loads((out / "stand_in.json").read_text())
+    assert saved == json.loads(json.dumps(r))
+    assert saved["returncode"] == 0 and saved["commit"] == "abc1234" and saved["quick"] is True
+    assert saved["command"].endswith("stand_in.py --n 3")
+    assert saved["context"] == ["stand-in  machine: test, load average 0.0"]
+    first, second = saved["tables"]
+    assert first["title"] == "Tokens per second by batch (higher is better)"
+    assert [row[0] for row in first["rows"]] == [1, 2, 3] and first["rows"][2][2] == 300.0
+    assert second["title"] == "" and second["rows"] == [["identical", "4/4"]]
+
+    f = run_all.run_one(bad, quick=False, out_dir=out, machine=MACHINE, commit="abc1234")
+    assert f["returncode"] == 1 and "demo pair is missing" in f["stderr_tail"]
+
+    md = run_all.render(out, order=(ok, bad))
+    assert md.index("## stand_in") < md.index("## broken")   # the given order, not the file names'
+    assert "commit: abc1234" in md and "Test CPU, 2 cores; jax 0.0 on cpu (8 × cpu)" in md
+    assert "**--quick**" in md and "**failed** (exit status 1)" in md
+    assert "| batch |    mode | tok/s | x target-only |" in md and "|     3 | EAGLE-3 |   300 |          1.25 |" in md
+
+
+def test_render_without_results(tmp_path):
+    assert "No results yet" in run_all.render(tmp_path)
+
+
+@pytest.mark.parametrize("bench", run_all.BENCHES, ids=[b.name for b in run_all.BENCHES])
+def test_flags_passed_exist_in_each_script(bench):
+    """run_all passes flags to scripts others edit: each must still be one the script defines."""
+    path = REPO / bench.script
+    if not path.is_file():
+        pytest.skip(f"{bench.script} is not in this checkout")
+    source = path.read_text(encoding="utf-8")
+    flags = {a for a in bench.args + bench.quick_args if a.startswith("--")} | ({"--json"} if bench.writes_json else set())
+    missing = sorted(f for f in flags if not re.search(rf"add_argument\(\s*['\"]{re.escape(f)}['\"]", source))
+    assert not missing, f"{bench.script} no longer defines {missing}; update BENCHES in benchmarks/run_all.py"
