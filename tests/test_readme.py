@@ -35,3 +35,14 @@ def test_readme_python_example_runs_as_printed(monkeypatch, capsys):
     assert out.aux_hidden.shape == (1, T, 3 * cfg.hidden_size)
     printed = capsys.readouterr().out
     assert res.finish_reasons[0] in printed
+
+
+def test_links_in_readme_and_docs_resolve():
+    """Every relative link in README.md and docs/*.md names a file or folder of the repository."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
+            if "://" not in target and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(REPO)} -> {target}")
+    assert len(pages) > 1 and not broken, f"links to nothing: {broken}"
