@@ -30,6 +30,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
 RESULTS_MD = HERE / "RESULTS.md"
 TAIL_CHARS = 4000
+QUICK_TIMEOUT_S = 1800
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +125,37 @@ def now_utc() -> str:
 
 
 # ---------------------------------------------------------------------- running one
+def run_teed(cmd: list[str], env: dict, timeout_s: float, echo: bool) -> tuple[int | str, str, str]:
+    """Runs ``cmd``; returns (exit status or "timeout", stdout, stderr). With ``echo`` both streams
+    are also copied to ours as they come: a benchmark can run for an hour, and its progress lines
+    are how one knows it is alive."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    kept = {"out": [], "err": []}
+
+    def pump(stream, key, sink):
+        for line in stream:
+            kept[key].append(line)
+            if echo:
+                sink.write(line)
+                sink.flush()
+
+    pumps = [threading.Thread(target=pump, args=(proc.stdout, "out", sys.stdout), daemon=True),
+             threading.Thread(target=pump, args=(proc.stderr, "err", sys.stderr), daemon=True)]
+    for t in pumps:
+        t.start()
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        rc = "timeout"
+    for t in pumps:
+        t.join()
+    return rc, "".join(kept["out"]), "".join(kept["err"])
+
+
 def run_one(bench: Bench, quick: bool, out_dir: Path, machine: dict, commit: str,
-            python: str = sys.executable) -> dict:
+            python: str = sys.executable, echo: bool = True) -> dict:
     """Runs one benchmark, writes ``out_dir/<name>.json`` and returns what it wrote."""
     args = list(bench.quick_args if quick else bench.args)
     shown = " ".join(shlex.quote(a) for a in [".venv/bin/python", bench.script, *args])
@@ -137,14 +168,8 @@ def run_one(bench: Bench, quick: bool, out_dir: Path, machine: dict, commit: str
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     started, t0 = now_utc(), time.perf_counter()
     print(f"== {bench.name}: {shown}", flush=True)
-    try:
-        proc = subprocess.run([python, str(REPO / bench.script), *args], capture_output=True, text=True,
-                              cwd=REPO, env=env, timeout=bench.timeout_s if not quick else 1800)
-        rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as e:
-        rc = "timeout"
-        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+    rc, stdout, stderr = run_teed([python, str(REPO / bench.script), *args], env,
+                                  min(bench.timeout_s, QUICK_TIMEOUT_S) if quick else bench.timeout_s, echo)
     seconds = time.perf_counter() - t0
     result = {
         "name": bench.name, "purpose": bench.purpose, "command": shown, "quick": quick,

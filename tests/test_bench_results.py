@@ -69,7 +69,7 @@ def test_run_one_writes_json_and_results_md(tmp_path):
     bad = run_all.Bench("broken", str(broken), "a benchmark that fails")
     out = tmp_path / "results"
 
-    r = run_all.run_one(ok, quick=True, out_dir=out, machine=MACHINE, commit="abc1234")
+    r = run_all.run_one(ok, quick=True, out_dir=out, machine=MACHINE, commit="abc1234", echo=False)
     saved = json.loads((out / "stand_in.json").read_text())
     assert saved == json.loads(json.dumps(r))
     assert saved["returncode"] == 0 and saved["commit"] == "abc1234" and saved["quick"] is True
@@ -80,7 +80,7 @@ def test_run_one_writes_json_and_results_md(tmp_path):
     assert [row[0] for row in first["rows"]] == [1, 2, 3] and first["rows"][2][2] == 300.0
     assert second["title"] == "" and second["rows"] == [["identical", "4/4"]]
 
-    f = run_all.run_one(bad, quick=False, out_dir=out, machine=MACHINE, commit="abc1234")
+    f = run_all.run_one(bad, quick=False, out_dir=out, machine=MACHINE, commit="abc1234", echo=False)
     assert f["returncode"] == 1 and "demo pair is missing" in f["stderr_tail"]
 
     md = run_all.render(out, order=(ok, bad))
@@ -88,6 +88,15 @@ def test_run_one_writes_json_and_results_md(tmp_path):
     assert "commit: abc1234" in md and "Test CPU, 2 cores; jax 0.0 on cpu (8 × cpu)" in md
     assert "**--quick**" in md and "**failed** (exit status 1)" in md
     assert "| batch |    mode | tok/s | x target-only |" in md and "|     3 | EAGLE-3 |   300 |          1.25 |" in md
+
+
+def test_a_benchmark_past_its_time_is_stopped_and_recorded(tmp_path):
+    script = tmp_path / "slow.py"
+    script.write_text("import time\nprint('# started', flush=True)\ntime.sleep(60)\n")
+    slow = run_all.Bench("slow", str(script), "a benchmark that hangs", timeout_s=1)
+    r = run_all.run_one(slow, quick=False, out_dir=tmp_path, machine=MACHINE, commit="abc1234", echo=False)
+    assert r["returncode"] == "timeout" and r["seconds"] < 30 and r["context"] == ["started"]
+    assert "**failed** (exit status timeout)" in run_all.render(tmp_path)
 
 
 def test_render_without_results(tmp_path):
