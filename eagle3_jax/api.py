@@ -17,15 +17,14 @@ from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 from eagle3_jax.checkpoint.target_map import is_ignored_key, target_rules
 from eagle3_jax.config import DraftConfig, TargetConfig, resolve_dtype
 from eagle3_jax.errors import CheckpointError, ConfigError
-from eagle3_jax.metrics import GenerationStats, check_acceptance
+from eagle3_jax.metrics import GenerationStats
 from eagle3_jax.models.cache import MLACache
 from eagle3_jax.models.draft import Draft
 from eagle3_jax.models.footprint import weight_bytes_by_kind
 from eagle3_jax.models.quantized import QuantLayout
 from eagle3_jax.models.target import Target
 from eagle3_jax.sharding import mesh_context, resolve_mesh, shard_state
-from eagle3_jax.speculative.generate import generate_loop
-from eagle3_jax.speculative.session import DecodeSession, SamplingSettings
+from eagle3_jax.speculative.session import DecodeSession
 
 @dataclass
 class ForwardOutput:
@@ -274,12 +273,10 @@ class GenerationResult:
 class Generator:
     """Batch generation with an optional EAGLE-3 draft; ``draft=None`` is target-only decoding.
 
-    A thin front end over ``DecodeSession``. With a fixed K and at most ``batch_size`` prompts (all
-    of them when ``batch_size`` is None), one call of ``generate`` is one static batch run as one
-    compiled program (prefill + the whole loop). With more prompts than rows, or with
-    ``num_draft_tokens="auto"`` (K re-chosen between bounded runs), it runs through the refill
-    ``Engine`` on ``batch_size`` rows, so no row waits for the slowest one while prompts wait.
-    Greedy output is the same either way."""
+    A thin front end over ``DecodeSession``: one call of ``generate`` is one run of the refill
+    ``Engine`` on ``batch_size`` rows (all prompts at once when it is None), so no row waits for the
+    slowest one while prompts wait, and K (fixed, or ``num_draft_tokens="auto"``) comes from the
+    session's policy. Greedy output equals target-only decoding whatever the rows and Ks."""
 
     def __init__(self, target: LoadedTarget, draft: LoadedDraft | None = None, num_draft_tokens: int | str = 4,
                  max_len: int = 2048, mesh=None, batch_size: int | None = None, max_draft_tokens: int | None = None,
@@ -297,82 +294,35 @@ class Generator:
         self.batch_size = batch_size
         self.draft_choice = None   # under "auto": the latest DraftChoice (K, predicted vs measured speedup)
         self.last_compile_seconds = 0.0   # what the latest generate() spent compiling (left out of its tok/s)
+        self.last_compiled_programs = 0   # how many programs it compiled (or loaded from the persistent cache)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, eos_token_ids: Sequence[int] = (),
                  prompt_len: int | None = None, rounds_per_sync: int = 16) -> GenerationResult:
         """Generates for ``prompts`` (token id lists); results are in prompt order.
 
-        A static batch's compiled program depends on the batch size, ``max_new_tokens`` and the
-        padded prompt length (the longest prompt rounded up to 16, or ``prompt_len`` when given):
-        batches that pin one ``prompt_len`` share one compilation. ``rounds_per_sync``: rounds between
-        refills when the Engine runs (see the class docstring).
-        """
-        import time
-
-        session = self.session
-        sampling = SamplingSettings(temperature, top_p, top_k, seed, tuple(eos_token_ids))
-        if not prompts:
-            raise ConfigError("generate() got no prompts")
-        rows = min(len(prompts), self.batch_size or len(prompts))
-        program = session.program(rows, max_new_tokens, sampling)
-        models = session.models()
-        auto, auto_seconds = None, 0.0
-        if session.auto and rows == len(prompts):
-            # One wave (as many prompts as rows, none waiting): auto prices it by its slowest row
-            # (AutoDraft.tail_rate), as the Engine would before its first run. Where that says
-            # target-only, the wave runs as one static target-only program: the Engine's bounded
-            # runs and syncs cost ~7 % at batch 32 on the demo pair with nothing to refill.
-            auto = session.autodraft(program, sampling.traced(), sampling)
-            auto_seconds = auto.claim_setup_seconds()   # calibration or disk read just now: compile time
-            budget = [min(max_new_tokens, session.max_len - len(p)) for p in prompts]
-            if auto.choose(remaining=budget) != 0:
-                auto = None
-            else:
-                program, models = program.with_draft_tokens(0), models[:2] + (None, None)
-        if (session.auto and auto is None) or rows < len(prompts):
-            return self._generate_refilled(prompts, rows, max_new_tokens, sampling, rounds_per_sync, prompt_len)
-        ids, lengths, _ = session.pack_prompts(dict(enumerate(prompts)), program.batch_size, prompt_len)
-        start = time.perf_counter()
-        with session.activate():
-            compiled_before = generate_loop._cache_size()
-            out = generate_loop(*models, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(seed),
-                                sampling.traced(), program=program)
-            # a call that compiled returns once it has traced and compiled (the run itself is
-            # dispatched): that much is compile time, left out of throughput as the Engine does
-            compile_seconds = time.perf_counter() - start if generate_loop._cache_size() != compiled_before else 0.0
-            rows = session.row_results(out, range(len(prompts)), program.max_draft_tokens)
-        stats = GenerationStats.combine(r[2] for r in rows)
-        stats.seconds = time.perf_counter() - start - compile_seconds
-        self.last_compile_seconds = compile_seconds + auto_seconds
-        session.record(stats)
-        if auto is not None:
-            # Counted as a target-only run (no timing: its seconds include the prefill, which the
-            # round costs leave out; no acceptance: no draft ran).
-            auto.observe(0, max(r[2].rounds for r in rows), 0.0, 0, 0, np.zeros(auto.max_draft_tokens))
-            self.draft_choice = auto.report()
-        elif self.draft is not None:
-            check_acceptance(stats, self.num_draft_tokens)
-        return GenerationResult(tokens=[r[0] for r in rows], finish_reasons=[r[1] for r in rows], stats=stats)
-
-    def _generate_refilled(self, prompts, rows: int, max_new_tokens: int, sampling: SamplingSettings,
-                           rounds_per_sync: int, prompt_len: int | None) -> GenerationResult:
+        Compiled programs depend on the batch size, ``max_new_tokens`` and the padded prompt length
+        (the longest admitted prompt's bucket, or ``prompt_len`` when given): calls that pin one
+        ``prompt_len`` share one admission program. ``rounds_per_sync``: rounds between refills
+        while prompts wait, and between K choices under auto."""
         import time
 
         from eagle3_jax.speculative.engine import Engine, Request
 
-        engine = Engine(None, batch_size=rows, max_new_tokens=max_new_tokens, temperature=sampling.temperature,
-                        top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
-                        eos_token_ids=sampling.eos_token_ids, rounds_per_sync=rounds_per_sync, session=self.session,
-                        prompt_len=prompt_len)
+        if not prompts:
+            raise ConfigError("generate() got no prompts")
+        rows = min(len(prompts), self.batch_size or len(prompts))
+        engine = Engine(None, batch_size=rows, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                        top_k=top_k, seed=seed, eos_token_ids=tuple(eos_token_ids), rounds_per_sync=rounds_per_sync,
+                        session=self.session, prompt_len=prompt_len)
         start = time.perf_counter()
         by_key = {int(f.key): f for f in engine.run([Request(str(i), list(p)) for i, p in enumerate(prompts)])}
         done = [by_key[i] for i in range(len(prompts))]
         stats = GenerationStats.combine(f.stats for f in done)
-        # throughput leaves out compiles (new admission sizes, a K's first run) and auto's calibration
-        stats.seconds = time.perf_counter() - start - engine.compile_seconds
+        stats.seconds = time.perf_counter() - start - engine.compile_seconds   # compiles are not throughput
         self.draft_choice = engine.draft_choice
         self.last_compile_seconds = engine.compile_seconds
+        self.last_compiled_programs = engine.compiled_programs
         return GenerationResult(tokens=[f.tokens for f in done], finish_reasons=[f.finish_reason for f in done],
                                 stats=stats)
 

@@ -1,12 +1,16 @@
-"""Acceptance statistics and the watchdog that makes a collapsed draft impossible to miss."""
+"""Acceptance statistics, the watchdog that makes a collapsed draft impossible to miss, and the
+process's record of XLA compilations (what throughput figures leave out)."""
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
+from jax import monitoring
 
 log = logging.getLogger("eagle3_jax")
 
@@ -94,3 +98,63 @@ def check_acceptance(stats: GenerationStats, num_draft_tokens: int, context: str
     log.warning(msg)
     warnings.warn(msg, AcceptanceCollapseWarning, stacklevel=3)
     return True
+
+
+# JAX's public compile events (jax.monitoring, names as jax 0.10 records them): the duration of
+# tracing a function, and of its backend compile, which wraps both an XLA compile and a load from
+# the persistent compilation cache. A call that hits jit's in-memory cache records neither.
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileLog:
+    """Every program this process compiled (or loaded from the persistent cache), as a
+    (start, end) ``time.perf_counter`` interval from the start of its tracing to the end of its
+    backend compile. One listener on JAX's compile events feeds it, installed on first use
+    (``compile_log()``); callers compare ``count`` before and after a call to learn whether that
+    call compiled."""
+
+    def __init__(self):
+        self.intervals: list[tuple[float, float]] = []
+        self._trace_start: float | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def count(self) -> int:
+        return len(self.intervals)
+
+    def _on_duration(self, event: str, duration: float, **_) -> None:
+        # The events carry durations on their own clock; each is placed ending now.
+        now = time.perf_counter()
+        with self._lock:
+            if event == TRACE_EVENT:
+                self._trace_start = now - duration
+            elif event == BACKEND_COMPILE_EVENT:
+                start = self._trace_start if self._trace_start is not None else now - duration
+                self.intervals.append((min(start, now - duration), now))
+                self._trace_start = None
+
+    def seconds_since(self, count: int) -> float:
+        """Wall seconds covered by the compilations after the first ``count`` (overlaps once)."""
+        return union_length(self.intervals[count:])
+
+
+_LOG: CompileLog | None = None
+
+
+def compile_log() -> CompileLog:
+    global _LOG
+    if _LOG is None:
+        _LOG = CompileLog()
+        monitoring.register_event_duration_secs_listener(_LOG._on_duration)
+    return _LOG
+
+
+def union_length(intervals) -> float:
+    """Total length covered by (start, end) intervals, overlaps counted once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total

@@ -5,7 +5,11 @@ The host intervenes after ``rounds_per_sync`` rounds, or earlier, as soon as ``r
 have finished while prompts are waiting: it reads which rows finished, hands their results out,
 and prefills waiting prompts into the freed rows (``admit_rows``: only those
 rows are prefilled, then written into the running state). Rows never interact, so each prompt's
-output is what it would be alone.
+output is what it would be alone. ``Generator.generate`` is one ``Engine.run`` too: a static batch is
+simply a run whose prompts all fit at once.
+
+K per run comes from a policy (``DecodeSession.policy``): a fixed K, or ``AutoDraft``, which is
+told how each run went (its rounds, seconds and acceptance) and picks the next run's K.
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ from typing import Iterable, Iterator, Sequence
 import jax
 import numpy as np
 
-from eagle3_jax.distributed import fetch, fetch_all
+from eagle3_jax.distributed import fetch_all
 from eagle3_jax.errors import ConfigError
-from eagle3_jax.metrics import GenerationStats, check_acceptance
-from eagle3_jax.speculative.autodraft import DraftChoice
+from eagle3_jax.metrics import GenerationStats, check_acceptance, compile_log
+from eagle3_jax.speculative.autodraft import AutoDraft, DraftChoice
 from eagle3_jax.speculative.generate import RUNNING, admit_rows, blank_state, run_rounds
 from eagle3_jax.speculative.session import DecodeSession, SamplingSettings
 
@@ -74,9 +78,8 @@ class Engine:
         several calls); it bounds the prefill's fresh caches, which hold that many rows (None: the
         whole batch). ``python -m tools.plan --admit-rows`` plans the same. ``prefill_chunk``: see
         ``DecodeSession``. ``prompt_len``: every admission pads its prompts to this length (None: the
-        longest admitted prompt's bucket). Pinned, one admission program serves every prompt; else
-        each prompt bucket compiles its own (measured on the demo pair: three programs for four
-        prompts at batch 1, ~3.5 s each to trace and load from the compilation cache)."""
+        longest admitted prompt's bucket, see ``session.bucket_prompt_len``). Pinned, one admission
+        program serves every prompt; else each prompt bucket compiles its own."""
         if rounds_per_sync < 1:
             raise ConfigError(f"rounds_per_sync must be >= 1, found {rounds_per_sync}")
         if max_admit_rows is not None and max_admit_rows < 1:
@@ -96,10 +99,11 @@ class Engine:
         # batches a few at a time saves syncs and admission calls.
         self.refill_rows = max(1, self.batch_size // 8)
         self.prompt_len = prompt_len
-        self._auto = None
-        # (start, end) perf_counter times of the calls that compiled a program (until the call
-        # returned: tracing and compiling) and of auto's calibration: what throughput leaves out.
+        self.policy = None
+        # (start, end) perf_counter times of the calls that compiled a program (tracing and
+        # compiling, until the call returned) or probed auto's round costs: what throughput leaves out.
         self.compile_intervals: list[tuple[float, float]] = []
+        self.compiled_programs = 0   # programs those calls compiled (or loaded from the persistent cache)
 
     @property
     def stats(self) -> GenerationStats:
@@ -109,23 +113,24 @@ class Engine:
     @property
     def draft_choice(self) -> DraftChoice | None:
         """Under ``num_draft_tokens="auto"``: the K of the latest run, predicted vs measured speedup."""
-        return self._auto.report() if self._auto is not None else None
+        return self.policy.report() if self.policy is not None else None
 
     @property
     def compile_seconds(self) -> float:
         return sum(end - start for start, end in self.compile_intervals)
 
     def _call(self, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)`` for a jitted ``fn``; when the call compiled a new program, the call's
-        time until it returned joins ``compile_intervals``: tracing and compiling, not the execution,
-        which dispatch leaves running. The first execution is real work: leaving it out of a
-        throughput figure would flatter the pass in which a program first ran (a whole bounded run
-        at batch 32)."""
-        before = fn._cache_size()
+        """``fn(*args, **kwargs)``; when the call compiled (JAX's compile events, ``metrics.compile_log``),
+        its time until it returned joins ``compile_intervals``: tracing and compiling, not the
+        execution, which dispatch leaves running."""
+        log = compile_log()
+        before = log.count
         t = time.perf_counter()
         out = fn(*args, **kwargs)
-        if fn._cache_size() != before:
+        if log.count != before:
             self.compile_intervals.append((t, time.perf_counter()))
+            self.compiled_programs += log.count - before
+            self.session.compiled_programs += log.count - before
         return out
 
     def _admit(self, models, state, new: dict[int, list[int]], sp):
@@ -145,32 +150,19 @@ class Engine:
         # target-only runs and admissions are called without the draft's weights (admit_rows, run_rounds)
         target_models = models[:2] + (None, None)
         sp = self.sampling.traced()
-        if session.auto and self._auto is None:
-            t = time.perf_counter()
-            self._auto = session.autodraft(program, sp, self.sampling)
-            if (setup := self._auto.claim_setup_seconds()):   # calibrated or read from disk just now
-                self.compile_intervals.append((t, t + setup))
-        auto = self._auto
-        # A sized collection (a list of requests) says when the last one has been admitted, so a
-        # single wave is known as one before its first run; an iterator only once it runs dry (no
-        # look-ahead: that would take a request before a row is free for it).
-        total = len(requests) if hasattr(requests, "__len__") else None
+        if self.policy is None:   # under auto, a new shape probes its round costs here
+            self.policy = self._call(session.policy, program, sp, self.sampling)
+        policy = self.policy
+        auto = isinstance(policy, AutoDraft)
         pending = iter(requests)
-        admitted_count = 0
         occupant: list[Request | None] = [None] * self.batch_size
-        # Per-row counters after the previous run (admitted rows restart at zero): auto's deltas.
+        # Per-row counters after the previous run (admitted rows restart at zero): the policy's deltas.
         seen_rounds_B = np.zeros(self.batch_size, np.int64)
-        seen_tokens_B = np.zeros(self.batch_size, np.int64)
         seen_acc_BK = np.zeros((self.batch_size, max(self.max_draft_tokens, 1)), np.int64)
+        seen_tokens_B = np.zeros(self.batch_size, np.int64)
         # Rows whose draft state is current: admitted with the draft and not advanced by a
-        # target-only run since. Under auto, only they teach acceptance (autodraft.AutoDraft.observe).
+        # target-only run since. Only they teach acceptance, and only they can speculate usefully.
         drafted_B = np.zeros(self.batch_size, bool)
-        # Under auto: the one K each row has run since its admission (-1: none yet, -2: several), and
-        # the tokens it has left (its budget less what it emitted by the previous run).
-        row_k_B = np.full(self.batch_size, -1, np.int64)
-        left_B = np.zeros(self.batch_size, np.int64)
-        wave_B = np.zeros(self.batch_size, np.int64)   # which admission (loop iteration) filled each row
-        cycle = None   # under auto: (K, start, tokens per taught row, compiles so far) of the open cycle
         start = time.perf_counter()
         seconds_before = session.stats.seconds
         with session.activate():
@@ -184,26 +176,13 @@ class Engine:
                         session.check_prompt(req.prompt, f"request {req.key!r}: prompt")
                         occupant[b] = req
                         new[b] = list(req.prompt)
-                        left_B[b] = min(program.max_new_tokens, self.max_len - len(req.prompt))
-                        row_k_B[b] = -1
-                        wave_B[b] = auto.runs if auto is not None else 0
-                    admitted_count += len(new)
-                    exhausted = len(new) < len(free) or admitted_count == total
+                    exhausted = len(new) < len(free)
                 if all(o is None for o in occupant):
                     break
                 running = np.array([o is not None for o in occupant])
-                occupied = int(running.sum())
                 # K is chosen before admitting, so that rows admitted for a target-only run skip the
                 # draft's prefill: K = 0 then costs what having no draft costs.
-                if auto is not None:
-                    # One wave (every row admitted together, none waiting) ends with its slowest row:
-                    # priced as such. Rows admitted at different times (a refill's tail) finish at
-                    # different times anyway, and the per-row model prices them as measured.
-                    wave = exhausted and len(set(wave_B[running].tolist())) == 1
-                    k = auto.next_k(drafted_rows=bool(new) or bool((drafted_B & running).any()),
-                                    remaining=left_B[running] if wave else None)
-                else:
-                    k = program.num_draft_tokens
+                k = policy.next_k(drafted_rows=bool(new) or bool((drafted_B & running).any()))
                 if new:
                     admitted = list(new.items())
                     for i in range(0, len(admitted), self.max_admit_rows):
@@ -212,56 +191,38 @@ class Engine:
                     for arr in (seen_rounds_B, seen_tokens_B, seen_acc_BK):
                         arr[list(new)] = 0
                     drafted_B[list(new)] = k > 0
-                if auto is not None:
-                    jax.block_until_ready(state)   # time the run alone
-                t = time.perf_counter()
-                if cycle is not None and cycle[3] == len(self.compile_intervals):
-                    # the previous run's cycle ends here: its results handed out, its rows refilled
-                    auto.observe_cycle(cycle[0], cycle[2], t - cycle[1])
+                    if auto:
+                        jax.block_until_ready(state)   # the run's timing leaves the admission out
+                # Nothing left to admit and K fixed for the rest (a fixed K, or target-only on rows
+                # without a current draft state): one run to the end, no syncs. Else a bounded run,
+                # which with prompts waiting ends once refill_rows more rows are free.
+                final = exhausted and (not auto or not (drafted_B & running).any())
+                max_rounds = program.max_new_tokens if final else self.rounds_per_sync
+                stop_free = self.batch_size + 1 if exhausted else self.batch_size - int(running.sum()) + self.refill_rows
                 compiles = len(self.compile_intervals)
-                # With prompts waiting, the run ends once refill_rows more rows are free, so they are
-                # refilled instead of idling until the slowest row's run ends.
-                # An exploration run of auto's always runs its full length, so that it is long enough
-                # to time (RoundCosts.observe).
-                full = exhausted or (auto is not None and auto.last_was_exploration)
-                stop_free = self.batch_size + 1 if full else self.batch_size - occupied + self.refill_rows
+                t = time.perf_counter()
                 # host scalars, not jnp ones: an eager jnp.int32 is a dispatch of its own (~0.25 ms)
-                state = self._call(run_rounds, *(models if k else target_models), state,
-                                   np.int32(self.rounds_per_sync), np.int32(stop_free), sp,
-                                   program=program.with_draft_tokens(k))
-                if auto is None:
-                    finish = fetch(state.finish_B)
-                else:
-                    finish, rounds_B, tokens_B, acc_BK, n_out_B, budget_B = fetch_all(
-                        state.finish_B, state.rounds_B, state.round_tokens_B, state.accepted_BK, state.n_out_B,
-                        state.budget_B)
-                    left_B = np.maximum(budget_B.astype(np.int64) - n_out_B, 0)
-                    row_k_B[running] = np.where(row_k_B[running] == -1, k,
-                                                np.where(row_k_B[running] == k, k, -2))
-                    rounds_B, tokens_B, acc_BK = (x.astype(np.int64) for x in (rounds_B, tokens_B, acc_BK))
-                    # a run that compiled is timed as 0 s: its rounds still teach acceptance
-                    seconds = time.perf_counter() - t if compiles == len(self.compile_intervals) else 0.0
-                    d_rounds_B = rounds_B - seen_rounds_B
-                    d_tokens_B = tokens_B - seen_tokens_B
-                    # acceptance, and the wall clock of speculation, from rows drafting from a current state
-                    taught_B = drafted_B & running if k else running
-                    auto.observe(k, int(d_rounds_B.max()), seconds, int(d_rounds_B[taught_B].sum()),
-                                 int(d_tokens_B[taught_B].sum()), (acc_BK - seen_acc_BK)[taught_B].sum(0))
-                    seen_rounds_B, seen_tokens_B, seen_acc_BK = rounds_B, tokens_B, acc_BK
-                    cycle = (k, t, d_tokens_B[taught_B].sum() / max(int(taught_B.sum()), 1), compiles)
+                state = self._call(run_rounds, *(models if k else target_models), state, np.int32(max_rounds),
+                                   np.int32(stop_free), sp, program=program.with_draft_tokens(k))
+                finish, rounds_B, tokens_B, acc_BK = (np.asarray(x, np.int64) for x in fetch_all(
+                    state.finish_B, state.rounds_B, state.round_tokens_B, state.accepted_BK))
+                seconds = time.perf_counter() - t if compiles == len(self.compile_intervals) else 0.0
+                taught_B = drafted_B & running if k else running
+                d_rounds_B = rounds_B - seen_rounds_B
+                policy.observe(k, int(d_rounds_B.max()), seconds, int(d_rounds_B[taught_B].sum()),
+                               int((tokens_B - seen_tokens_B)[taught_B].sum()), (acc_BK - seen_acc_BK)[taught_B].sum(0))
+                seen_rounds_B, seen_tokens_B, seen_acc_BK = rounds_B, tokens_B, acc_BK
                 if k == 0:
                     drafted_B[running] = False   # their target-only rounds did not reach the draft
                 done = [b for b, req in enumerate(occupant) if req is not None and finish[b] != RUNNING]
                 for b, (tokens, reason, stats) in zip(done, session.row_results(state, done,
                                                                                program.max_draft_tokens)):
                     fin = Finished(key=occupant[b].key, tokens=tokens, finish_reason=reason, stats=stats)
-                    if auto is not None and row_k_B[b] > 0 and drafted_B[b] and stats.rounds:
-                        auto.observe_prompt(int(row_k_B[b]), stats.mean_accept_length)
                     occupant[b] = None
                     session.record(stats)
                     session.stats.seconds = seconds_before + time.perf_counter() - start
                     yield fin
-        if auto is not None:
-            check_acceptance(auto.speculative_stats(), self.max_draft_tokens, context="batch generation")
+        if auto:
+            check_acceptance(policy.speculative_stats(), self.max_draft_tokens, context="batch generation")
         elif self.draft is not None:
             check_acceptance(self.stats, self.num_draft_tokens, context="batch generation")

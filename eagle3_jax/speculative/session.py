@@ -11,7 +11,6 @@ program; the jitted functions in ``generate.py`` take it as their single static 
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -22,11 +21,13 @@ from eagle3_jax.distributed import fetch
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import GenerationStats
 from eagle3_jax.sharding import data_parallel_size, mesh_context
-from eagle3_jax.speculative.autodraft import (AUTO, DEFAULT_MAX_DRAFT_TOKENS, AcceptanceModel, AutoDraft, RoundCosts,
-                                              calibrate, cost_key, load_costs, pair_fingerprint, save_costs)
+from eagle3_jax.speculative.autodraft import (AUTO, DEFAULT_MAX_DRAFT_TOKENS, Acceptance, AutoDraft, FixedK,
+                                              probe_costs, probed_ks)
 from eagle3_jax.speculative.generate import FINISH_NAMES, DecodeProgram, LoopState, Sampling, StaticGraph
 
-# Prompts are right-padded to a multiple of this, so nearby lengths share one compiled program.
+# Prompts are right-padded to a bucket, so nearby lengths share one compiled program. Buckets grow
+# geometrically from PROMPT_BUCKET (16, 24, 32, 48, 64, 96, ...: powers of two and 1.5x them), so a
+# long-running serve compiles at most ~2 log2(max_len / 16) + 1 of them and pads a prompt by < 50 %.
 PROMPT_BUCKET = 16
 
 
@@ -57,8 +58,20 @@ class SamplingSettings:
 
 
 def bucket_prompt_len(longest: int, max_len: int) -> int:
-    """The padded prompt length: the longest prompt rounded up to ``PROMPT_BUCKET``, below max_len."""
-    return min(-(-longest // PROMPT_BUCKET) * PROMPT_BUCKET, max_len - 1)
+    """The padded prompt length: the smallest bucket >= ``longest`` (capped at max_len - 1)."""
+    bucket = PROMPT_BUCKET
+    while bucket < longest:
+        bucket = bucket * 3 // 2 if bucket & (bucket - 1) == 0 else bucket * 4 // 3
+    return min(bucket, max_len - 1)
+
+
+def prompt_buckets(max_len: int) -> list[int]:
+    """Every padded prompt length a session of this capacity can use."""
+    out, bucket = [], PROMPT_BUCKET
+    while bucket < max_len - 1:
+        out.append(bucket)
+        bucket = bucket * 3 // 2 if bucket & (bucket - 1) == 0 else bucket * 4 // 3
+    return out + [max_len - 1]
 
 
 class DecodeSession:
@@ -67,7 +80,7 @@ class DecodeSession:
     def __init__(self, target, draft=None, num_draft_tokens: int | str = 4, max_len: int = 2048,
                  max_draft_tokens: int | None = None, prefill_chunk: int | None = None):
         """``num_draft_tokens``: K per round, or ``"auto"`` (K in 0..max_draft_tokens chosen from measured
-        round costs and live acceptance, see autodraft.py; ``max_draft_tokens`` defaults to 6).
+        round costs timed in this process and live acceptance, see autodraft.py; ``max_draft_tokens`` defaults to 6).
         ``prefill_chunk``: prompt positions per target call in prefill (None: the whole prompt block;
         a chunk bounds prefill temporaries and never changes the tokens)."""
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -99,10 +112,13 @@ class DecodeSession:
         # Acceptance per sampling setting: greedy and T = 1 accept very differently (demo pair, batch 8:
         # 0.88 / 0.20 at draft position 1), and a model shared across them priced T = 1 rounds with the
         # greedy rounds' acceptance (0.70x target-only). Round costs per batch shape (RoundCosts).
-        self._acceptance: dict[tuple, AcceptanceModel] = {}
-        self._costs: dict[tuple, RoundCosts] = {}
+        self._acceptance: dict[tuple, Acceptance] = {}
+        self._costs: dict[tuple, object] = {}
         self._auto: dict[tuple, AutoDraft] = {}
         self._static = None   # the graphdefs as StaticGraph, made on first use
+        # Programs compiled (or loaded from the persistent cache) by this session's calls: bounded
+        # by the prompt buckets, admission sizes and Ks, never by how long it serves.
+        self.compiled_programs = 0
 
     # ---------------------------------------------------------------- settings
     def activate(self):
@@ -129,27 +145,21 @@ class DecodeSession:
             aux_layer_ids=self.draft.aux_layer_ids if self.draft is not None else (),
             prefill_chunk=self.prefill_chunk)
 
-    def autodraft(self, program: DecodeProgram, sp, sampling: SamplingSettings) -> AutoDraft:
-        """The K chooser of this batch shape and sampling setting: round costs (shared by every
-        greedy, or every sampled, setting of the shape) from the disk cache, or calibrated now (compiles one round
-        program per K, which later runs reuse); acceptance learned per sampling setting, across batch
-        shapes (it depends on the text and the sampler, not on the batch)."""
-        # greedy and sampled rounds run the same program but cost differently (sampling's softmax,
-        # sort and key work), so each has its own costs
+    def policy(self, program: DecodeProgram, sp, sampling: SamplingSettings):
+        """What chooses K for each run of this program: ``FixedK``, or under auto the ``AutoDraft``
+        of this batch shape and sampling setting. Its round costs are probed once per shape and
+        greedy-or-sampled (sampling's softmax, sort and key work cost time; the text does not, every
+        shape being static); acceptance is learned per sampling setting across batch shapes (it
+        depends on the text and the sampler, not on the batch)."""
+        if not self.auto:
+            return FixedK(program.num_draft_tokens)
         shape = (dataclasses.replace(program, max_new_tokens=0), sampling.greedy)
         setting = (sampling.temperature, sampling.top_p, sampling.top_k)
         if (shape, setting) not in self._auto:
-            t = time.perf_counter()
             if shape not in self._costs:
-                ckey = cost_key(pair_fingerprint(self.target, self.draft), program, sampling.greedy)
-                costs = load_costs(ckey)
-                if costs is None:
-                    costs = calibrate(self, program, sp)
-                    save_costs(ckey, costs)
-                self._costs[shape] = costs
-            acceptance = self._acceptance.setdefault(setting, AcceptanceModel(max(self.max_draft_tokens, 1)))
-            auto = self._auto[shape, setting] = AutoDraft(self._costs[shape], self.max_draft_tokens, acceptance)
-            auto.setup_seconds = time.perf_counter() - t
+                self._costs[shape] = probe_costs(self, program, sp, probed_ks(self.max_draft_tokens))
+            acceptance = self._acceptance.setdefault(setting, Acceptance(max(self.max_draft_tokens, 1)))
+            self._auto[shape, setting] = AutoDraft(self._costs[shape], self.max_draft_tokens, acceptance)
         return self._auto[shape, setting]
 
     def models(self) -> tuple:
