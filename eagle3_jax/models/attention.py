@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax.config import TargetConfig
-from eagle3_jax.models.cache import MLACache, causal_slot_mask
+from eagle3_jax.models.cache import MLACache
 from eagle3_jax.models.layers import RMSNorm, apply_rope
 from eagle3_jax.models.quantized import TILE_COLS, Fp8Linear, QuantLayout, linear_param, project
 
@@ -50,6 +50,73 @@ def expand_values(out_lat_BTNC: jax.Array, kv_b, nope: int, tile: int = TILE_COL
 
     out_BTNV = kv_b.fold_in_tiles(expand_tile, jnp.zeros((B, T, N, V), jnp.float32), tile)
     return out_BTNV.astype(jnp.result_type(out_lat_BTNC.dtype, kv_b.dtype))
+
+
+KEY_BLOCK = 128
+
+
+def key_block(capacity: int, block: int = KEY_BLOCK) -> int:
+    """Slots per step of ``attend_filled``'s loop: ``block``, or the whole cache when that is
+    no larger (one step then, taken without a loop)."""
+    return min(block, capacity)
+
+
+def attend_filled(q_lat_BTNC, q_rope_BTNP, cache: MLACache, layer: int, positions_BT, softmax_scale,
+                  block: int = KEY_BLOCK) -> jax.Array:
+    """Absorbed MLA attention over the *filled* slots of layer ``layer``: [B, T, N, C] out latents.
+
+    A query at position p sees slots 0..p, so no query of the batch sees a slot past the largest
+    position; the loop reads key blocks of ``block`` slots up to that one only, with a running
+    (online) softmax: max, normalizer and weighted latent sum, rescaled as each block raises the
+    max. Cost follows the longest filled row, not the cache capacity. (A whole-capacity softmax
+    made a decode step at capacity 2048 read 8x the cache of capacity 256 for the same prompts.)
+    The last block may start earlier than ``k * block`` (capacity not a multiple of ``block``);
+    its slots already seen are masked, so no slot is counted twice.
+    """
+    latent_LBSC, rope_LBSP = cache.latent_LBSC, cache.rope_LBSP
+    _, B, S, C = latent_LBSC.shape
+    P = rope_LBSP.shape[-1]
+    T, N = q_lat_BTNC.shape[1], q_lat_BTNC.shape[2]
+    kb = key_block(S, block)
+    q_lat_BTNC = q_lat_BTNC.astype(latent_LBSC.dtype)
+    q_rope_BTNP = q_rope_BTNP.astype(rope_LBSP.dtype)
+
+    def scores(lat_BSC, rope_BSP, slots_S, seen_from):
+        s_BTNS = (jnp.einsum("btnc,bsc->btns", q_lat_BTNC, lat_BSC, preferred_element_type=jnp.float32)
+                  + jnp.einsum("btnp,bsp->btns", q_rope_BTNP, rope_BSP, preferred_element_type=jnp.float32)
+                  ) * softmax_scale
+        vis_BTS = (slots_S[None, None, :] <= positions_BT[:, :, None]) & (slots_S >= seen_from)[None, None, :]
+        return jnp.where(vis_BTS[:, :, None, :], s_BTNS, -jnp.inf)
+
+    if kb == S:  # one block: the plain masked softmax
+        s_BTNS = scores(latent_LBSC[layer], rope_LBSP[layer], jnp.arange(S), 0)
+        probs_BTNS = jax.nn.softmax(s_BTNS, axis=-1)
+        return jnp.einsum("btns,bsc->btnc", probs_BTNS.astype(latent_LBSC.dtype), latent_LBSC[layer])
+
+    # Slots any query of the batch can see; positions past the capacity see the whole cache.
+    filled = jnp.clip(jnp.max(positions_BT) + 1, 1, S)
+    n_blocks = (filled + kb - 1) // kb
+
+    def step(j, carry):
+        m_BTN, l_BTN, acc_BTNC = carry
+        start = jnp.minimum(j * kb, S - kb)
+        lat_BSC = jax.lax.dynamic_slice(latent_LBSC, (layer, 0, start, 0), (1, B, kb, C))[0]
+        rope_BSP = jax.lax.dynamic_slice(rope_LBSP, (layer, 0, start, 0), (1, B, kb, P))[0]
+        s_BTNS = scores(lat_BSC, rope_BSP, start + jnp.arange(kb), j * kb)
+        m_new_BTN = jnp.maximum(m_BTN, jnp.max(s_BTNS, axis=-1))
+        # A query with nothing visible yet keeps max -inf; shift by 0 there so exp gives 0, not NaN.
+        shift_BTN = jnp.where(jnp.isfinite(m_new_BTN), m_new_BTN, 0.0)
+        p_BTNS = jnp.exp(s_BTNS - shift_BTN[..., None])
+        keep_BTN = jnp.exp(m_BTN - shift_BTN)
+        l_BTN = l_BTN * keep_BTN + p_BTNS.sum(-1)
+        acc_BTNC = acc_BTNC * keep_BTN[..., None] + jnp.einsum(
+            "btns,bsc->btnc", p_BTNS.astype(lat_BSC.dtype), lat_BSC, preferred_element_type=jnp.float32)
+        return m_new_BTN, l_BTN, acc_BTNC
+
+    init = (jnp.full((B, T, N), -jnp.inf, jnp.float32), jnp.zeros((B, T, N), jnp.float32),
+            jnp.zeros((B, T, N, C), jnp.float32))
+    _, l_BTN, acc_BTNC = jax.lax.fori_loop(0, n_blocks, step, init)
+    return (acc_BTNC / l_BTN[..., None]).astype(latent_LBSC.dtype)
 
 
 class MLAttention(nnx.Module):
@@ -99,15 +166,10 @@ class MLAttention(nnx.Module):
         k_rope_BTP = apply_rope(kv_BTX[..., C:], cos_BTP, sin_BTP, cfg.rope_interleave)
 
         cache = cache.write(layer, latent_BTC, k_rope_BTP, positions_BT)
-        latent_BSC, rope_BSP = cache.latent_LBSC[layer], cache.rope_LBSP[layer]
 
         q_lat_BTNC = absorb_keys(q_nope_BTNO, self.kv_b_proj, nope)
-        scores_BTNS = (
-            jnp.einsum("btnc,bsc->btns", q_lat_BTNC, latent_BSC)
-            + jnp.einsum("btnp,bsp->btns", q_rope_BTNP, rope_BSP)
-        ) * softmax_scale
-        probs_BTNS = masked_softmax(scores_BTNS, causal_slot_mask(positions_BT, latent_BSC.shape[1]))
-        out_lat_BTNC = jnp.einsum("btns,bsc->btnc", probs_BTNS.astype(latent_BSC.dtype), latent_BSC)
+        out_lat_BTNC = attend_filled(q_lat_BTNC, q_rope_BTNP, cache, layer, positions_BT, softmax_scale,
+                                     KEY_BLOCK)
         out_BTNO = expand_values(out_lat_BTNC, self.kv_b_proj, nope)
         y_BTD = project("btno,nod->btd", out_BTNO, self.o_proj)
         return y_BTD, cache
