@@ -41,6 +41,8 @@ RESULTS_DIR = HERE / "results"
 RESULTS_MD = HERE / "RESULTS.md"
 TAIL_CHARS = 4000
 QUICK_TIMEOUT_S = 1800
+README = REPO / "README.md"
+README_START, README_END = "<!-- results", "<!-- /results -->"   # the README's generated table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +234,56 @@ def render(out_dir: Path, order=BENCHES) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def speedup_summary(out_dir: Path) -> str | None:
+    """The README's results table from ``speedup.json`` (the script's own rows): per prompt set,
+    batch and temperature, target-only tok/s, the best fixed K and auto against target-only."""
+    path = out_dir / "speedup.json"
+    try:
+        r = json.loads(path.read_text())
+        rows = r["data"]["rows"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    groups: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row.get("prompts", "demo"), row["batch"], row["temperature"])
+        groups.setdefault(key, {})[str(row["mode"])] = row
+    body = []
+    for (prompts, batch, temperature), modes in groups.items():
+        base = modes.get("target-only")
+        auto = modes.get("auto") or modes.get("K=auto")
+        fixed = [m for name, m in modes.items() if name.startswith("K=") and m is not auto]
+        if base is None:
+            continue
+        best = max(fixed, key=lambda m: m["speedup"], default=None)
+        greedy = [m for m in modes.values() if "identical" in m and m is not base]
+        same = "-"   # sampled rows: tokens differ by design
+        if greedy:
+            worst = min(m["identical"] for m in greedy)
+            same = f"{worst}/{base['num_prompts']}" if "num_prompts" in base else str(worst)
+        body.append([prompts, batch, f"{temperature:g}", round(base["tok_s"], 1),
+                     f"{best['mode']}: {best['speedup']:.2f}×" if best else "-",
+                     f"{auto['speedup']:.2f}×" if auto else "-",
+                     auto.get("chosen_k", "-") if auto else "-", same])
+    if not body:
+        return None
+    m = r.get("machine", {})
+    return (table(["prompts", "batch", "T", "target-only tok/s", "best fixed K", "auto", "auto's last K",
+                   "greedy identical"], body)
+            + f"\n\n{describe_machine(m)}; commit {r.get('commit', '?')}; {r.get('date', '?')}; "
+            f"`{r.get('command', '')}`")
+
+
+def update_readme(readme: Path, summary: str) -> bool:
+    """Puts ``summary`` between README.md's results markers; False when they are missing."""
+    text = readme.read_text(encoding="utf-8")
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        return False
+    head = text[:text.index("\n", start) + 1]   # keep the start marker's own line
+    readme.write_text(head + summary + "\n" + text[end:], encoding="utf-8")
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke check of every script and of this pipeline")
@@ -274,8 +326,14 @@ def main(argv=None) -> int:
             r = run_one(b, args.quick, out_dir, machine, commit)
             if r["returncode"] != 0:
                 failed.append(b.name)
-    md_path.write_text(render(out_dir))
+    summary = speedup_summary(out_dir)
+    text = render(out_dir)
+    if summary:
+        text = text.replace("\n## ", "\n## Summary: EAGLE-3 vs target-only\n\n" + summary + "\n\n## ", 1)
+    md_path.write_text(text)
     print(f"# wrote {md_path}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    if summary and not args.quick and out_dir == RESULTS_DIR and update_readme(README, summary):
+        print(f"# updated the results table in {README}")
     return 1 if failed else 0
 
 

@@ -99,6 +99,32 @@ def test_a_benchmark_past_its_time_is_stopped_and_recorded(tmp_path):
     assert "**failed** (exit status timeout)" in run_all.render(tmp_path)
 
 
+def test_readme_table_comes_from_the_speedup_json(tmp_path):
+    rows = [{"prompts": "demo", "batch": 8, "temperature": 0.0, "mode": m, "tok_s": t, "speedup": x,
+             "identical": 16, "num_prompts": 16} for m, t, x in
+            [("target-only", 400.0, 1.0), ("K=2", 500.0, 1.25), ("K=4", 560.0, 1.4)]]
+    rows.append({"prompts": "demo", "batch": 8, "temperature": 0.0, "mode": "auto", "tok_s": 540.0,
+                 "speedup": 1.35, "identical": 15, "num_prompts": 16, "chosen_k": 4})
+    rows.append({"prompts": "demo", "batch": 8, "temperature": 1.0, "mode": "target-only", "tok_s": 380.0,
+                 "speedup": 1.0, "num_prompts": 16})
+    (tmp_path / "speedup.json").write_text(json.dumps(
+        {"name": "speedup", "tables": [], "machine": MACHINE, "commit": "abc1234", "date": "2026-12-03 08:00 UTC",
+         "command": ".venv/bin/python benchmarks/speedup.py", "data": {"rows": rows}}))
+    summary = run_all.speedup_summary(tmp_path)
+    (greedy, sampled) = common.read_tables(summary)[0]["rows"]
+    assert greedy == ["demo", 8, 0, 400.0, "K=4: 1.40×", "1.35×", 4, "15/16"]   # the worst greedy row counts
+    assert sampled[4:] == ["-", "-", "-", "-"]
+    assert "commit abc1234" in summary and "2026-12-03 08:00 UTC" in summary
+
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- results: generated -->\nold table\n<!-- /results -->\nrest\n")
+    assert run_all.update_readme(readme, summary)
+    text = readme.read_text()
+    assert text.startswith("intro\n<!-- results: generated -->\n| prompts |") and text.endswith("<!-- /results -->\nrest\n")
+    assert "old table" not in text
+    assert not run_all.update_readme(tmp_path / "speedup.json", summary)   # no markers: left alone
+
+
 def test_render_without_results(tmp_path):
     assert "No results yet" in run_all.render(tmp_path)
 
