@@ -1,0 +1,157 @@
+"""SpecForge ``PEagleDraftModel`` tensors <-> our P-EAGLE draft: the name table, loading and export.
+
+On disk (SpecForge persists the whole draft, since P-EAGLE trains its embedding and mask state):
+``embed_tokens.weight`` [V, D], ``fc.weight`` [D, X], ``mask_hidden`` [1, 1, X],
+``layers.{i}.self_attn.{q,k,v,o}_proj.weight`` (q/k/v input 2D in layer 0, D after),
+``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.{input_layernorm,post_attention_layernorm}
+.weight``, ``layers.0.hidden_norm.weight``, ``norm.weight``, ``lm_head.weight`` [W, D], ``d2t`` int64 [W],
+``t2d`` bool [V]. The key set is exactly that class's ``state_dict()`` (its RoPE tables are not
+persistent), so an export loads there with ``strict=True``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+import numpy as np
+from flax import nnx
+
+from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
+from eagle3_jax.checkpoint.draft_map import _cast
+from eagle3_jax.checkpoint.hf_loader import load_state
+from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
+from eagle3_jax.checkpoint.staging import staged_dir, write_json_atomic
+from eagle3_jax.checkpoint.target_map import Rule, _linear, _linear_in, _same
+from eagle3_jax.config.peagle import PEagleConfig
+from eagle3_jax.errors import CheckpointError
+
+
+def peagle_rules(cfg: PEagleConfig, n_aux: int) -> list[Rule]:
+    D, N, G, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    W, F, X = cfg.draft_vocab_size, cfg.intermediate_size, n_aux * cfg.target_hidden_size
+    rules = [
+        _same(("embed_tokens",), "embed_tokens.weight"),
+        _linear(("fc",), "fc.weight", X, (D,)),
+        Rule(("mask_hidden",), ("mask_hidden",), lambda a: a[0].reshape(-1), lambda w: [np.asarray(w).reshape(1, 1, -1)]),
+        _same(("norm", "weight"), "norm.weight"),
+        _linear(("lm_head",), "lm_head.weight", D, (W,)),
+        _cast(("d2t",), "d2t", np.int32, np.int64),
+        _cast(("t2d",), "t2d", np.bool_, np.bool_),
+    ]
+    for i in range(cfg.num_hidden_layers):
+        ours, disk = ("layers", i), f"layers.{i}."
+        width = 2 * D if i == 0 else D
+        at = ours + ("self_attn",)
+        rules += [
+            _same(ours + ("input_layernorm", "weight"), disk + "input_layernorm.weight"),
+            _same(ours + ("post_attention_layernorm", "weight"), disk + "post_attention_layernorm.weight"),
+            _linear(at + ("q_proj",), disk + "self_attn.q_proj.weight", width, (N, H)),
+            _linear(at + ("k_proj",), disk + "self_attn.k_proj.weight", width, (G, H)),
+            _linear(at + ("v_proj",), disk + "self_attn.v_proj.weight", width, (G, H)),
+            _linear_in(at + ("o_proj",), disk + "self_attn.o_proj.weight", (N, H), D),
+            _linear(ours + ("mlp", "gate"), disk + "mlp.gate_proj.weight", D, (F,)),
+            _linear(ours + ("mlp", "up"), disk + "mlp.up_proj.weight", D, (F,)),
+            _linear(ours + ("mlp", "down"), disk + "mlp.down_proj.weight", F, (D,)),
+        ]
+        if i == 0:
+            rules.append(_same(ours + ("hidden_norm", "weight"), disk + "hidden_norm.weight"))
+    return rules
+
+
+def n_aux_of(reader: CheckpointReader, cfg: PEagleConfig, where: str) -> int:
+    """How many target aux states ``fc`` fuses, read from its stored width."""
+    if "fc.weight" not in reader or "mask_hidden" not in reader:
+        raise CheckpointError(
+            f"{where}: a P-EAGLE draft stores fc.weight and mask_hidden; found neither or one of them "
+            f"({'fc.weight' in reader}, {'mask_hidden' in reader}). Is this a chain EAGLE-3 draft? Load it with load_draft")
+    fc_in = reader.shape("fc.weight")[1]
+    if fc_in % cfg.target_hidden_size:
+        raise CheckpointError(
+            f"{where}: fc.weight takes {fc_in} inputs, not a multiple of target_hidden_size={cfg.target_hidden_size}; "
+            "fix target_hidden_size in config.json")
+    return fc_in // cfg.target_hidden_size
+
+
+def read_peagle_state(path: str | os.PathLike, cfg: PEagleConfig, abstract_state: nnx.State, n_aux: int,
+                      mesh=None, reader: CheckpointReader | None = None) -> nnx.State:
+    """Fills ``abstract_state`` from SpecForge-layout safetensors; any missing, unexpected or
+    mis-shaped tensor is one CheckpointError naming them all."""
+    where = os.fspath(path)
+    reader = reader if reader is not None else CheckpointReader(path)
+    return load_state(reader, peagle_rules(cfg, n_aux), abstract_state, mesh=mesh, where=where)
+
+
+def iter_peagle_tensors(cfg: PEagleConfig, flat_params: Mapping[tuple, np.ndarray], n_aux: int):
+    for rule in peagle_rules(cfg, n_aux):
+        for key, arr in zip(rule.hf_keys, rule.to_hf(np.asarray(flat_params[rule.path]))):
+            yield key, arr
+
+
+def flat_params(model) -> dict[tuple, np.ndarray]:
+    """Our P-EAGLE module's state as path -> host array (the rule tables' keys)."""
+    _, state = nnx.split(model)
+    return {tuple(k): np.asarray(v[...]) for k, v in nnx.to_flat_state(state)}
+
+
+def write_peagle(path: str | os.PathLike, cfg: PEagleConfig, flat: Mapping[tuple, np.ndarray], aux_layer_ids,
+                 out_dtype=None, dtype_name: str | None = None) -> None:
+    """config.json (recording ``aux_layer_ids`` and the MASK token id) + model.safetensors in
+    SpecForge's layout, staged beside ``path``; ``out_dtype`` casts floating-point weights."""
+    path = os.fspath(path)
+    if os.path.exists(path):
+        raise CheckpointError(f"{path} already exists; remove it or choose another output directory")
+    cfg.require_mask_token(path)
+    hf = cfg.to_hf_dict()
+    hf.setdefault("eagle_config", {})
+    hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(aux_layer_ids)
+    hf["eagle_config"].setdefault("use_aux_hidden_state", True)
+    if out_dtype is not None:
+        flat = {k: (v.astype(out_dtype) if np.issubdtype(v.dtype, np.floating) or v.dtype.name == "bfloat16" else v)
+                for k, v in flat.items()}
+        hf["torch_dtype"] = dtype_name
+    with staged_dir(path) as tmp:
+        with CheckpointWriter(tmp) as writer:
+            for name, arr in iter_peagle_tensors(cfg, flat, len(aux_layer_ids)):
+                writer.add(name, arr)
+        write_json_atomic(tmp / "config.json", hf, fsync=False)
+
+
+def build_peagle_draft(cfg: PEagleConfig, target, dtype=None, seed: int = 0):
+    """A randomly initialised P-EAGLE draft wired to ``target`` (an ``api.LoadedTarget``)."""
+    from eagle3_jax.api import LoadedDraft, _check_and_wire
+    from eagle3_jax.config import resolve_dtype
+    from eagle3_jax.contracts import resolve_aux_ids
+    from eagle3_jax.models.peagle import PEagleDraft
+    from eagle3_jax.sharding import shard_state
+
+    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
+    ids = resolve_aux_ids(cfg, target.config)
+    model = PEagleDraft(cfg, len(ids), dtype, nnx.Rngs(seed))
+    _check_and_wire(cfg, target, model.fc[...].shape[0], None, cfg.hidden_size)
+    if target.mesh is not None:
+        graphdef, state = nnx.split(model)
+        model = nnx.merge(graphdef, shard_state(state, target.mesh))
+    return LoadedDraft(model, target, ids)
+
+
+def load_peagle_draft(path: str | os.PathLike, target, dtype=None, mask_token_id: int | None = None):
+    """A SpecForge-layout P-EAGLE draft directory, checked against and wired to ``target``: aux ids
+    exist, fc's width is n_aux x target hidden, vocabularies and d2t agree, before any weight is read."""
+    from eagle3_jax.api import LoadedDraft, _check_and_wire
+    from eagle3_jax.config import resolve_dtype
+    from eagle3_jax.models.peagle import PEagleDraft
+
+    where = os.fspath(path)
+    cfg = PEagleConfig.from_path(path, mask_token_id)
+    cfg.require_mask_token(where)
+    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
+    reader = CheckpointReader(path)
+    n_aux = n_aux_of(reader, cfg, where)
+    d2t = reader.read("d2t") if "d2t" in reader else None
+    ids = _check_and_wire(cfg, target, n_aux * cfg.target_hidden_size, d2t, cfg.hidden_size)
+    if len(ids) != n_aux:
+        raise CheckpointError(f"{where}: fc fuses {n_aux} aux states but the config names {len(ids)} layer ids {ids}")
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: PEagleDraft(cfg, n_aux, dtype, None)))
+    state = read_peagle_state(path, cfg, abstract, n_aux, mesh=target.mesh, reader=reader)
+    return LoadedDraft(nnx.merge(graphdef, state), target, ids)

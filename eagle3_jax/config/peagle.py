@@ -1,0 +1,105 @@
+"""``PEagleConfig``: a parallel-drafting (P-EAGLE) draft in SpecForge's ``PEagleDraftModel`` layout.
+
+The config.json is a Llama config plus ``draft_vocab_size`` (and optionally ``target_hidden_size``,
+``eagle_config``, ``norm_before_residual``), with ``architectures: ["PEagleDraftModel"]`` and
+``num_hidden_layers`` draft decoder layers (SpecForge's Qwen3-8B recipe uses 4). Two facts of that
+class shape what we read here:
+
+- its rotary embedding is built from ``rope_theta`` alone: ``rope_scaling`` is never applied, so a
+  draft trained there computes unscaled RoPE whatever its config says, and so do we;
+- the id of the MASK token fed at the not-yet-known positions is chosen by SpecForge's trainer and
+  is not written into config.json. We read ``mask_token_id`` when the config has it (our exports
+  write it; SpecForge's LlamaConfig keeps unknown keys, so its loader still accepts the file), and
+  otherwise the caller must name it: the embedding row used at those positions changes every draft.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from eagle3_jax.config.draft import DraftConfig
+from eagle3_jax.config.target import RopeConfig
+from eagle3_jax.errors import ConfigError
+
+PEAGLE_ARCHITECTURES = ("PEagleDraftModel",)
+
+
+def is_peagle_config(d: Mapping[str, Any]) -> bool:
+    return any(a in PEAGLE_ARCHITECTURES for a in (d.get("architectures") or []))
+
+
+@dataclass(frozen=True)
+class PEagleConfig(DraftConfig):
+    """The EAGLE-3 draft fields plus the number of decoder layers and the MASK token id."""
+
+    num_hidden_layers: int = 4
+    mask_token_id: int | None = None
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any], where: str = "draft config.json",
+                     mask_token_id: int | None = None) -> "PEagleConfig":
+        if not is_peagle_config(d):
+            raise ConfigError(
+                f"{where}: architectures {d.get('architectures')} is not a P-EAGLE draft; expected "
+                f"{list(PEAGLE_ARCHITECTURES)}. Load an EAGLE-3 chain draft with DraftConfig instead")
+        layers = int(d.get("num_hidden_layers") or 0)
+        if layers < 1:
+            raise ConfigError(f"{where}: num_hidden_layers must be >= 1 for a P-EAGLE draft, found {layers}")
+        theta = _rope_theta(d)
+        # The shared fields are parsed by the EAGLE-3 reader; the rope entries are left out of what
+        # it sees because SpecForge's P-EAGLE never applies them (module docstring).
+        shared = {k: v for k, v in d.items() if k not in ("architectures", "rope_scaling", "rope_parameters")}
+        base = DraftConfig.from_hf_dict(shared, where)
+        stored = d.get("mask_token_id")
+        if mask_token_id is not None and stored is not None and int(stored) != int(mask_token_id):
+            raise ConfigError(
+                f"{where}: mask_token_id {stored} in config.json but {mask_token_id} was passed; the draft was "
+                "trained with one of them. Pass none (use the config's) or fix config.json")
+        mask = mask_token_id if mask_token_id is not None else stored
+        if mask is not None and not 0 <= int(mask) < base.vocab_size:
+            raise ConfigError(f"{where}: mask_token_id {mask} is outside the draft embedding [0, {base.vocab_size})")
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(DraftConfig)}
+        fields.update(rope=RopeConfig(theta=theta), hf_config=json.loads(json.dumps(dict(d))),
+                      num_hidden_layers=layers, mask_token_id=None if mask is None else int(mask))
+        return cls(**fields)
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike, mask_token_id: int | None = None) -> "PEagleConfig":
+        p = os.fspath(path)
+        if os.path.isdir(p):
+            p = os.path.join(p, "config.json")
+        if not os.path.isfile(p):
+            raise ConfigError(f"no config.json at {p}; point at a P-EAGLE draft directory")
+        with open(p) as f:
+            return cls.from_hf_dict(json.load(f), where=p, mask_token_id=mask_token_id)
+
+    def require_mask_token(self, where: str = "P-EAGLE draft") -> int:
+        if self.mask_token_id is None:
+            raise ConfigError(
+                f"{where}: no mask_token_id. SpecForge picks it at training time (its trainer's mask_token_id, "
+                "else the tokenizer's mask, else an unused embedding slot, else pad/eos/unk) and does not store "
+                "it in config.json; pass the id the draft was trained with (mask_token_id=...) or add "
+                "\"mask_token_id\" to its config.json")
+        return self.mask_token_id
+
+    def to_hf_dict(self) -> dict:
+        d = json.loads(json.dumps(self.hf_config)) if self.hf_config else super().to_hf_dict()
+        d["architectures"] = list(PEAGLE_ARCHITECTURES)
+        d["num_hidden_layers"] = self.num_hidden_layers
+        d["rope_theta"] = self.rope.theta
+        if self.mask_token_id is not None:
+            d["mask_token_id"] = self.mask_token_id
+        d["norm_before_residual"] = self.norm_before_residual
+        return d
+
+
+def _rope_theta(d: Mapping[str, Any]) -> float:
+    """transformers 5 moves ``rope_theta`` into ``rope_parameters``; SpecForge reads it from there first."""
+    params = d.get("rope_parameters")
+    if isinstance(params, Mapping) and params.get("rope_theta") is not None:
+        return float(params["rope_theta"])
+    return float(d.get("rope_theta") or 10000.0)

@@ -1,0 +1,196 @@
+"""The P-EAGLE draft (parallel EAGLE; SpecForge ``PEagleDraftModel`` compatible).
+
+A stack of ``num_hidden_layers`` Llama decoder layers over EAGLE-3 inputs. Every position carries
+a token and a hidden state; the first layer is the EAGLE-3 layer (2D wide), the others are plain:
+
+    hidden  = fc(aux)   at a known position,   fc(mask_hidden)   at a position still to be guessed
+    token   = the next token (known),           mask_token_id     (to be guessed)
+    layer 0 : x = concat[input_layernorm(embed(token)), hidden_norm(hidden)]
+              h = hidden (hidden_norm(hidden) with norm_before_residual) + attn(x); h += mlp(post_ln(h))
+    layer i : h = h + attn(input_layernorm(h)); h += mlp(post_ln(h))
+    logits  = lm_head(norm(h))   over the draft vocab; target id = id + d2t[id]
+
+``mask_hidden`` replaces the target's aux states (before ``fc``) where they are unknown, so one
+pass predicts K positions: anchored at position a (aux known, next token known), depth 0 is the
+usual EAGLE-3 prediction, and depth d sits at position a + d and predicts d tokens further. Which
+keys a query sees is the P-EAGLE rule: known positions up to its anchor, and the positions of its
+own rollout up to its depth (:func:`rollout_mask`). Serving realises that rule with the KV cache
+(slots hold known positions; a rollout's mask positions are written after its anchor and masked
+by position like any stale slot); training and the parity check pass the mask explicitly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle3_jax.config.peagle import PEagleConfig
+from eagle3_jax.models.attention import masked_softmax
+from eagle3_jax.models.cache import KVCache, causal_slot_mask
+from eagle3_jax.models.draft import Buffer, DraftStep
+from eagle3_jax.models.layers import RMSNorm, SwiGLU, apply_rope, param, rope_cos_sin, rope_inv_freq
+
+
+def rollout_mask(anchor_BT: jax.Array, depth_BT: jax.Array, doc_BT: jax.Array | None = None) -> jax.Array:
+    """[B, T, T] which keys each query may see, for tokens laid out as (anchor position, depth)
+    pairs in any order: a depth-0 key whose anchor is at or before the query's anchor, or a key of
+    the query's own rollout (same anchor) at or below its depth; never across documents
+    (``doc_BT``, -1 = padding, which sees nothing)."""
+    qa, ka = anchor_BT[:, :, None], anchor_BT[:, None, :]
+    qd, kd = depth_BT[:, :, None], depth_BT[:, None, :]
+    seen = ((kd == 0) & (ka <= qa)) | ((ka == qa) & (kd <= qd))
+    if doc_BT is not None:
+        qdoc = jnp.take_along_axis(doc_BT, anchor_BT, axis=1)
+        seen &= (qdoc[:, :, None] == qdoc[:, None, :]) & (qdoc[:, :, None] >= 0)
+    return seen
+
+
+def _attend(q_BTNH, k_BGSH, v_BGSH, mask_BTS):
+    """Grouped-query attention over S keys; returns [B, T, N, H]."""
+    B, T, N, H = q_BTNH.shape
+    G, S = k_BGSH.shape[1], k_BGSH.shape[2]
+    q_BTGRH = q_BTNH.reshape(B, T, G, N // G, H)
+    scores_BTGRS = jnp.einsum("btgrh,bgsh->btgrs", q_BTGRH, k_BGSH) * H ** -0.5
+    probs = masked_softmax(scores_BTGRS.reshape(B, T, N, S), mask_BTS).reshape(B, T, G, N // G, S)
+    out_BTGRH = jnp.einsum("btgrs,bgsh->btgrh", probs.astype(v_BGSH.dtype), v_BGSH)
+    return out_BTGRH.reshape(B, T, N, H)
+
+
+class PEagleAttention(nnx.Module):
+    """Llama GQA with rotate-half RoPE; ``width`` input features (2D in the first layer, D after)."""
+
+    def __init__(self, cfg: PEagleConfig, width: int, dtype, rngs):
+        D, N, G, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = param(rngs, (width, N, H), ("embed", "heads", "head_dim"), dtype)
+        self.k_proj = param(rngs, (width, G, H), ("embed", "heads", "head_dim"), dtype)
+        self.v_proj = param(rngs, (width, G, H), ("embed", "heads", "head_dim"), dtype)
+        self.o_proj = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), dtype)
+
+    def __call__(self, x_BTI, positions_BT, cos_BTH, sin_BTH, cache: KVCache | None, mask_BTT=None):
+        """With a cache: write this call's keys at their positions, attend causally by slot.
+        Without: attend among the given tokens under ``mask_BTT``."""
+        q_BTNH = jnp.einsum("bti,inh->btnh", x_BTI, self.q_proj[...])
+        k_BTGH = jnp.einsum("bti,igh->btgh", x_BTI, self.k_proj[...])
+        v_BTGH = jnp.einsum("bti,igh->btgh", x_BTI, self.v_proj[...])
+        q_BTNH = apply_rope(q_BTNH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
+        k_BTGH = apply_rope(k_BTGH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
+        if cache is None:
+            out_BTNH = _attend(q_BTNH, k_BTGH.transpose(0, 2, 1, 3), v_BTGH.transpose(0, 2, 1, 3), mask_BTT)
+        else:
+            cache = cache.write(k_BTGH, v_BTGH, positions_BT)
+            out_BTNH = _attend(q_BTNH, cache.k_BGSH, cache.v_BGSH, causal_slot_mask(positions_BT, cache.capacity))
+        return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...]), cache
+
+
+class PEagleLayer(nnx.Module):
+    def __init__(self, cfg: PEagleConfig, first: bool, dtype, rngs):
+        D = cfg.hidden_size
+        self.first = first
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        # The first layer normalises the token embedding and the hidden state separately.
+        self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps, dtype) if first else None
+        self.self_attn = PEagleAttention(cfg, 2 * D if first else D, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.mlp = SwiGLU(D, cfg.intermediate_size, dtype, rngs)
+
+    def __call__(self, emb_BTD, h_BTD, positions_BT, cos, sin, cache, mask_BTT):
+        if self.first:
+            normed_BTD = self.hidden_norm(h_BTD)
+            residual_BTD = normed_BTD if self.norm_before_residual else h_BTD
+            x_BTI = jnp.concatenate([self.input_layernorm(emb_BTD), normed_BTD], axis=-1)
+        else:
+            residual_BTD, x_BTI = h_BTD, self.input_layernorm(h_BTD)
+        attn_BTD, cache = self.self_attn(x_BTI, positions_BT, cos, sin, cache, mask_BTT)
+        h_BTD = residual_BTD + attn_BTD
+        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD)), cache
+
+
+class PEagleDraft(nnx.Module):
+    """Same calling convention as the chain draft (``Draft``) for known positions, so prefill and
+    catch-up are shared; :meth:`propose` adds the parallel guesses. It always carries its own
+    token embedding (P-EAGLE trains it), so the target's embedding argument is ignored."""
+
+    kind = "peagle"
+
+    def __init__(self, cfg: PEagleConfig, n_aux: int, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        D, W, V = cfg.hidden_size, cfg.draft_vocab_size, cfg.vocab_size
+        X = n_aux * cfg.target_hidden_size
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = param(rngs, (V, D), ("vocab", "embed"), dtype)
+        self.fc = param(rngs, (X, D), ("aux", "embed"), dtype)
+        # SpecForge initialises it from a unit normal, not the 0.02 of the weights.
+        self.mask_hidden = param(rngs, (X,), ("aux",), dtype, std=1.0)
+        self.layers = nnx.List([PEagleLayer(cfg, i == 0, dtype, rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.lm_head = param(rngs, (D, W), ("embed", "draft_vocab"), dtype)
+        self.d2t = Buffer(jnp.zeros((W,), jnp.int32), axes=(None,))
+        self.t2d = Buffer(jnp.ones((V,), jnp.bool_) if W == V else jnp.zeros((V,), jnp.bool_), axes=(None,))
+        inv_freq, attn_factor = rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        self.rope_inv_freq = tuple(inv_freq.tolist())
+        self.rope_attn_factor = attn_factor
+
+    # ------------------------------------------------------------------ shared with the chain draft
+    def init_cache(self, batch: int, capacity: int) -> tuple[KVCache, ...]:
+        cfg = self.cfg
+        return tuple(KVCache.zeros(batch, capacity, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+                     for _ in range(cfg.num_hidden_layers))
+
+    def fuse(self, aux_BTX: jax.Array) -> jax.Array:
+        return jnp.einsum("btx,xd->btd", aux_BTX.astype(self.dtype), self.fc[...])
+
+    def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
+        return draft_ids + self.d2t[...][draft_ids]
+
+    def head(self, out_BTD: jax.Array) -> jax.Array:
+        return jnp.einsum("btd,dw->btw", self.norm(out_BTD), self.lm_head[...]).astype(jnp.float32)
+
+    def _layers(self, ids_BT, hidden_BTD, positions_BT, cache, mask_BTT, with_logits) -> DraftStep:
+        emb_BTD = jnp.take(self.embed_tokens[...], ids_BT, axis=0).astype(self.dtype)
+        cos, sin = rope_cos_sin(positions_BT, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attn_factor)
+        h_BTD, new_cache = hidden_BTD, []
+        for i, layer in enumerate(self.layers):
+            h_BTD, c = layer(emb_BTD, h_BTD, positions_BT, cos, sin, None if cache is None else cache[i], mask_BTT)
+            new_cache.append(c)
+        return DraftStep(hidden_BTD=h_BTD, logits_BTW=self.head(h_BTD) if with_logits else None,
+                         cache=None if cache is None else tuple(new_cache))
+
+    def __call__(self, ids_BT, hidden_BTD, positions_BT, embed_VD=None, cache=None, attend=None,
+                 with_logits: bool = True) -> DraftStep:
+        """Known positions (depth 0): ``hidden_BTD`` is fc(aux) at each position and ``ids_BT[:, t]``
+        the token after it. With a cache (prefill, catch-up) the keys are kept for later rounds;
+        without one the tokens attend causally among themselves."""
+        if attend is not None:
+            raise ValueError("PEagleDraft has no training-time-test hook; train it with forward_rollouts")
+        mask_BTT = None
+        if cache is None:
+            mask_BTT = positions_BT[:, None, :] <= positions_BT[:, :, None]
+        return self._layers(ids_BT, hidden_BTD, positions_BT, cache, mask_BTT, with_logits)
+
+    # ------------------------------------------------------------------ parallel drafting
+    def mask_inputs(self, batch: int, count: int):
+        """(ids [B, count], hidden [B, count, D]) of positions still to be guessed."""
+        mask_id = self.cfg.require_mask_token()
+        hidden_D = jnp.einsum("x,xd->d", self.mask_hidden[...], self.fc[...])
+        return (jnp.full((batch, count), mask_id, jnp.int32),
+                jnp.broadcast_to(hidden_D.astype(self.dtype), (batch, count, hidden_D.shape[-1])))
+
+    def propose(self, positions_BK: jax.Array, cache: tuple[KVCache, ...]) -> DraftStep:
+        """Logits of the guessed positions ``positions_BK`` (anchor + 1 .. anchor + K - 1, where the
+        cache holds every known position up to the anchor) in one pass. Their keys are written into
+        the cache at those positions: a later catch-up overwrites them, and until then they are past
+        every row's length and masked by position."""
+        B, K = positions_BK.shape
+        ids_BK, hidden_BKD = self.mask_inputs(B, K)
+        return self._layers(ids_BK, hidden_BKD, positions_BK, cache, None, True)
+
+    def forward_rollouts(self, ids_BT, aux_BTX, depth_BT, positions_BT, mask_BTT) -> DraftStep:
+        """Training and checking: tokens laid out as rollouts (``depth_BT`` 0 = known, with its
+        ``ids_BT`` and ``aux_BTX``; > 0 = guessed, whose ids and aux are replaced by the MASK token
+        and ``mask_hidden``), under an explicit ``mask_BTT`` (see :func:`rollout_mask`)."""
+        known_BT = depth_BT == 0
+        ids_BT = jnp.where(known_BT, ids_BT, self.cfg.require_mask_token())
+        aux_BTX = jnp.where(known_BT[..., None], aux_BTX.astype(self.dtype), self.mask_hidden[...][None, None])
+        return self._layers(ids_BT, self.fuse(aux_BTX), positions_BT, None, mask_BTT, True)
