@@ -10,13 +10,14 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install --upgrade pip
-	$(VENV)/bin/pip install -e '.[dev]'
+	# tpu: libtpu, so the suite's TPU compile tier runs here without a TPU (deviceless AOT)
+	$(VENV)/bin/pip install -e '.[dev,tpu]'
 	touch $(STAMP)
 
 # pytest exits 5 when it collects nothing; that must fail too, and it does because
 # make propagates every non-zero status.
 test: setup
-	$(VENV)/bin/python -m pytest -n 2 --dist loadfile -W ignore::DeprecationWarning $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n 2 --dist loadfile -W ignore::DeprecationWarning --durations=15 $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/python serve.py

@@ -10,6 +10,11 @@ from __future__ import annotations
 import os
 
 OFF_ENV = "EAGLE3_JAX_COMPILE_CACHE"   # "0" / "off": leave JAX's cache settings alone
+CACHE_ENV = "EAGLE3_JAX_CACHE"          # the project's cache directory (default ~/.cache/eagle3_jax)
+
+
+def cache_dir() -> str:
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "eagle3_jax")
 
 
 def enable(path: str | None = None) -> str | None:
@@ -18,8 +23,6 @@ def enable(path: str | None = None) -> str | None:
     if os.environ.get(OFF_ENV, "").lower() in ("0", "off", "false", "no"):
         return None
     import jax
-
-    from eagle3_jax.speculative.autodraft import cache_dir
 
     path = path or os.path.join(cache_dir(), "xla")
     os.makedirs(path, exist_ok=True)

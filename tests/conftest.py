@@ -14,6 +14,16 @@ import eagle3_jax as e3  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# A persistent compilation cache for the suite: each test file's in-memory programs are dropped when
+# it ends (below), and pytest-xdist workers do not share memory, so without it every file and worker
+# recompiles the shared shapes. EAGLE3_TEST_XLA_CACHE moves it; "off" disables it.
+_CACHE = os.environ.get("EAGLE3_TEST_XLA_CACHE",
+                        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "test-xla"))
+if _CACHE.lower() != "off":
+    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 from tests import hf_fixtures  # noqa: E402
 
 
@@ -35,32 +45,13 @@ def tiny_target(tiny_target_dir):
     return e3.load_target(tiny_target_dir)
 
 
-def _shared_dir(tmp_path_factory):
-    """A directory shared by all pytest-xdist workers of this run (one build, many readers)."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
 @pytest.fixture(scope="session")
-def trained_draft_dir(tiny_target_dir, tiny_target, tmp_path_factory):
-    """A draft trained on the tiny target's own outputs, saved in the SpecForge layout.
+def trained_draft_dir():
+    """A draft trained on the tiny target's own greedy outputs (SpecForge layout), shipped with the
+    tests: see tests/data/build_trained_draft.py, which rebuilds it. Tests only read it."""
+    from pathlib import Path
 
-    The tiny target is rebuilt bit-identically by every worker (fixed seed), so the draft trained
-    by whichever worker gets here first serves them all.
-    """
-    from filelock import FileLock
-
-    from tests import spec_fixtures
-
-    path = _shared_dir(tmp_path_factory) / "trained_draft"
-    with FileLock(str(path) + ".lock"):
-        if not path.exists():
-            cfg = spec_fixtures.tiny_draft_config(tiny_target.config)
-            draft = e3.build_draft(cfg, tiny_target, seed=0)
-            seqs = spec_fixtures.target_greedy_corpus(tiny_target)
-            trained, _ = spec_fixtures.train_draft_on_target(tiny_target, draft, seqs)
-            e3.save_draft(trained, path)
-    return path
+    return Path(__file__).resolve().parent / "data" / "trained_draft"
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,6 @@ derived from content, metrics for an empty input, help texts."""
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -145,8 +143,11 @@ def test_help_texts(capsys):
         cli.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "With no arguments at all, runs the embedded demo" in text and "Exit status" in text
-    plan = subprocess.run([sys.executable, "-m", "tools.plan", "--help"], cwd=REPO, capture_output=True, text=True)
-    assert plan.returncode == 0 and "(default:" in plan.stdout
-    inspect = subprocess.run([sys.executable, "-m", "tools.convert", "inspect", "--help"], cwd=REPO,
-                             capture_output=True, text=True)
-    assert inspect.returncode == 0 and "checkpoint directory" in inspect.stdout
+    from tools.convert.__main__ import main as convert_main
+    from tools.plan.__main__ import main as plan_main
+
+    for main, argv, expected in ((plan_main, ["--help"], "(default:"),
+                                 (convert_main, ["inspect", "--help"], "checkpoint directory")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 0 and expected in capsys.readouterr().out
