@@ -94,6 +94,9 @@ def test_unknown_kernel_is_a_config_error():
 def test_default_kernel_per_backend():
     assert moe.default_kernel("cpu") == "blocked"
     assert moe.default_kernel("gpu") == moe.default_kernel("cuda") == moe.default_kernel("tpu") == "ragged"
+    # quantized stacks: the Pallas grouped kernels on TPU, the blocked loop elsewhere
+    assert moe.default_kernel("tpu", quantized=True) == "grouped"
+    assert moe.default_kernel("cpu", quantized=True) == moe.default_kernel("cuda", quantized=True) == "blocked"
 
 
 def test_captured_routes_are_the_routes_of_that_call():
@@ -137,6 +140,38 @@ def test_gpu_default_moe_exports_without_a_loop_over_experts():
         assert "ragged_dot" in text or "ragged" in text.lower(), "expected a grouped matmul"
         assert not re.search(r"stablehlo\.while", text), f"loop in the GPU MoE program (T={T})"
     assert re.search(r"stablehlo\.while", exported_text("blocked", 16)), "control: blocked loops"
+
+
+@pytest.mark.parametrize("experts", ["int4", "fp8"])
+def test_tpu_quantized_moe_is_three_kernels_reading_the_stored_stacks(experts):
+    """The quantized MoE layer lowered for TPU (explicit platform, on this CPU host) with its TPU
+    default: Mosaic kernels, no while loop over expert blocks, and the stacks passed to the
+    kernels as stored (no convert, transpose or copy of a [E, out, in] stack anywhere)."""
+    from eagle3_jax.models.quantized import QuantLayout
+
+    cfg = TargetConfig.from_hf_dict({**TINY, "hidden_size": 128, "moe_intermediate_size": 128})
+    layer = moe.MoE(cfg, jnp.bfloat16, nnx.Rngs(0), quant=QuantLayout(experts=experts), platform="tpu")
+    assert layer.kernel == "grouped"
+    graphdef, state = nnx.split(layer)
+
+    def f(state, x_BTD):
+        return nnx.merge(graphdef, state)(x_BTD)
+
+    x = jax.ShapeDtypeStruct((4, 5, cfg.hidden_size), jnp.bfloat16)
+    text = jax.export.export(jax.jit(f), platforms=("tpu",))(state, x).mlir_module()
+    assert "tpu_custom_call" in text, "expected the Mosaic grouped-matmul kernels"
+    assert not re.search(r"stablehlo\.while", text), "loop in the TPU quantized MoE program"
+    E = cfg.n_routed_experts
+    stack = r"tensor<%dx\d+x\d+x(i32|f8E4M3FN)>" % E
+    for op in ("stablehlo.convert", "stablehlo.transpose", "stablehlo.bitcast_convert", "stablehlo.reshape"):
+        bad = [ln for ln in text.splitlines() if op in ln and re.search(r"\(" + stack, ln)]
+        assert not bad, f"{op} of a stored expert stack: {bad[:1]}"
+    # control: the blocked loop, the CPU default, loops over expert blocks
+    blocked = moe.MoE(cfg, jnp.bfloat16, nnx.Rngs(0), quant=QuantLayout(experts=experts), kernel="blocked",
+                      platform="tpu")
+    g2, s2 = nnx.split(blocked)
+    text2 = jax.export.export(jax.jit(lambda st, x: nnx.merge(g2, st)(x)), platforms=("tpu",))(s2, x).mlir_module()
+    assert re.search(r"stablehlo\.while", text2)
 
 
 # ---------------------------------------------------------------------- the sharding table

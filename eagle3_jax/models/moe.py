@@ -21,6 +21,11 @@ result up to float summation order:
     blocks, and the most blocks any routing can need, ceil(A / b) + E, computed as one batched
     matmul against per-block gathered weights. Cost about (A + E b) rows. Differentiable, so it is
     the cheap training kernel on CPU.
+Quantized stacks (INT4 / FP8 held as stored) have their own two (``QUANT_EXPERT_KERNELS``):
+  * ``blocked``: the loop above, each trip dequantizing its expert a tile of columns at a time.
+  * ``grouped``: three Pallas grouped matmuls over all blocks at once, each reading the stored
+    words and dequantizing a tile in the kernel (``kernels/quant_gmm.py``); the TPU default.
+The kernels themselves live in ``models/experts.py``.
 With a mesh, experts are sharded over the expert mesh axis and expert width over the tensor axis
 (the table in ``sharding.py``): inside ``jax.shard_map`` each device runs only its local experts on
 the tokens routed to them, and a psum combines the partial outputs.
@@ -31,7 +36,7 @@ Routing statistics: ``capture_routes(fn)`` returns the expert ids every MoE laye
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import Callable
 
 import jax
@@ -41,8 +46,12 @@ from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.errors import ConfigError
+from eagle3_jax.kernels import quant_gmm
+from eagle3_jax.models.experts import (  # noqa: F401 - the kernels live there; named here too
+    GROUPED_MIN_ROWS, PADDED_BLOCK_ROWS, block_rows, block_table, experts_blocked, experts_blocked_quantized,
+    experts_grouped_quantized, experts_padded_blocks, experts_ragged, pow2_at_least, sort_assignments)
 from eagle3_jax.models.layers import SwiGLU, param
-from eagle3_jax.models.quantized import Int4Stack, QuantLayout, expert_stack, quantized_matmul, take_expert
+from eagle3_jax.models.quantized import Int4Stack, QuantLayout, expert_stack
 from eagle3_jax.sharding import mesh_axis
 
 # (x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert) -> y_MD. Experts
@@ -74,146 +83,6 @@ def route(x_MD: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array, cfg: Targe
     return idx_MK.astype(jnp.int32), weights_MK * cfg.routed_scaling_factor
 
 
-def sort_assignments(idx_MK, weights_MK, first_expert, num_local):
-    """(token per sorted assignment, its weight, rows per local expert), sorted by local expert.
-
-    Non-local assignments go last (key = num_local) with weight 0.
-    """
-    M, K = idx_MK.shape
-    local_A = idx_MK.reshape(-1) - first_expert
-    is_local_A = (local_A >= 0) & (local_A < num_local)
-    key_A = jnp.where(is_local_A, local_A, num_local)
-    order_A = jnp.argsort(key_A, stable=True)
-    token_A = (jnp.arange(M * K, dtype=jnp.int32) // K)[order_A]
-    weight_A = jnp.where(is_local_A, weights_MK.reshape(-1), 0.0)[order_A]
-    counts_E = jnp.bincount(key_A, length=num_local + 1)[:num_local].astype(jnp.int32)
-    return token_A, weight_A, counts_E
-
-
-def pow2_at_least(n: float) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1.0)) - 1e-6))  # 16.0000001 is 16
-
-
-def block_rows(num_tokens: int, top_k: int, num_experts: int) -> int:
-    """Static block size of the ``blocked`` loop: the mean rows of an expert *that is hit*, rounded
-    up to a power of two in [1, 256].
-
-    A trip's fixed cost is copying its expert's three weight matrices out of the stack (XLA:CPU
-    does not read a dynamic slice in place: ~15 us a trip at the demo's 256 x 48 experts, the
-    price of about five rows of compute at any D x F, since both scale with D x F). So blocks
-    should hold what one expert receives: each expert is hit by a token with probability
-    p = top_k / E, and an expert that is hit holds M p / (1 - (1 - p)^M) rows on average. Sizing by
-    the mean over *all* experts (A / E) made one trip per row when A < 2E: verifying 7 tokens of
-    the demo target took 28 trips a layer instead of ~14.
-    """
-    p = min(1.0, top_k / max(1, num_experts))
-    hit_rows = num_tokens * p / (1.0 - (1.0 - p) ** num_tokens) if num_tokens > 0 else 1.0
-    return min(256, pow2_at_least(hit_rows), pow2_at_least(num_tokens))
-
-
-def _blocked_loop(x_MD, idx_MK, weights_MK, first_expert, num_experts, expert_ffn):
-    """The ``blocked`` loop: assignments sorted by expert, one fori_loop trip per non-empty block of
-    rows of one expert; ``expert_ffn(x_bD, e) -> y_bD`` runs expert e on a block (dense or quantized
-    weights). Experts outside [first_expert, first_expert + num_experts) contribute 0.
-
-    Which expert and rows each block j takes is computed for all blocks before the loop (a few
-    vector ops), so a trip is only gather -> expert -> scatter-add."""
-    M, K = idx_MK.shape
-    A = M * K
-    token_A, weight_A, counts_E = sort_assignments(idx_MK, weights_MK, first_expert, num_experts)
-    b = block_rows(M, K, num_experts)
-    starts_E = jnp.cumsum(counts_E) - counts_E
-    blocks_E = (counts_E + b - 1) // b
-    block_end_E = jnp.cumsum(blocks_E)
-    block_start_E = block_end_E - blocks_E
-    # No routing needs more blocks than this: every block holds a row, and at most one partial per expert.
-    n_blocks = min(A, -(-A // b) + min(num_experts, A))
-    j_J = jnp.arange(n_blocks, dtype=jnp.int32)
-    e_J = jnp.minimum(jnp.searchsorted(block_end_E, j_J, side="right"), num_experts - 1).astype(jnp.int32)
-    row_JB = (j_J - block_start_E[e_J])[:, None] * b + jnp.arange(b, dtype=jnp.int32)[None, :]
-    valid_JB = row_JB < counts_E[e_J][:, None]
-    a_JB = jnp.where(valid_JB, starts_E[e_J][:, None] + row_JB, 0)
-    tok_JB = token_A[a_JB]
-    w_JB = jnp.where(valid_JB, weight_A[a_JB], 0.0)   # padding rows add 0
-
-    def one_block(j, out_MD):
-        tok_b = tok_JB[j]
-        y_bD = expert_ffn(x_MD[tok_b], e_J[j])
-        return out_MD.at[tok_b].add(y_bD * w_JB[j][:, None].astype(y_bD.dtype))
-
-    return jax.lax.fori_loop(0, block_end_E[-1], one_block, jnp.zeros_like(x_MD))
-
-
-def experts_blocked(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert):
-    def ffn(x_bD, e):
-        return (jax.nn.silu(x_bD @ w_gate_EDF[e]) * (x_bD @ w_up_EDF[e])) @ w_down_EFD[e]
-
-    return _blocked_loop(x_MD, idx_MK, weights_MK, first_expert, w_gate_EDF.shape[0], ffn)
-
-
-def experts_ragged(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert):
-    E = w_gate_EDF.shape[0]
-    token_A, weight_A, counts_E = sort_assignments(idx_MK, weights_MK, first_expert, E)
-    x_AD = x_MD[token_A]
-    # Rows past sum(counts) (non-local assignments) belong to no group: ragged_dot leaves them 0.
-    g_AF = jax.lax.ragged_dot(x_AD, w_gate_EDF, counts_E)
-    u_AF = jax.lax.ragged_dot(x_AD, w_up_EDF, counts_E)
-    y_AD = jax.lax.ragged_dot(jax.nn.silu(g_AF) * u_AF, w_down_EFD, counts_E)
-    y_AD = y_AD * weight_A[:, None].astype(y_AD.dtype)
-    return jnp.zeros_like(x_MD).at[token_A].add(y_AD)
-
-
-PADDED_BLOCK_ROWS = 128
-
-
-def experts_blocked_quantized(x_MD, idx_MK, weights_MK, gate, up, down, first_expert):
-    """``experts_blocked`` over quantized stacks: each block dequantizes only its own expert.
-
-    ``gate`` / ``up`` / ``down`` are (values, scales, container) with values/scales the stacked
-    ``[E, out, ...]`` arrays in checkpoint orientation; ``quantized_matmul`` dequantizes the chosen
-    expert one tile of input columns at a time, so the largest weight temporary is one tile, never
-    an expert stack. Whatever kernel name is configured, quantized experts run this loop:
-    ``ragged_dot`` would need the whole dequantized stack as one operand.
-    """
-    def matmul(x_bI, w, e):
-        values, scales, stack = w
-        return quantized_matmul(x_bI, take_expert(values, e), scales[e], stack)
-
-    def ffn(x_bD, e):
-        return matmul(jax.nn.silu(matmul(x_bD, gate, e)) * matmul(x_bD, up, e), down, e)
-
-    return _blocked_loop(x_MD, idx_MK, weights_MK, first_expert, gate[0].shape[0], ffn)
-
-
-def experts_padded_blocks(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert):
-    E = w_gate_EDF.shape[0]
-    M, K = idx_MK.shape
-    A = M * K
-    b = min(PADDED_BLOCK_ROWS, pow2_at_least(A))
-    n_blocks = -(-A // b) + E  # the most any routing can need: every expert's last block partial
-    token_A, weight_A, counts_E = sort_assignments(idx_MK, weights_MK, first_expert, E)
-    starts_E = jnp.cumsum(counts_E) - counts_E
-    blocks_E = (counts_E + b - 1) // b
-    block_end_E = jnp.cumsum(blocks_E)
-    block_start_E = block_end_E - blocks_E
-
-    j_J = jnp.arange(n_blocks, dtype=jnp.int32)
-    used_J = j_J < block_end_E[-1]
-    e_J = jnp.minimum(jnp.searchsorted(block_end_E, j_J, side="right"), E - 1)
-    row_JB = (j_J - block_start_E[e_J])[:, None] * b + jnp.arange(b, dtype=jnp.int32)[None, :]
-    valid_JB = used_J[:, None] & (row_JB < counts_E[e_J][:, None])
-    a_JB = jnp.where(valid_JB, starts_E[e_J][:, None] + row_JB, 0)
-    tok_JB = token_A[a_JB]
-    w_JB = jnp.where(valid_JB, weight_A[a_JB], 0.0)  # padding rows add 0
-
-    x_JBD = x_MD[tok_JB]
-    g_JBF = jnp.einsum("jbd,jdf->jbf", x_JBD, w_gate_EDF[e_J])
-    u_JBF = jnp.einsum("jbd,jdf->jbf", x_JBD, w_up_EDF[e_J])
-    y_JBD = jnp.einsum("jbf,jfd->jbd", jax.nn.silu(g_JBF) * u_JBF, w_down_EFD[e_J])
-    y_JBD = y_JBD * w_JB[..., None].astype(y_JBD.dtype)
-    return jnp.zeros_like(x_MD).at[tok_JB.reshape(-1)].add(y_JBD.reshape(-1, x_MD.shape[-1]))
-
-
 # name -> kernel; ``moe_kernel=`` picks one. New kernels (e.g. for quantized experts) add an entry.
 EXPERT_KERNELS: dict[str, ExpertKernel] = {
     "blocked": experts_blocked,
@@ -222,14 +91,33 @@ EXPERT_KERNELS: dict[str, ExpertKernel] = {
 }
 
 
-def default_kernel(backend: str | None = None) -> str:
-    """``ragged`` (grouped matmul) on TPU and GPU; ``blocked`` on CPU, where ragged_dot is dense.
+# Kernels for quantized stacks, same signature with (values, scales, container) triples for weights.
+QUANT_EXPERT_KERNELS = {
+    "blocked": experts_blocked_quantized,
+    "grouped": experts_grouped_quantized,
+}
 
-    On GPU ``blocked`` would be launch-bound: one loop trip per expert block, each a few small
-    kernels plus a trip-count predicate read back by the host.
+
+def default_kernel(backend: str | None = None, quantized: bool = False) -> str:
+    """The expert kernel for a platform (``backend``: where the program will run, which for a TPU
+    program planned on a CPU host is not ``jax.default_backend()``).
+
+    Float experts: ``ragged`` (grouped matmul) on TPU and GPU; ``blocked`` on CPU, where ragged_dot
+    is dense. On GPU ``blocked`` would be launch-bound: one loop trip per expert block, each a few
+    small kernels plus a trip-count predicate read back by the host.
+    Quantized experts: ``grouped`` (the Pallas kernels of ``kernels/quant_gmm.py``) on TPU;
+    ``blocked`` on CPU, where the kernels only run interpreted, and on GPU, which has no lowering
+    of them yet.
     """
     backend = backend or jax.default_backend()
+    if quantized:
+        return "grouped" if backend == "tpu" else "blocked"
     return "blocked" if backend == "cpu" else "ragged"
+
+
+def platform_of(mesh) -> str:
+    """The platform a model's programs run on: its mesh's devices', else the default backend's."""
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 
 def get_kernel(name: str) -> ExpertKernel:
@@ -240,17 +128,23 @@ def get_kernel(name: str) -> ExpertKernel:
 
 class MoE(nnx.Module):
     def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs | None, mesh=None, kernel: str | None = None,
-                 record_routes: bool = False, quant: QuantLayout | None = None):
+                 record_routes: bool = False, quant: QuantLayout | None = None, platform: str | None = None):
         D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         self.cfg = cfg
         self.mesh = mesh
-        self.kernel = kernel or default_kernel()
-        get_kernel(self.kernel)  # fail at construction, not at the first trace
+        self.quantized = quant is not None and quant.experts is not None
+        # Where this layer's programs will run: a TPU program planned on a CPU host names "tpu".
+        self.platform = platform or platform_of(mesh)
+        if self.quantized:
+            # A float kernel's name (e.g. the TPU default "ragged") means the platform's quantized one.
+            self.kernel = kernel if kernel in QUANT_EXPERT_KERNELS else default_kernel(self.platform, True)
+        else:
+            self.kernel = kernel or default_kernel(self.platform)
+            get_kernel(self.kernel)  # fail at construction, not at the first trace
         self.record_routes = record_routes
         # The router stays float32 whatever the model dtype, as in the reference checkpoints.
         self.gate = param(rngs, (D, E), ("embed", None), jnp.float32)
         self.e_score_correction_bias = param(None, (E,), (None,), jnp.float32, init="zeros")
-        self.quantized = quant is not None and quant.experts is not None
         if self.quantized:
             # Checkpoint orientation [E, out, in]: gate/up are [E, F, D], down is [E, D, F].
             self.w_gate = expert_stack(E, F, D, ("expert", "moe_mlp", "embed"), quant, rngs)
@@ -291,9 +185,17 @@ class MoE(nnx.Module):
         stacks = (self.w_gate, self.w_up, self.w_down)
         ws = tuple(st.arrays() for st in stacks)
 
+        quant_kernel = QUANT_EXPERT_KERNELS[self.kernel]
+        if self.kernel == "grouped":
+            cols = (self.w_gate.cols, self.w_down.cols) if isinstance(self.w_gate, Int4Stack) else (0, 0)
+            if not all(quant_gmm.supports(st, c) for st, c in zip((self.w_gate, self.w_down), cols)):
+                quant_kernel = experts_blocked_quantized   # shapes the kernels do not take
+            elif self.platform != "tpu":
+                quant_kernel = functools.partial(experts_grouped_quantized, interpret=True)
+
         def kernel(x_MD, idx_MK, weights_MK, wg, wu, wd, first):
             g, u, d = ((*w, st) for w, st in zip((wg, wu, wd), stacks))
-            return experts_blocked_quantized(x_MD, idx_MK, weights_MK, g, u, d, first)
+            return quant_kernel(x_MD, idx_MK, weights_MK, g, u, d, first)
 
         return kernel, ws
 
