@@ -40,7 +40,7 @@ def random_draft(cfg, seed=0) -> PEagleDraft:
     flat = dict(nnx.to_flat_state(state))
     for path, var in flat.items():
         if path[-1] == "weight":
-            var[...] = jnp.asarray(1 + 0.3 * rng.standard_normal(var.value.shape), jnp.float32)
+            var[...] = jnp.asarray(1 + 0.3 * rng.standard_normal(var[...].shape), jnp.float32)
     state["d2t"][...] = jnp.asarray(rng.integers(0, V - W, W), jnp.int32)
     state["t2d"][...] = jnp.asarray(rng.random(V) < 0.5)
     return nnx.merge(graphdef, state)
