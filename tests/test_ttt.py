@@ -50,8 +50,8 @@ def _loss_and_grads(case, attention, steps=STEPS):
     signal = ttt.target_signal(case["logits"], case["loss_mask"], draft.d2t[...], draft.t2d[...])
 
     def f(p):
-        return ttt.ttt_loss(nnx.merge(graphdef, p, rest), case["aux"], case["ids"], signal, case["embed"], steps,
-                            attention=attention)
+        return ttt.ttt_loss(nnx.merge(graphdef, p, rest), case["aux"], case["ids"], signal, case["embed"],
+                            ttt.LossSpec(steps=steps, attention=attention))
 
     return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
 
@@ -128,3 +128,37 @@ def test_target_signal_masks_and_restricts(case):
     top = np.asarray(logits).argmax(-1)
     next_mask = np.concatenate([np.asarray(mask)[:, 1:], np.zeros((B, 1), bool)], 1)
     np.testing.assert_array_equal(sig.usable_BT, np.isin(top, target_ids) & next_mask)
+
+
+def test_blockwise_attention_equals_dense_in_loss_and_gradients(case, results):
+    """Key blocks of 5 over 12 positions (a partial last block), the head and loss in chunks of 5:
+    the same loss and gradients as the dense attention, float32."""
+    draft = case["draft"]
+    graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
+    signal = ttt.target_signal(case["logits"], case["loss_mask"], draft.d2t[...], draft.t2d[...])
+
+    def f(p):
+        spec = ttt.LossSpec(steps=STEPS, attention="blockwise", attention_block=5, loss_chunk=5)
+        return ttt.ttt_loss(nnx.merge(graphdef, p, rest), case["aux"], case["ids"], signal, case["embed"], spec)
+
+    (loss_b, m_b), g_b = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+    (loss_e, m_e), g_e = results["efficient"]
+    np.testing.assert_allclose(loss_b, loss_e, rtol=1e-5)
+    np.testing.assert_allclose(m_b["loss"], m_e["loss"], rtol=1e-5)
+    np.testing.assert_array_equal(m_b["count"], m_e["count"])
+    for a, b in zip(jax.tree.leaves(g_b), jax.tree.leaves(g_e)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+
+
+def test_target_signal_in_chunks_equals_whole(case):
+    draft = case["draft"]
+    rng = np.random.default_rng(7)
+    hidden = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+    head = jnp.asarray(rng.normal(size=(D, V)) * 0.3, jnp.float32)
+    for convention in ttt.CONVENTIONS:
+        whole = ttt.target_signal(ttt.target_logits(hidden, head), case["loss_mask"], draft.d2t[...],
+                                  draft.t2d[...], convention)
+        chunked = ttt.target_signal_from_hidden(hidden, head, case["loss_mask"], draft.d2t[...], draft.t2d[...],
+                                                convention, chunk=5)
+        for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(whole)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -20,6 +20,7 @@ from eagle3_jax.settings_io import Layer
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 MODES = ("train", "prepare")
 HIDDEN_SOURCES = ("online", "offline")
+ATTENTIONS = ("efficient", "naive", "blockwise")
 LIKE_TARGET = "like_target"
 DATA_FORMATS = """\
 One JSON object a line, one of:
@@ -60,6 +61,18 @@ class TrainConfig:
     grad_accum: int = 1
     ttt_steps: int = 7
     loss_decay: float = 0.8
+    # The loss (ttt.py's docstring): which positions count and what a step divides by ("ours" or
+    # "specforge"), SpecForge's acceptance-aware LK objective (None, "alpha" or "lambda") and its
+    # lambda weight kl_scale * exp(-kl_decay * acceptance), the attention core of the unroll
+    # ("efficient", "naive" or "blockwise" over attention_block keys a block: memory linear in the
+    # row) and the positions a chunk of the head and loss (None: whole rows).
+    loss_convention: str = "ours"
+    lk_loss_type: str | None = None
+    kl_scale: float = 1.0
+    kl_decay: float = 1.0
+    attention: str = "efficient"
+    attention_block: int = 512
+    loss_chunk: int | None = None
     lr: float = 1e-4
     warmup_ratio: float = 0.015
     total_steps: int = 1000
@@ -173,6 +186,20 @@ class TrainConfig:
             raise SettingsError(f"grad_clip ({self.grad_clip}) and weight_decay ({self.weight_decay}) must be >= 0")
         if not 0 < self.loss_decay <= 1:
             raise SettingsError(f"loss_decay must lie in (0, 1], found {self.loss_decay}")
+        from eagle3_jax.train.ttt import CONVENTIONS, LK_LOSS_TYPES
+
+        if self.loss_convention not in CONVENTIONS:
+            raise SettingsError(f"loss_convention '{self.loss_convention}' is not one of {CONVENTIONS}")
+        if self.lk_loss_type is not None and self.lk_loss_type not in LK_LOSS_TYPES:
+            raise SettingsError(f"lk_loss_type '{self.lk_loss_type}' is not one of {LK_LOSS_TYPES} (or unset: "
+                                "the soft-label cross-entropy alone)")
+        if self.kl_scale < 0 or self.kl_decay < 0:
+            raise SettingsError(f"kl_scale ({self.kl_scale}) and kl_decay ({self.kl_decay}) must be >= 0")
+        if self.attention not in ATTENTIONS:
+            raise SettingsError(f"attention '{self.attention}' is not one of {ATTENTIONS}")
+        if self.attention_block < 1 or (self.loss_chunk is not None and self.loss_chunk < 1):
+            raise SettingsError(f"attention_block ({self.attention_block}) and loss_chunk ({self.loss_chunk}) "
+                                "must be >= 1 (loss_chunk may be unset: whole rows)")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise SettingsError(f"betas must be two numbers in [0, 1), found {list(self.betas)}")
 

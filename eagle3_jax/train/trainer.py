@@ -15,7 +15,6 @@ metrics log, the vocab map and the exported draft.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -26,7 +25,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -41,7 +39,8 @@ from eagle3_jax.sharding import DATA_AXIS, make_mesh, mesh_context, shard_state
 from eagle3_jax.train import data as data_lib, offline as offline_lib, pipeline as pipeline_lib
 from eagle3_jax.train.config import TrainConfig
 from eagle3_jax.train.progress import StepReport, info as _info
-from eagle3_jax.train.ttt import target_logits, target_signal, ttt_loss
+from eagle3_jax.train.step import OptimizerSpec, compiled_step, loss_spec, lr_schedule  # noqa: F401 (re-exported)
+from eagle3_jax.train.ttt import simulated_acc_len
 from eagle3_jax.train.vocab import VocabMap, build_vocab_map, load_or_build, token_counts
 
 log = logging.getLogger("eagle3_jax")
@@ -53,84 +52,6 @@ RESUME_INVARIANTS = ("draft", "aux_layer_ids", "draft_vocab_size", "max_len", "b
 # Settings that only say where and how the finished draft is written or how the run reports:
 # rerunning a finished run with new ones re-exports it, which is their whole effect.
 OUTPUT_ONLY = ("export_dir", "export_dtype", "log_every", "save_every", "keep", "mesh")
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """AdamW after global-norm clipping, as hashable data: the compiled step depends on these, while
-    the learning rate comes in as an argument (so the schedule and run length never recompile it)."""
-
-    grad_clip: float
-    weight_decay: float
-    b1: float
-    b2: float
-
-    @classmethod
-    def from_config(cls, cfg: TrainConfig) -> "OptimizerSpec":
-        return cls(cfg.grad_clip, cfg.weight_decay, cfg.betas[0], cfg.betas[1])
-
-    def build(self, learning_rate=0.0) -> optax.GradientTransformation:
-        parts = [optax.clip_by_global_norm(self.grad_clip)] if self.grad_clip > 0 else []
-        parts.append(optax.adamw(learning_rate, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay))
-        return optax.chain(*parts)
-
-
-def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
-    """Linear warmup over ``warmup_ratio`` of the steps, then cosine decay to 0 at ``total_steps``."""
-    warmup = max(1, round(cfg.warmup_ratio * cfg.total_steps)) if cfg.warmup_ratio > 0 else 0
-    if warmup:
-        return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.total_steps, warmup + 1))
-    return optax.cosine_decay_schedule(cfg.lr, cfg.total_steps)
-
-
-def train_step(params, opt_state, rest, embed_VD, lm_head_DV, tstate, batch, lr, *, graphdef, tgraph,
-               opt_spec: OptimizerSpec, aux_ids, steps, decay):
-    """One optimizer step at learning rate ``lr`` over batch arrays shaped [grad_accum, rows, ...]."""
-
-    def micro(mb):
-        if tgraph is not None:  # online: the frozen target runs here
-            aux_BTX, hidden_BTD = offline_lib.target_features(tgraph, tstate, mb["ids"], aux_ids)
-        else:
-            aux_BTX, hidden_BTD = mb["aux"], mb["hidden"]
-        signal = target_signal(target_logits(hidden_BTD, lm_head_DV), mb["loss_mask"], rest["d2t"], rest["t2d"])
-
-        def loss_fn(p):
-            draft = nnx.merge(graphdef, p, rest)
-            return ttt_loss(draft, aux_BTX, mb["ids"], signal, embed_VD, steps, decay)
-
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        return loss, metrics, grads
-
-    A = batch["ids"].shape[0]
-    if A == 1:
-        loss, metrics, grads = micro(jax.tree.map(lambda x: x[0], batch))
-    else:
-        def body(carry, mb):
-            return jax.tree.map(jnp.add, carry, micro(mb)), None
-
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                             jax.eval_shape(micro, jax.tree.map(lambda x: x[0], batch)))
-        (loss, metrics, grads), _ = jax.lax.scan(body, zeros, batch)
-        loss = loss / A
-        grads = jax.tree.map(lambda g: g / A, grads)
-        metrics = {"loss": metrics["loss"] / A, "acc": metrics["acc"] / A, "count": metrics["count"]}
-    grad_norm = optax.global_norm(grads)
-    updates, opt_state = opt_spec.build(lr).update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return params, opt_state, {"loss": loss, "ploss": metrics["loss"], "acc": metrics["acc"],
-                               "count": metrics["count"], "grad_norm": grad_norm}
-
-
-@functools.lru_cache(maxsize=8)
-def compiled_step(graphdef, tgraph, opt_spec: OptimizerSpec, aux_ids: tuple, steps: int, decay: float,
-                  sharding_leaves: tuple, sharding_tree):
-    """The jitted step for these static settings, its new params and optimizer state pinned to the
-    shardings they came in with (else XLA may pick others, and the next call would recompile).
-    Cached, so runs with identical settings in one process (a resume, the tests) share it."""
-    params_sh, opt_sh = jax.tree.unflatten(sharding_tree, sharding_leaves)
-    step = functools.partial(train_step, graphdef=graphdef, tgraph=tgraph, opt_spec=opt_spec, aux_ids=aux_ids,
-                             steps=steps, decay=decay)
-    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(params_sh, opt_sh, None))
 
 
 @dataclass
@@ -211,12 +132,13 @@ class Trainer:
         self._restore_latest()
 
         self.eval_prompts = None
+        self._acc_window: list[dict] = []   # training rows since the last evaluation
         if cfg.eval_every > 0:
             self.eval_prompts = data_lib.read_prompts(cfg.eval_prompts, self.tokenizer)
 
         leaves, tree = jax.tree.flatten(self._shardings)
         self._step = compiled_step(self.graphdef, self.target.graphdef if self.target else None, self.opt_spec,
-                                   self.aux_ids, cfg.ttt_steps, cfg.loss_decay, tuple(leaves), tree)
+                                   self.aux_ids, loss_spec(cfg), tuple(leaves), tree)
 
     # ------------------------------------------------------------------ setup helpers
     def _load_target(self):
@@ -355,16 +277,26 @@ class Trainer:
         return LoadedDraft(self.draft_model(), self.target, self.aux_ids)
 
     def evaluate(self) -> dict:
-        """Acceptance of the current draft with the real Generator on the held-out prompts."""
-        from eagle3_jax.api import Generator
+        """Acceptance of the current draft on the held-out prompts through the decode session (the
+        serving loop, at K = ``eval_draft_tokens``, greedy), beside SpecForge's offline estimate
+        from the training accuracies since the last evaluation."""
+        from eagle3_jax.speculative.engine import Engine, Request
+        from eagle3_jax.metrics import GenerationStats
 
         cfg = self.cfg
         capacity = max(len(p) for p in self.eval_prompts) + cfg.eval_new_tokens + 1
-        gen = Generator(self.target, self.loaded_draft(), num_draft_tokens=cfg.eval_draft_tokens, max_len=capacity)
-        res = gen.generate(self.eval_prompts, cfg.eval_new_tokens,
-                           eos_token_ids=self.tokenizer.eos_token_ids if self.tokenizer else ())
-        return {"step": self.step, "eval_tau": res.stats.mean_accept_length,
-                "eval_accept_rate_per_position": res.stats.accept_rate_per_position}
+        engine = Engine(self.target, self.loaded_draft(), num_draft_tokens=cfg.eval_draft_tokens, max_len=capacity,
+                        batch_size=len(self.eval_prompts), max_new_tokens=cfg.eval_new_tokens,
+                        eos_token_ids=self.tokenizer.eos_token_ids if self.tokenizer else ())
+        done = list(engine.run([Request(str(i), list(p)) for i, p in enumerate(self.eval_prompts)]))
+        stats = GenerationStats.combine(f.stats for f in done)
+        record = {"step": self.step, "eval_tau": stats.mean_accept_length,
+                  "eval_accept_rate_per_position": stats.accept_rate_per_position}
+        if self._acc_window:
+            acc_all = np.mean([r["acc_all"] for r in self._acc_window], axis=0)
+            record["simulated_acc_len"] = simulated_acc_len(acc_all[:cfg.eval_draft_tokens])
+            self._acc_window = []
+        return record
 
     def export(self, path: str | None = None) -> str:
         import eagle3_jax as e3
@@ -390,9 +322,12 @@ class Trainer:
                 jnp.asarray(lr, jnp.float32))
         m = jax.tree.map(distributed.fetch, m)
         self.step += 1
-        return {"step": self.step, "loss": float(m["loss"]),
-                "ploss": [float(x) for x in m["ploss"]], "acc": [float(x) for x in m["acc"]],
-                "count": [int(x) for x in m["count"]], "grad_norm": float(m["grad_norm"]), "lr": float(lr)}
+        row = {"step": self.step, "loss": float(m["loss"]), "ploss": [float(x) for x in m["ploss"]],
+               **{k: [float(x) for x in m[k]] for k in ("acc", "acc_all", "accept")},
+               "count": [int(x) for x in m["count"]], "grad_norm": float(m["grad_norm"]), "lr": float(lr)}
+        row["simulated_acc_len"] = simulated_acc_len(row["acc_all"])
+        self._acc_window.append(row)
+        return row
 
     def train(self, stop_at: int | None = None) -> TrainResult:
         """Runs to ``total_steps`` (or stops after step ``stop_at``, as an interruption would), then exports."""
@@ -426,7 +361,9 @@ class Trainer:
                         ev = self.evaluate()
                         self._log(ev)
                         if distributed.is_writer():
-                            bar.write(f"step {self.step}: eval tau {ev['eval_tau']:.3f}", file=sys.stderr)
+                            sim = ev.get("simulated_acc_len")
+                            bar.write(f"step {self.step}: eval tau {ev['eval_tau']:.3f}" + (
+                                "" if sim is None else f" (offline estimate 1 + {sim:.3f})"), file=sys.stderr)
                     if self.step % cfg.save_every == 0 or self.step == cfg.total_steps:
                         self._save()
         finally:

@@ -9,13 +9,30 @@ Indexing. The target read tokens x_0..x_{T-1}; ``aux[t]`` is its state at positi
 
 Attention at step i, query t, sees step 0's keys at 0..t (computed from the target's states)
 plus, for every simulated step j = 1..i, only its key at index t (the paper's diagonal mask):
-each earlier guess on the path to t, never another position's guesses.
+each earlier guess on the path to t, never another position's guesses. Three implementations:
+``efficient`` scores the causal block and the diagonals separately (O(T^2 + iT) per step),
+``naive`` concatenates every step's keys under the explicit block mask (O(iT^2)), ``blockwise``
+runs the causal block over key blocks with an online softmax (memory O(T), blockwise.py); they
+agree, and the tests hold them to it.
 
-Loss: step i's cross-entropy against the soft label, averaged where the label is usable (the
-predicted token is in the loss mask and the target's top token has a draft id); total
-sum_i decay^i loss_i. Two attention implementations: ``efficient`` scores the causal block and
-the diagonals separately (O(T^2 + iT) per step), ``naive`` concatenates every step's keys and
-applies the explicit block mask (O(iT^2)); they agree, and the tests hold them to it.
+Loss: step i's cross-entropy against the soft label where the label is usable (the position
+counts as a loss token and the target's top token has a draft id); total sum_i decay^i loss_i.
+Two conventions (``LossSpec.convention``) say which positions count and what a step divides by:
+  ours       the prediction of x_{t+2+i} counts when x_{t+2+i} is a loss token
+             (loss_mask[t+i+2]); a step's loss is the mean over its usable positions.
+  specforge  SpecForge's trainer, with which published drafts were trained: loss_mask[t+i] (its
+             target head shifts the ids and logits but not the mask, so the first two tokens of
+             each loss span are skipped and two after it counted), the position after the last
+             one taught by the zero-padded row (uniform, top id 0), and a step's summed
+             cross-entropy divided by B*T, every position of the padded batch.
+Optionally (``lk_loss_type``) SpecForge's acceptance-aware "LK" objective replaces a step's
+cross-entropy: with a = sum_w min(p_target(w), q_draft(w)), the chance the draft's sample is
+accepted, ``alpha`` is -mean(log a) and ``lambda`` mixes w*KL + (1-w)*(1 - mean a) with
+w = kl_scale*exp(-kl_decay*mean a) (held constant in the gradient).
+
+``loss_chunk`` computes the draft head, softmaxes and sums over row chunks, recomputed in the
+backward pass (jax.checkpoint), so no [B, T, draft vocab] array lives across steps; the target's
+signal is likewise built a chunk of positions at a time from its final hidden states.
 """
 
 from __future__ import annotations
@@ -29,26 +46,90 @@ import numpy as np
 
 from eagle3_jax.models.attention import masked_softmax
 from eagle3_jax.models.draft import Draft
+from eagle3_jax.train import blockwise
+
+CONVENTIONS = ("ours", "specforge")
+LK_LOSS_TYPES = ("alpha", "lambda")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What one TTT loss computes; hashable (the compiled step depends on it)."""
+
+    steps: int = 7
+    decay: float = 0.8
+    convention: str = "ours"
+    lk_loss_type: str | None = None
+    kl_scale: float = 1.0
+    kl_decay: float = 1.0
+    attention: str = "efficient"
+    attention_block: int = 512      # keys a block with attention="blockwise"
+    loss_chunk: int | None = None   # positions per chunk of the head and loss (None: the whole row)
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class TargetSignal:
-    """What the loss needs from the target, per logits position p (the target's guess at x_{p+1})."""
+    """What the loss needs from the target, per logits position p (the target's guess at x_{p+1}).
 
-    probs_BTW: jax.Array   # float32 softmax over the draft vocab of the target's logits at p
-    usable_BT: jax.Array   # bool: x_{p+1} is a loss token and the target's argmax has a draft id
+    Positions run 0..T-1 (convention ours) or 0..T (specforge: p = T is its padded row)."""
+
+    probs_BTW: jax.Array       # float32 softmax over the draft vocab of the target's logits at p
+    on_draft_BTW: jax.Array    # float32 full-vocab softmax at the draft-vocab tokens (acceptance terms)
+    usable_BT: jax.Array       # bool: counted in the loss (a loss token whose target top has a draft id)
+    loss_BT: jax.Array         # bool: a loss token under the convention (accuracy counts over these)
 
 
-def target_signal(logits_BTV: jax.Array, loss_mask_BT: jax.Array, d2t_W: jax.Array, t2d_V: jax.Array) -> TargetSignal:
+def _check_convention(convention: str):
+    if convention not in CONVENTIONS:
+        raise ValueError(f"loss convention {convention!r} is not one of {CONVENTIONS}")
+
+
+def _signal_fields(logits_BTV, d2t_W, t2d_V):
+    logits_BTV = jax.lax.stop_gradient(logits_BTV.astype(jnp.float32))
     W = d2t_W.shape[0]
-    logits_BTV = logits_BTV.astype(jnp.float32)
-    draft_to_target_W = jnp.arange(W, dtype=jnp.int32) + d2t_W
-    probs_BTW = jax.nn.softmax(jnp.take(logits_BTV, draft_to_target_W, axis=-1), axis=-1)
-    top_BT = jnp.argmax(logits_BTV, axis=-1)
+    draft_BTW = jnp.take(logits_BTV, jnp.arange(W, dtype=jnp.int32) + d2t_W, axis=-1)
+    on_draft_BTW = jnp.exp(draft_BTW - jax.nn.logsumexp(logits_BTV, axis=-1, keepdims=True))
+    return jax.nn.softmax(draft_BTW, axis=-1), on_draft_BTW, t2d_V[jnp.argmax(logits_BTV, axis=-1)]
+
+
+def _masks(in_draft_BT, loss_mask_BT, convention):
     B = loss_mask_BT.shape[0]
-    next_is_loss_BT = jnp.concatenate([loss_mask_BT[:, 1:], jnp.zeros((B, 1), bool)], axis=1)
-    return TargetSignal(probs_BTW=probs_BTW, usable_BT=t2d_V[top_BT] & next_is_loss_BT)
+    none = jnp.zeros((B, 1), bool)
+    if convention == "specforge":   # position p counts when loss_mask[p-1]
+        loss_BT = jnp.concatenate([none, loss_mask_BT], axis=1)
+    else:                           # ... when x_{p+1} is a loss token
+        loss_BT = jnp.concatenate([loss_mask_BT[:, 1:], none], axis=1)
+    return in_draft_BT & loss_BT, loss_BT
+
+
+def target_signal(logits_BTV: jax.Array, loss_mask_BT: jax.Array, d2t_W: jax.Array, t2d_V: jax.Array,
+                  convention: str = "ours") -> TargetSignal:
+    _check_convention(convention)
+    if convention == "specforge":   # its shifted logits end in a zero row
+        logits_BTV = jnp.pad(logits_BTV, ((0, 0), (0, 1), (0, 0)))
+    probs, on_draft, in_draft = _signal_fields(logits_BTV, d2t_W, t2d_V)
+    usable, loss = _masks(in_draft, loss_mask_BT.astype(bool), convention)
+    return TargetSignal(probs, on_draft, usable, loss)
+
+
+def target_signal_from_hidden(hidden_BTD: jax.Array, lm_head_DV: jax.Array, loss_mask_BT: jax.Array,
+                              d2t_W: jax.Array, t2d_V: jax.Array, convention: str = "ours",
+                              chunk: int | None = None) -> TargetSignal:
+    """``target_signal`` of the target's head on its final hidden states, ``chunk`` positions at a
+    time: the full-vocab logits [B, T, V] never exist at once (Kimi-K2.5: 5.4 GB a 8k-token row)."""
+    _check_convention(convention)
+    B, T, D = hidden_BTD.shape
+    if convention == "specforge":
+        hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, 1), (0, 0)))   # lm_head(0) = the zero row
+    P = hidden_BTD.shape[1]
+    C = min(chunk or P, P)
+    n = -(-P // C)
+    h_NBCD = jnp.moveaxis(jnp.pad(hidden_BTD, ((0, 0), (0, n * C - P), (0, 0))).reshape(B, n, C, D), 1, 0)
+    fields = jax.lax.map(lambda h: _signal_fields(target_logits(h, lm_head_DV), d2t_W, t2d_V), h_NBCD)
+    probs, on_draft, in_draft = (jnp.moveaxis(x, 0, 1).reshape((B, n * C) + x.shape[3:])[:, :P] for x in fields)
+    usable, loss = _masks(in_draft, loss_mask_BT.astype(bool), convention)
+    return TargetSignal(probs, on_draft, usable, loss)
 
 
 def target_logits(hidden_BTD: jax.Array, lm_head_DV: jax.Array) -> jax.Array:
@@ -128,43 +209,140 @@ def naive_attend(prev, q_BTNH, k_BTGH, v_BTGH):
     return out_BTGRH.reshape(B, T, N, H), (keys, values)
 
 
-ATTENDS = {"efficient": efficient_attend, "naive": naive_attend}
+def blockwise_attend(block: int, prev, q_BTNH, k_BTGH, v_BTGH):
+    """``efficient_attend`` with the causal block over key blocks (online softmax, blockwise.py) and
+    the diagonal keys merged into the same softmax through its log-sum-exp."""
+    B, T, N, H = q_BTNH.shape
+    G = k_BTGH.shape[2]
+    q_BTGRH = _grouped(q_BTNH, G)
+    if prev is None:
+        k0_BSGH, v0_BSGH, diag_k, diag_v = k_BTGH, v_BTGH, (), ()
+    else:
+        k0_BSGH, v0_BSGH, diag_k, diag_v = prev
+        diag_k, diag_v = diag_k + (k_BTGH,), diag_v + (v_BTGH,)
+    out_BTGRH, lse_BTGR = blockwise.causal_attention(q_BTGRH, k0_BSGH, v0_BSGH, block)
+    if diag_k:
+        diag_BTGRJ = jnp.einsum("btgrh,jbtgh->btgrj", q_BTGRH, jnp.stack(diag_k),
+                                preferred_element_type=jnp.float32) * H ** -0.5
+        lse_d = jax.nn.logsumexp(diag_BTGRJ, axis=-1)
+        out_d = jnp.einsum("btgrj,jbtgh->btgrh", jnp.exp(diag_BTGRJ - lse_d[..., None]),
+                           jnp.stack(diag_v).astype(jnp.float32))
+        out_BTGRH = blockwise.merge(out_BTGRH, lse_BTGR, out_d, lse_d)
+    return out_BTGRH.astype(q_BTNH.dtype).reshape(B, T, N, H), (k0_BSGH, v0_BSGH, diag_k, diag_v)
+
+
+def _attend_fn(spec: LossSpec):
+    if spec.attention == "blockwise":
+        return functools.partial(blockwise_attend, spec.attention_block)
+    if spec.attention not in ("efficient", "naive"):
+        raise ValueError(f"attention {spec.attention!r} is not one of efficient, naive, blockwise")
+    return {"efficient": efficient_attend, "naive": naive_attend}[spec.attention]
+
+
 
 
 # ---------------------------------------------------------------------- the unrolled loss
-def ttt_unroll(draft: Draft, aux_BTX: jax.Array, ids_BT: jax.Array, embed_VD: jax.Array, steps: int,
-               attention: str = "efficient") -> list[jax.Array]:
-    """The draft's logits [B, T, W] at each simulated step (see the module docstring for indexing)."""
-    attend_fn = ATTENDS[attention]
+def ttt_outputs(draft: Draft, aux_BTX: jax.Array, ids_BT: jax.Array, embed_VD: jax.Array, spec: LossSpec):
+    """The draft's decoder output [B, T, D] at each simulated step (logits: ``draft.head`` of it)."""
+    attend_fn = _attend_fn(spec)
     B, T = ids_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     hidden_BTD = draft.fuse(aux_BTX)
     state = None
-    logits = []
-    for i in range(steps):
+    for i in range(spec.steps):
         step = draft(_shift(ids_BT, i + 1, 0), hidden_BTD, positions_BT + i, embed_VD,
-                     attend=functools.partial(attend_fn, state))
+                     attend=functools.partial(attend_fn, state), with_logits=False)
         state, hidden_BTD = step.cache, step.hidden_BTD
-        logits.append(step.logits_BTW)
-    return logits
+        yield hidden_BTD
+
+
+def ttt_unroll(draft: Draft, aux_BTX, ids_BT, embed_VD, steps: int, attention: str = "efficient") -> list:
+    """The draft's logits [B, T, W] at each simulated step (see the module docstring for indexing)."""
+    spec = LossSpec(steps=steps, attention=attention)
+    return [draft.head(out) for out in ttt_outputs(draft, aux_BTX, ids_BT, embed_VD, spec)]
+
+
+SUMS = ("ce", "hits", "count", "loss_count", "accept", "log_accept")
+
+
+def _chunk_sums(draft: Draft, out_BCD, probs_BCW, on_draft_BCW, usable_BC, loss_BC) -> dict:
+    """Per-step sums over one chunk of positions (reduced by ``_step_loss``)."""
+    logits_BCW = draft.head(out_BCD)
+    logp_BCW = jax.nn.log_softmax(logits_BCW, axis=-1)
+    ce_BC = -jnp.sum(probs_BCW * logp_BCW, axis=-1)
+    hit_BC = (jnp.argmax(logits_BCW, axis=-1) == jnp.argmax(probs_BCW, axis=-1)) & usable_BC
+    # the chance the draft's sample is accepted: sum_w min(p, q) (rejection sampling)
+    a_BC = jnp.sum(jnp.minimum(on_draft_BCW, jnp.exp(logp_BCW)), axis=-1)
+    log_a_BC = jnp.where(a_BC > 0, jnp.log(jnp.where(a_BC > 0, a_BC, 1.0)), 0.0)
+    zero = jnp.zeros((), jnp.float32)
+    return {"ce": jnp.sum(jnp.where(usable_BC, ce_BC, zero)), "hits": jnp.sum(hit_BC).astype(jnp.float32),
+            "count": jnp.sum(usable_BC).astype(jnp.float32), "loss_count": jnp.sum(loss_BC).astype(jnp.float32),
+            "accept": jnp.sum(jnp.where(usable_BC, a_BC, zero)),
+            "log_accept": jnp.sum(jnp.where(usable_BC, log_a_BC, zero))}
+
+
+def _step_sums(draft: Draft, out_BTD, signal: TargetSignal, k: int, chunk: int) -> dict:
+    """Sums of step i (signal offset k = i + 1) over T positions, ``chunk`` at a time. ``signal``
+    is padded so every window [c + k, c + k + chunk) lies inside it."""
+    B, T, _ = out_BTD.shape
+    fields = (signal.probs_BTW, signal.on_draft_BTW, signal.usable_BT, signal.loss_BT)
+    if chunk >= T:
+        return _chunk_sums(draft, out_BTD, *(jax.lax.slice_in_dim(x, k, k + T, axis=1) for x in fields))
+    n = -(-T // chunk)
+    out_BTD = jnp.pad(out_BTD, ((0, 0), (0, n * chunk - T), (0, 0)))
+
+    @jax.checkpoint   # the backward pass recomputes a chunk's logits instead of keeping them
+    def body(carry, c):
+        start = c * chunk
+        sums = _chunk_sums(draft, jax.lax.dynamic_slice_in_dim(out_BTD, start, chunk, axis=1),
+                           *(jax.lax.dynamic_slice_in_dim(x, start + k, chunk, axis=1) for x in fields))
+        return jax.tree.map(jnp.add, carry, sums), None
+
+    sums, _ = jax.lax.scan(body, {name: jnp.zeros((), jnp.float32) for name in SUMS}, jnp.arange(n))
+    return sums
+
+
+def _step_loss(sums: dict, B: int, T: int, spec: LossSpec):
+    n = jnp.maximum(sums["count"], 1.0)
+    kl = sums["ce"] / (B * T if spec.convention == "specforge" else n)
+    accept, log_accept = sums["accept"] / n, sums["log_accept"] / n
+    if spec.lk_loss_type is None:
+        return kl, accept
+    if spec.lk_loss_type == "alpha":
+        return -log_accept, accept
+    if spec.lk_loss_type == "lambda":
+        w = spec.kl_scale * jnp.exp(-spec.kl_decay * jax.lax.stop_gradient(accept))
+        return w * kl + (1 - w) * (1 - accept), accept
+    raise ValueError(f"lk_loss_type {spec.lk_loss_type!r} is not one of {LK_LOSS_TYPES} (or None)")
 
 
 def ttt_loss(draft: Draft, aux_BTX: jax.Array, ids_BT: jax.Array, signal: TargetSignal, embed_VD: jax.Array,
-             steps: int, decay: float = 0.8, attention: str = "efficient"):
-    """Returns (total loss, metrics) with per-step ``loss``, ``acc`` (top-1) and ``count`` [steps]."""
+             spec: LossSpec):
+    """Returns (total loss, metrics) with per-step ``loss``, ``acc`` (top-1 over usable positions),
+    ``acc_all`` (top-1 over every loss token: SpecForge's per-position accuracy), ``accept``
+    (expected acceptance sum min(p, q) over usable positions) and ``count`` [steps]."""
+    _check_convention(spec.convention)
+    B, T = ids_BT.shape
+    chunk = min(spec.loss_chunk or T, T)
+    n = -(-T // chunk)
+    # room for every step's window: positions up to n*chunk + steps
+    pad = n * chunk + spec.steps + 1 - signal.usable_BT.shape[1]
+    signal = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)), signal)
     total = jnp.zeros((), jnp.float32)
-    losses, accs, counts = [], [], []
-    for i, logits_BTW in enumerate(ttt_unroll(draft, aux_BTX, ids_BT, embed_VD, steps, attention)):
-        probs_BTW = _shift(signal.probs_BTW, i + 1, 0.0)
-        usable_BT = _shift(signal.usable_BT, i + 1, False)
-        ce_BT = -jnp.sum(probs_BTW * jax.nn.log_softmax(logits_BTW, axis=-1), axis=-1)
-        n = jnp.sum(usable_BT)
-        denom = jnp.maximum(n, 1).astype(jnp.float32)
-        loss_i = jnp.sum(jnp.where(usable_BT, ce_BT, 0.0)) / denom
-        hit_BT = jnp.argmax(logits_BTW, axis=-1) == jnp.argmax(probs_BTW, axis=-1)
-        total = total + (decay ** i) * loss_i
-        losses.append(loss_i)
-        accs.append(jnp.sum(hit_BT & usable_BT) / denom)
-        counts.append(n)
-    metrics = {"loss": jnp.stack(losses), "acc": jnp.stack(accs), "count": jnp.stack(counts)}
-    return total, metrics
+    rows = {name: [] for name in ("loss", "acc", "acc_all", "accept", "count")}
+    for i, out_BTD in enumerate(ttt_outputs(draft, aux_BTX, ids_BT, embed_VD, spec)):
+        sums = _step_sums(draft, out_BTD, signal, i + 1, chunk)
+        loss_i, accept_i = _step_loss(sums, B, T, spec)
+        total = total + (spec.decay ** i) * loss_i
+        rows["loss"].append(loss_i)
+        rows["acc"].append(sums["hits"] / jnp.maximum(sums["count"], 1.0))
+        rows["acc_all"].append(sums["hits"] / jnp.maximum(sums["loss_count"], 1.0))
+        rows["accept"].append(accept_i)
+        rows["count"].append(sums["count"].astype(jnp.int32))
+    return total, {k: jnp.stack(v) for k, v in rows.items()}
+
+
+def simulated_acc_len(per_step_acc) -> float:
+    """SpecForge's offline acceptance estimate: a0 + a0*a1 + ... (tokens accepted per round from
+    per-step top-1 accuracies, without the target's bonus token: tau is about 1 + this)."""
+    return float(np.sum(np.cumprod(np.asarray(per_step_acc, np.float64))))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -99,8 +100,8 @@ def plan_train(s: PlanSettings, cfg: TargetConfig, dcfg: DraftConfig, aux_ids, m
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
     # The Trainer's own jitted step: new params and moments pinned to the shardings they came in with.
     leaves, tree = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, (params, opt_state)))
-    step = trainer.compiled_step(graphdef, tgraph, opt_spec, tuple(aux_ids), s.ttt_steps, defaults.loss_decay,
-                                 tuple(leaves), tree)
+    step = trainer.compiled_step(graphdef, tgraph, opt_spec, tuple(aux_ids),
+                                 dataclasses.replace(trainer.loss_spec(defaults), steps=s.ttt_steps), tuple(leaves), tree)
     log(f"compiling train ({s.hidden_source} draft training step: {s.train_accum} x {s.train_batch} rows x "
         f"{s.train_len} tokens, TTT {s.ttt_steps} steps) ...")
     mem = compile_program("train", step, (params, opt_state, rest, embed, head, tstate, batch, lr), {})

@@ -1,0 +1,106 @@
+"""The jitted training step: the TTT loss of a batch (grad-accumulated), clipping, AdamW.
+
+Kept apart from the loop (trainer.py) so the planner (tools/plan/train.py) compiles exactly the
+program the Trainer runs, from the same ``compiled_step``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from eagle3_jax.train import offline as offline_lib
+from eagle3_jax.train.config import TrainConfig
+from eagle3_jax.train.ttt import LossSpec, target_signal_from_hidden, ttt_loss
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """AdamW after global-norm clipping, as hashable data: the compiled step depends on these, while
+    the learning rate comes in as an argument (so the schedule and run length never recompile it)."""
+
+    grad_clip: float
+    weight_decay: float
+    b1: float
+    b2: float
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> "OptimizerSpec":
+        return cls(cfg.grad_clip, cfg.weight_decay, cfg.betas[0], cfg.betas[1])
+
+    def build(self, learning_rate=0.0) -> optax.GradientTransformation:
+        parts = [optax.clip_by_global_norm(self.grad_clip)] if self.grad_clip > 0 else []
+        parts.append(optax.adamw(learning_rate, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay))
+        return optax.chain(*parts)
+
+
+def loss_spec(cfg: TrainConfig) -> LossSpec:
+    return LossSpec(steps=cfg.ttt_steps, decay=cfg.loss_decay, convention=cfg.loss_convention,
+                    lk_loss_type=cfg.lk_loss_type, kl_scale=cfg.kl_scale, kl_decay=cfg.kl_decay,
+                    attention=cfg.attention, attention_block=cfg.attention_block, loss_chunk=cfg.loss_chunk)
+
+
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Linear warmup over ``warmup_ratio`` of the steps, then cosine decay to 0 at ``total_steps``."""
+    warmup = max(1, round(cfg.warmup_ratio * cfg.total_steps)) if cfg.warmup_ratio > 0 else 0
+    if warmup:
+        return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.total_steps, warmup + 1))
+    return optax.cosine_decay_schedule(cfg.lr, cfg.total_steps)
+
+
+def train_step(params, opt_state, rest, embed_VD, lm_head_DV, tstate, batch, lr, *, graphdef, tgraph,
+               opt_spec: OptimizerSpec, aux_ids, spec: LossSpec):
+    """One optimizer step at learning rate ``lr`` over batch arrays shaped [grad_accum, rows, ...]."""
+
+    def micro(mb):
+        if tgraph is not None:  # online: the frozen target runs here; nothing of it is differentiated
+            aux_BTX, hidden_BTD = jax.lax.stop_gradient(
+                offline_lib.target_features(tgraph, tstate, mb["ids"], aux_ids))
+        else:
+            aux_BTX, hidden_BTD = mb["aux"], mb["hidden"]
+        signal = target_signal_from_hidden(hidden_BTD, lm_head_DV, mb["loss_mask"], rest["d2t"], rest["t2d"],
+                                           spec.convention, spec.loss_chunk)
+
+        def loss_fn(p):
+            draft = nnx.merge(graphdef, p, rest)
+            return ttt_loss(draft, aux_BTX, mb["ids"], signal, embed_VD, spec)
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return loss, metrics, grads
+
+    A = batch["ids"].shape[0]
+    if A == 1:
+        loss, metrics, grads = micro(jax.tree.map(lambda x: x[0], batch))
+    else:
+        def body(carry, mb):
+            return jax.tree.map(jnp.add, carry, micro(mb)), None
+
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                             jax.eval_shape(micro, jax.tree.map(lambda x: x[0], batch)))
+        (loss, metrics, grads), _ = jax.lax.scan(body, zeros, batch)
+        loss = loss / A
+        grads = jax.tree.map(lambda g: g / A, grads)
+        metrics = {k: v if k == "count" else v / A for k, v in metrics.items()}
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = opt_spec.build(lr).update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, {"loss": loss, "ploss": metrics["loss"], "acc": metrics["acc"],
+                               "acc_all": metrics["acc_all"], "accept": metrics["accept"],
+                               "count": metrics["count"], "grad_norm": grad_norm}
+
+
+@functools.lru_cache(maxsize=8)
+def compiled_step(graphdef, tgraph, opt_spec: OptimizerSpec, aux_ids: tuple, spec: LossSpec,
+                  sharding_leaves: tuple, sharding_tree):
+    """The jitted step for these static settings, its new params and optimizer state pinned to the
+    shardings they came in with (else XLA may pick others, and the next call would recompile).
+    Cached, so runs with identical settings in one process (a resume, the tests) share it."""
+    params_sh, opt_sh = jax.tree.unflatten(sharding_tree, sharding_leaves)
+    step = functools.partial(train_step, graphdef=graphdef, tgraph=tgraph, opt_spec=opt_spec, aux_ids=aux_ids,
+                             spec=spec)
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(params_sh, opt_sh, None))
