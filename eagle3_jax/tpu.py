@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -51,6 +52,9 @@ def topology_devices(topology: str) -> tuple:
                           "(pip install -e '.[tpu]')")
     from jax.experimental import topologies
 
+    # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) meant for processes that own TPU
+    # chips; compiling only owns none, and parallel test workers (or two planners) each load it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
     except Exception as e:  # libtpu raises a plain runtime error for unknown names

@@ -50,14 +50,32 @@ INT_CODES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8")
 
 PLAIN, FP8, INT4 = "plain", "fp8", "int4"
 
+# The formats' facts, stated once: the checkpoint readers here (numpy) and the native weights in
+# ``models/quantized.py`` (jnp) both build on them.
+INT4_PER_WORD = 8                  # nibbles per 32-bit word, least significant first
+INT4_OFFSET = 8                    # stored nibble = q + 8 (offset binary), q in [-8, 7]
+DEFAULT_INT4_GROUP = 32            # input columns per scale (Kimi-K2.5)
+DEFAULT_FP8_BLOCK = (128, 128)     # (rows, cols) of one FP8 scale tile (DeepSeek-V3)
+
+
+def int4_nibbles(words, xp=np):
+    """uint32 words ``[..., W]`` -> unsigned nibbles ``[..., W, 8]``: column 8j + k at ``[..., j, k]``.
+    ``xp`` is numpy or jax.numpy (the same bit arithmetic serves both)."""
+    return int4_plane(words[..., None], xp.arange(INT4_PER_WORD, dtype=xp.uint32), xp)
+
+
+def int4_plane(words, k, xp=np):
+    """Nibble ``k`` (0 = least significant) of every uint32 word: input columns 8j + k, unsigned."""
+    return (words >> (xp.asarray(k, dtype=xp.uint32) * xp.uint32(4))) & xp.uint32(0xF)
+
 
 @dataclass(frozen=True)
 class QuantScheme:
     """What ``quantization_config`` in config.json promises about the quantized tensors."""
 
     method: str | None = None                    # None | "fp8" | "compressed-tensors"
-    fp8_block: tuple[int, int] = (128, 128)      # (rows, cols) of one FP8 scale tile
-    int4_group: int = 32                         # input columns per INT4 scale
+    fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK   # (rows, cols) of one FP8 scale tile
+    int4_group: int = DEFAULT_INT4_GROUP             # input columns per INT4 scale
     int4_bits: int = 4
 
     @classmethod
@@ -79,7 +97,7 @@ class QuantScheme:
                 raise CheckpointError(
                     f"{where}: quantization_config.fmt is '{fmt}'; only block-scaled float8 e4m3 "
                     "(DeepSeek-V3 / Kimi-K2 style) is supported")
-            block = q.get("weight_block_size") or [128, 128]
+            block = q.get("weight_block_size") or list(DEFAULT_FP8_BLOCK)
             if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
                 raise CheckpointError(
                     f"{where}: quantization_config.weight_block_size must be two positive ints "
@@ -114,7 +132,7 @@ class QuantScheme:
             if len(sizes) > 1:
                 raise CheckpointError(
                     f"{where}: config_groups use several group sizes {sorted(sizes)}; expected one")
-            return cls(method="compressed-tensors", int4_group=sizes.pop() if sizes else 32)
+            return cls(method="compressed-tensors", int4_group=sizes.pop() if sizes else DEFAULT_INT4_GROUP)
         raise CheckpointError(
             f"{where}: quantization_config.quant_method '{method}' is not supported; expected 'fp8' "
             "(block-scaled, DeepSeek-V3 / Kimi-K2) or 'compressed-tensors' pack-quantized INT4 "
@@ -122,7 +140,7 @@ class QuantScheme:
 
 
 # ---------------------------------------------------------------------- the math
-def dequant_fp8_block(w_fp8: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128),
+def dequant_fp8_block(w_fp8: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = DEFAULT_FP8_BLOCK,
                       name: str = "weight") -> np.ndarray:
     """float8_e4m3fn [out, in] x float32 [ceil(out/bo), ceil(in/bi)] tile scales -> float32 [out, in]."""
     if w_fp8.ndim != 2:
@@ -159,13 +177,11 @@ def unpack_int4(packed: np.ndarray, cols: int, name: str = "weight") -> np.ndarr
         raise CheckpointError(
             f"{name}_packed: {packed.shape[1]} words per row cannot hold {cols} columns "
             f"(expected {math.ceil(cols / 8)}); weight_shape and weight_packed disagree")
-    words = packed.view(np.uint32)
-    shifts = np.arange(8, dtype=np.uint32) * 4
-    nibbles = (words[:, :, None] >> shifts) & np.uint32(0xF)      # [out, words, 8], column-minor
-    return (nibbles.reshape(packed.shape[0], -1)[:, :cols].astype(np.int8) - np.int8(8))
+    nibbles = int4_nibbles(packed.view(np.uint32))      # [out, words, 8], column-minor
+    return nibbles.reshape(packed.shape[0], -1)[:, :cols].astype(np.int8) - np.int8(INT4_OFFSET)
 
 
-def dequant_int4(packed: np.ndarray, scale: np.ndarray, shape, group: int = 32,
+def dequant_int4(packed: np.ndarray, scale: np.ndarray, shape, group: int = DEFAULT_INT4_GROUP,
                  name: str = "weight") -> np.ndarray:
     """Symmetric group-quantized INT4 -> float32 [out, in]: ``q * scale[:, col // group]``."""
     rows, cols = (int(x) for x in shape)

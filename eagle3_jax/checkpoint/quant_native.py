@@ -170,7 +170,4 @@ def layout_from_config(cfg: TargetConfig) -> QuantLayout | None:
     scheme = quant.QuantScheme.from_hf_config(cfg.hf_config)
     if scheme.method == "compressed-tensors":
         check_native_config(cfg.hf_config, "config.json")
-        return QuantLayout(experts="int4", int4_group=scheme.int4_group)
-    if scheme.method == "fp8":
-        return QuantLayout(experts="fp8", linears="fp8", fp8_block=tuple(scheme.fp8_block))
-    return None
+    return QuantLayout.from_scheme(scheme) if scheme.method else None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -11,20 +10,8 @@ import numpy as np
 from flax import nnx
 
 from eagle3_jax.config import RopeConfig
+from eagle3_jax.models.params import param  # noqa: F401  (re-exported: models build parameters through it)
 from eagle3_jax.models.quantized import QuantLayout, linear_param, project
-
-
-def param(rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str | None], dtype, init: str = "normal",
-          std: float = 0.02) -> nnx.Param:
-    """A parameter with logical axes. ``rngs=None`` gives zeros (weights to be loaded)."""
-    shape = tuple(int(s) for s in shape)
-    if init == "ones":
-        value = jnp.ones(shape, dtype)
-    elif init == "zeros" or rngs is None:
-        value = jnp.zeros(shape, dtype)
-    else:
-        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, axes=tuple(axes))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

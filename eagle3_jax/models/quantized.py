@@ -33,9 +33,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from eagle3_jax.checkpoint.quant import (DEFAULT_FP8_BLOCK, DEFAULT_INT4_GROUP, INT4_OFFSET, INT4_PER_WORD,
+                                         QuantScheme, int4_nibbles, int4_plane)
+from eagle3_jax.models.params import param
 from eagle3_jax.sharding import mesh_axis
 
-NATIVE_INT4_GROUP = 32
+# The one INT4 group size with a native kernel (Kimi-K2.5's); others are dequantized on load.
+NATIVE_INT4_GROUP = DEFAULT_INT4_GROUP
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,8 @@ class QuantLayout:
 
     ``experts``: None | "int4" | "fp8" (the routed expert stacks); ``linears``: None | "fp8"
     (attention projections, dense MLPs, shared experts). The dtypes are the checkpoint's, kept so
-    that an export writes the same bytes back.
+    that an export writes the same bytes back. The format itself (group, block, nibble order) is
+    ``checkpoint.quant``'s ``QuantScheme``; ``from_scheme`` is the one bridge between the two.
     """
 
     experts: str | None = None
@@ -52,8 +57,18 @@ class QuantLayout:
     int4_group: int = NATIVE_INT4_GROUP
     int4_scale_dtype: str = "bfloat16"
     int4_shape_dtype: str = "int32"
-    fp8_block: tuple[int, int] = (128, 128)
+    fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK
     fp8_scale_dtype: str = "float32"
+
+    @classmethod
+    def from_scheme(cls, scheme: QuantScheme, **held) -> "QuantLayout":
+        """The native layout of a config.json's quantization scheme: INT4 experts for
+        compressed-tensors, FP8 experts and linears for block FP8 (``held``: which / dtypes)."""
+        if scheme.method == "compressed-tensors":
+            return cls(**{"experts": "int4", "int4_group": scheme.int4_group, **held})
+        if scheme.method == "fp8":
+            return cls(**{"experts": "fp8", "linears": "fp8", "fp8_block": tuple(scheme.fp8_block), **held})
+        raise ValueError(f"no native layout for quantization method {scheme.method!r}")
 
     def to_json(self) -> dict:
         d = dict(self.__dict__)
@@ -65,7 +80,7 @@ class QuantLayout:
         if not d:
             return None
         d = dict(d)
-        d["fp8_block"] = tuple(d.get("fp8_block", (128, 128)))
+        d["fp8_block"] = tuple(d.get("fp8_block", DEFAULT_FP8_BLOCK))
         return cls(**d)
 
     @property
@@ -87,10 +102,8 @@ def dequant_int4(packed_OW: jax.Array, scale_OG: jax.Array, cols: int, group: in
     # then rounded once, as the float32 product cast to bf16 would be, and no float32 copy of the
     # scales exists (XLA:CPU materializes such a convert for the whole stack, outside the loop).
     compute = scale_OG.dtype if jnp.dtype(dtype) == scale_OG.dtype else jnp.float32
-    words = jax.lax.bitcast_convert_type(packed_OW, jnp.uint32)
-    shifts = jnp.arange(8, dtype=jnp.uint32) * 4
-    nibbles = (words[..., None] >> shifts) & jnp.uint32(0xF)
-    q = nibbles.reshape(*packed_OW.shape[:-1], -1)[..., :cols].astype(compute) - 8
+    nibbles = int4_nibbles(jax.lax.bitcast_convert_type(packed_OW, jnp.uint32), jnp)
+    q = nibbles.reshape(*packed_OW.shape[:-1], -1)[..., :cols].astype(compute) - INT4_OFFSET
     scale = scale_OG.astype(compute)
     if cols % group == 0:
         # [.., out, G, group] x [.., out, G, 1]: a broadcast, not a repeat (which XLA:CPU gathers)
@@ -174,9 +187,8 @@ def quantized_matmul(x_bI: jax.Array, values, scales, stack, tile: int = TILE_CO
 
     def body(i, acc_bO):
         start = i * width
-        w_OT = stack.dequant_cols(values, scales, start, width, x_bI.dtype)
         x_bT = jax.lax.dynamic_slice_in_dim(x_bI, start, width, axis=-1)
-        return acc_bO + jnp.einsum("bt,ot->bo", x_bT, w_OT, preferred_element_type=jnp.float32)
+        return acc_bO + stack.tile_product(x_bT, values, scales, start, width)
 
     acc_bO = jnp.zeros((x_bI.shape[0], values.shape[-2]), jnp.float32)
     return jax.lax.fori_loop(0, I // width, body, acc_bO).astype(x_bI.dtype)
@@ -225,6 +237,39 @@ class Int4Stack(nnx.Module):
         s = jax.lax.dynamic_slice_in_dim(scale_OG, start // self.group, width // self.group, axis=-1)
         return dequant_int4(w, s, width, self.group, dtype)
 
+    def tile_product(self, x_bT, packed_OW, scale_OG, start, width: int) -> jax.Array:
+        """float32 ``x_bT @ W[:, start:start + width].T`` for one expert, by nibble plane.
+
+        Plane k of a word holds input column 8j + k, so ``(words >> 4k) & 0xF`` is a matrix in the
+        words' own [O, W] layout, matched against activation columns k::8. Interleaving the planes
+        back into column order (``dequant_int4``) is a minor-dimension reshape that the TPU compiler
+        answered by relaying out every packed expert stack ahead of the decode loop (one extra copy
+        of all experts, 29.5 GiB per chip for Kimi-K2.5 on v5p:2x2x4); planes need no such layout.
+        Each weight is still ``(q - 8) * scale`` rounded once to the activation dtype, as
+        ``dequant_int4`` makes it, so only the float32 summation order differs.
+        """
+        g = self.group
+        if g % 8:  # a group that splits words: the plain interleaved tile
+            return jnp.einsum("bt,ot->bo", x_bT, self.dequant_cols(packed_OW, scale_OG, start, width, x_bT.dtype),
+                              preferred_element_type=jnp.float32)
+        W = width // INT4_PER_WORD
+        words_OW = jax.lax.dynamic_slice_in_dim(packed_OW, start // INT4_PER_WORD, W, axis=-1)
+        s_OG = jax.lax.dynamic_slice_in_dim(scale_OG, start // g, width // g, axis=-1)
+        dtype = x_bT.dtype
+        compute = s_OG.dtype if jnp.dtype(dtype) == s_OG.dtype else jnp.float32
+        # One scale per word (a group spans g / 8 words), spread by a 0/1 matmul rather than a
+        # reshape of the minor dimension (the layout change this form exists to avoid); exact, one
+        # nonzero term per output.
+        spread_GW = (jnp.arange(W)[None, :] // (g // 8) == jnp.arange(s_OG.shape[-1])[:, None]).astype(s_OG.dtype)
+        s_OW = jnp.einsum("og,gw->ow", s_OG, spread_GW, precision=jax.lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32).astype(compute)
+        words = jax.lax.bitcast_convert_type(words_OW, jnp.uint32)
+        planes_K = jnp.arange(INT4_PER_WORD, dtype=jnp.uint32)[:, None, None]
+        q_KOW = int4_plane(words[None], planes_K, jnp).astype(compute) - INT4_OFFSET
+        w_KOW = (q_KOW * s_OW[None]).astype(dtype)
+        x_KbW = jnp.moveaxis(x_bT.reshape(x_bT.shape[0], W, INT4_PER_WORD), -1, 0)
+        return jnp.einsum("kbw,kow->bo", x_KbW, w_KOW, preferred_element_type=jnp.float32)
+
 
 class Fp8Stack(nnx.Module):
     """E experts' ``[out, in]`` matrices as float8_e4m3fn + 2-D block scales."""
@@ -246,6 +291,11 @@ class Fp8Stack(nnx.Module):
 
     def dequant_cols(self, w_OI, scale_RC, start, width: int, dtype) -> jax.Array:
         return dequant_fp8_slice(w_OI, scale_RC, self.block, start, width, -1, dtype)
+
+    def tile_product(self, x_bT, w_OI, scale_RC, start, width: int) -> jax.Array:
+        """float32 ``x_bT @ W[:, start:start + width].T`` for one expert."""
+        w_OT = self.dequant_cols(w_OI, scale_RC, start, width, x_bT.dtype)
+        return jnp.einsum("bt,ot->bo", x_bT, w_OT, preferred_element_type=jnp.float32)
 
 
 class Fp8Linear(nnx.Module):
@@ -371,7 +421,6 @@ def linear_param(rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str
     """A dense projection: an ``Fp8Linear`` when the layout quantizes linears, else a float Param."""
     if layout is not None and layout.linears == "fp8":
         return Fp8Linear(shape, in_ndim, axes, layout, dtype, rngs)
-    from eagle3_jax.models.layers import param  # layers imports this module for SwiGLU
     return param(rngs, shape, axes, dtype)
 
 
