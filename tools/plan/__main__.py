@@ -65,9 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "tools/plan/drafts/, else one derived from the target)")
     p.add_argument("--programs", default="decode,prefill",
                    help="comma list of decode (run_rounds), prefill (admit_rows), generate (generate_loop)")
-    p.add_argument("--moe-kernel", choices=["blocked", "ragged"], default="blocked",
-                   help="expert kernel to compile (ragged lowers to a dense dot over all experts on CPU, "
-                        "which inflates temporaries there)")
+    p.add_argument("--moe-kernel", choices=["blocked", "ragged", "padded_blocks"], default=None,
+                   help="expert kernel to compile (default: the product's choice for the platform compiled for; "
+                        "ragged lowers to a dense dot over all experts on CPU, which inflates temporaries there)")
+    p.add_argument("--platform", choices=["cpu", "tpu"], default="cpu",
+                   help="cpu: compile for fake CPU devices (GPU-style meshes); tpu: compile for --topology with the "
+                        "TPU compiler (libtpu, the tpu extra; no TPU needed)")
+    p.add_argument("--topology", default=None, help="TPU slice for --platform tpu, e.g. v5p:2x2x4, v6e:4x4")
+    p.add_argument("--layers", type=int, default=None,
+                   help="plan the target cut to its first N layers, at full width (quick what-ifs)")
+    p.add_argument("--tau", type=float, default=None,
+                   help="acceptance length (tokens per round) at K for the TPU predicted speedup (default: the "
+                        "demo pair's measured greedy acceptance, demo/README.md)")
     p.add_argument("--train", action="store_true",
                    help="also plan the draft training step (eagle3_jax.train.trainer.train_step)")
     p.add_argument("--train-batch", type=int, default=8, help="training rows per micro-batch")
@@ -119,12 +128,13 @@ def main(argv=None) -> int:
                 train_batch=args.train_batch, train_len=args.train_len, train_accum=args.grad_accum,
                 ttt_steps=args.ttt_steps, train_dtype=args.train_dtype, hidden_source=args.hidden_source,
                 weights=args.weights, prefill_chunk=args.prefill_chunk, hbm=hbm,
-                admit_rows=args.admit_rows)
+                admit_rows=args.admit_rows, platform=args.platform, topology=args.topology,
+                layers=args.layers, tau=args.tau)
             result = serve.plan(settings, log=lambda msg: print(f"[plan] {msg}", file=sys.stderr, flush=True))
-            json_meshes.append(report.json_mesh(result, hbm))
+            json_meshes.append(report.json_mesh(result, result.hbm))
             if mesh is meshes[0]:
                 print("\n".join(report.format_header(result)) + "\n")
-            print("\n".join(report.format_mesh(result, hbm)) + "\n", flush=True)
+            print("\n".join(report.format_mesh(result, result.hbm)) + "\n", flush=True)
         print("\n".join(report.format_notes(result)))
         if args.json:
             with open(args.json, "w") as f:

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from eagle3_jax.config import resolve_dtype
 from eagle3_jax.config import DraftConfig, TargetConfig
-from tools.plan.serve import PROGRAM_DOC, Plan
+from eagle3_jax import tpu
+from tools.plan.serve import PROGRAM_DOC, Plan, compile_dtype
 
 
 UNITS = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1))
@@ -75,9 +76,17 @@ def format_header(plan: Plan) -> list[str]:
         + f"{_count(sum(math.prod(leaf.shape) for leaf in plan.draft_params))} parameters",
         f"# draft: {plan.draft_source}: {describe_draft(plan.draft)}, aux layers {list(plan.aux_ids)}",
         f"# batch {s.batch}, max_len {s.max_len}, K={s.num_draft_tokens} draft tokens, prompt block {s.prompt_len}, "
-        f"greedy and sampled (one program); weights {s.dtype}; compiled in {s.compile_dtype} on "
-        f"{jax.devices()[0].platform.upper()}, moe kernel '{s.moe_kernel}'",
+        f"greedy and sampled (one program); weights {s.dtype}; " + compiled_for(plan)
+        + f", moe kernel '{plan.moe_kernel}'",
     ] + [f"#   {name}: {PROGRAM_DOC[name]}" for name in plan.programs]
+
+
+def compiled_for(plan: Plan) -> str:
+    s = plan.settings
+    if s.platform == "tpu":
+        return (f"compiled in {s.dtype} for TPU {s.topology} ({tpu.device_kind(s.topology)}, {tpu.chips(s.topology)} "
+                "chips) by the TPU compiler on this host (deviceless; not run on a TPU)")
+    return f"compiled in {compile_dtype(s)} on {jax.devices()[0].platform.upper()}"
 
 
 def format_mesh(plan: Plan, hbm: int | None = None) -> list[str]:
@@ -116,13 +125,38 @@ def format_mesh(plan: Plan, hbm: int | None = None) -> list[str]:
             row.append(", ".join(verdicts))
         rows.append(row)
     lines += _table(head, rows)
+    if plan.settings.platform == "tpu" and plan.programs:
+        lines += [""] + format_costs(plan)
     if plan.train is not None:
         lines += [""] + format_train(plan, hbm)
     return lines
 
 
+def format_costs(plan: Plan) -> list[str]:
+    """The TPU compiler's cost analysis per program, and per K its round estimate and predicted speedup."""
+    lines = ["# TPU compiler cost analysis per chip (estimates from its cost model, each loop body counted once)"]
+    rows = [[n, f"{m.flops / 1e12:,.3f}" if m.flops is not None else "-",
+             f"{m.bytes_accessed / 1e9:,.2f}" if m.bytes_accessed is not None else "-",
+             f"{m.estimated_seconds * 1e3:,.2f}" if m.estimated_seconds is not None else "-"]
+            for n, m in list(plan.programs.items()) + ([("decode K=0", plan.rounds[0])] if 0 in plan.rounds else [])]
+    lines += _table(["program", "TFLOP", "GB accessed", "estimated ms"], rows)
+    if plan.rounds:
+        source = "given" if plan.settings.tau else "the demo pair's measured greedy acceptance"
+        lines += [f"# predicted speedup = tau * t(K=0 round) / t(K round), tau {source} (a compiler estimate, "
+                  "not a measurement)"]
+        lines += _table(["K", "tau", "estimated round ms", "predicted speedup"],
+                        [[str(r["num_draft_tokens"]), f"{r['tau']:.2f}", f"{r['estimated_seconds'] * 1e3:,.2f}"
+                          if r["estimated_seconds"] else "-",
+                          f"{r['predicted_speedup']:.2f}x" if r["predicted_speedup"] else "-"]
+                         for r in round_estimates(plan)])
+    return lines
+
+
 def format_notes(plan: Plan) -> list[str]:
     notes = []
+    if plan.settings.platform == "tpu":
+        notes.append("compiled for TPU, not run on one: bytes are the TPU compiler's own per-chip figures (exact, "
+                     "planned dtype); 'fits' uses the chip HBM it reports unless --hbm is given")
     if plan.quant is not None:
         notes.append(f"runtime row: the parameters load_target(weights='native') allocates ({plan.quant.name}: "
                      "values and scales as the checkpoint stores them, dequantized a tile of one matrix at a time "
@@ -151,15 +185,34 @@ def json_mesh(plan: Plan, hbm: int | None = None) -> dict:
         programs = {}
         for name in plan.programs:
             hi, lo = plan.totals(name, b)
+            mem = plan.programs[name]
             entry = {"peak_bytes": int(lo), "fits": (lo <= hbm) if hbm else None,
-                     "peak_bytes_f32_temps": int(hi), "fits_f32_temps": (hi <= hbm) if hbm else None}
+                     "platform": plan.settings.platform, "topology": plan.settings.topology,
+                     "flops": mem.flops, "bytes_accessed": mem.bytes_accessed,
+                     "estimated_seconds": mem.estimated_seconds, "temp_bytes": mem.temp,
+                     "compile_seconds": round(mem.lower_s + mem.compile_s, 1)}
+            if plan.temp_ratio < 1:
+                entry.update(peak_bytes_f32_temps=int(hi), fits_f32_temps=(hi <= hbm) if hbm else None)
             if name != "decode":
                 entry["prefill_chunk"] = plan.prefill_chunk
             programs[name] = entry
         label = {4: "int4-experts", 8: "fp8-experts"}.get(b, plan.quant.name if plan.quant else plan.settings.dtype)
         rows.append({"weights": label, "runtime": b is None, "param_bytes": int(plan.param_bytes(b)),
                      "expert_bytes": int(plan.routed_expert_bytes(b)), "programs": programs})
-    return {"mesh": ",".join(f"{k}={v}" for k, v in plan.mesh_shape.items()), "hbm_bytes": hbm, "rows": rows}
+    out = {"mesh": ",".join(f"{k}={v}" for k, v in plan.mesh_shape.items()), "hbm_bytes": hbm,
+           "platform": plan.settings.platform, "topology": plan.settings.topology, "rows": rows}
+    if plan.rounds:
+        out["rounds"] = round_estimates(plan)
+    return out
+
+
+def round_estimates(plan: Plan) -> list[dict]:
+    """Per K: the TPU compiler's estimate of one decode round and the speedup it predicts for the
+    acceptance length tau (tokens per round). An estimate from the compiler's cost model, not a run."""
+    return [{"num_draft_tokens": k, "estimated_seconds": m.estimated_seconds, "flops": m.flops,
+             "bytes_accessed": m.bytes_accessed, "tau": plan.tau(k),
+             "predicted_speedup": plan.predicted_speedup(k, plan.tau(k))}
+            for k, m in sorted(plan.rounds.items())]
 
 
 def format_plan(plan: Plan, hbm: int | None = None) -> str:

@@ -16,7 +16,7 @@ from eagle3_jax.config import DraftConfig, TargetConfig
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.draft import Draft
 from eagle3_jax.sharding import DATA_AXIS, data_parallel_size, state_shardings
-from tools.plan.serve import PlanSettings, ProgramMemory, compile_program, itemsize
+from tools.plan.common import PlanSettings, ProgramMemory, compile_program, itemsize
 
 
 @dataclass
@@ -31,6 +31,8 @@ class TrainMemory:
     program: ProgramMemory
 
     def totals(self, temp_ratio: float) -> tuple[int, int]:
+        if self.program.temp is None:  # the TPU compiler refused it for HBM: its own figure is all there is
+            return self.program.peak, self.program.peak
         resident = self.frozen_target + self.head + self.draft_params + self.optimizer + self.batch
         extra = max(0, self.program.output - self.program.alias)
         return resident + extra + self.program.temp, resident + extra + int(self.program.temp * temp_ratio)
