@@ -82,7 +82,7 @@ BENCHES = (
                       "--vocab", "512", "--part-sizes", "1MB", "--max-shard-size", "2MB")),
     Bench("attention_capacity", "benchmarks/attention_capacity.py",
           "verify-round cost vs cache capacity at a fixed filled length (demo pair, batch 8)",
-          quick_args=("--capacities", "64,128", "--ks", "0", "--batch", "2", "--rounds", "2", "--repeats", "1"),
+          quick_args=("--capacities", "128,256", "--ks", "0,1", "--batch", "2", "--rounds", "2", "--repeats", "1"),
           writes_json=True),
 )
 
