@@ -22,7 +22,7 @@ from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import GenerationStats
 from eagle3_jax.sharding import data_parallel_size, mesh_context
 from eagle3_jax.speculative.autodraft import (AUTO, DEFAULT_MAX_DRAFT_TOKENS, Acceptance, AutoDraft, FixedK,
-                                              probe_costs, probed_ks)
+                                              RoundCosts, probe_costs, probed_ks)
 from eagle3_jax.speculative.generate import FINISH_NAMES, DecodeProgram, LoopState, Sampling, StaticGraph
 
 # Prompts are right-padded to a bucket, so nearby lengths share one compiled program. Buckets grow
@@ -79,8 +79,9 @@ class DecodeSession:
 
     def __init__(self, target, draft=None, num_draft_tokens: int | str = 4, max_len: int = 2048,
                  max_draft_tokens: int | None = None, prefill_chunk: int | None = None):
-        """``num_draft_tokens``: K per round, or ``"auto"`` (K in 0..max_draft_tokens chosen from measured
-        round costs timed in this process and live acceptance, see autodraft.py; ``max_draft_tokens`` defaults to 6).
+        """``num_draft_tokens``: K per round, or ``"auto"`` (K in 0..max_draft_tokens chosen from round
+        costs timed in this process and live acceptance, see autodraft.py; ``max_draft_tokens``
+        defaults to 6).
         ``prefill_chunk``: prompt positions per target call in prefill (None: the whole prompt block;
         a chunk bounds prefill temporaries and never changes the tokens)."""
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -113,7 +114,7 @@ class DecodeSession:
         # 0.88 / 0.20 at draft position 1), and a model shared across them priced T = 1 rounds with the
         # greedy rounds' acceptance (0.70x target-only). Round costs per batch shape (RoundCosts).
         self._acceptance: dict[tuple, Acceptance] = {}
-        self._costs: dict[tuple, object] = {}
+        self._costs: dict[tuple, RoundCosts] = {}
         self._auto: dict[tuple, AutoDraft] = {}
         self._static = None   # the graphdefs as StaticGraph, made on first use
         # Programs compiled (or loaded from the persistent cache) by this session's calls: bounded
