@@ -30,6 +30,7 @@ from eagle3_jax.models.cache import KVCache, MLACache
 from eagle3_jax.sharding import constrain
 from eagle3_jax.speculative.accept import first_argmax, greedy_accept, rejection_accept, sample_from_probs, target_probs
 from eagle3_jax.speculative.prefill import chunked_draft, chunked_target
+from eagle3_jax.speculative.parallel import propose_parallel
 
 RUNNING, FINISH_EOS, FINISH_LENGTH, FINISH_CAPACITY = 0, 1, 2, 3
 FINISH_NAMES = {FINISH_EOS: "eos", FINISH_LENGTH: "length", FINISH_CAPACITY: "max_len"}
@@ -219,19 +220,23 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
         rows_B = jnp.arange(B)
         key, k_draft, k_accept = _split(s.key, 3, sp)
         draft_keys = _split(k_draft, K, sp)
-        d_ids, q_list = [], []
-        d_B, q_BW = draft_pick(draft_keys[0], s.dlogits_BW)
-        d_ids.append(d_B)
-        q_list.append(q_BW)
-        hidden_BD, dcache = s.dhidden_BD, s.dcache
-        for j in range(1, K):
-            pos_B1 = (s.lengths_B - 1 + j)[:, None]
-            step = draft(draft.to_target_ids(d_B)[:, None], hidden_BD[:, None], pos_B1, embed_VD, dcache)
-            hidden_BD, dcache = step.hidden_BTD[:, 0], step.cache
-            d_B, q_BW = draft_pick(draft_keys[j], step.logits_BTW[:, 0])
+        if getattr(draft, "kind", "chain") == "peagle":   # all K guesses from one pass (parallel.py)
+            d_BK, q_BKW, dcache = propose_parallel(draft, s.dlogits_BW, s.dcache, s.lengths_B, draft_keys, draft_pick)
+        else:
+            d_ids, q_list = [], []
+            d_B, q_BW = draft_pick(draft_keys[0], s.dlogits_BW)
             d_ids.append(d_B)
             q_list.append(q_BW)
-        drafts_BK = draft.to_target_ids(jnp.stack(d_ids, axis=1))
+            hidden_BD, dcache = s.dhidden_BD, s.dcache
+            for j in range(1, K):
+                pos_B1 = (s.lengths_B - 1 + j)[:, None]
+                step = draft(draft.to_target_ids(d_B)[:, None], hidden_BD[:, None], pos_B1, embed_VD, dcache)
+                hidden_BD, dcache = step.hidden_BTD[:, 0], step.cache
+                d_B, q_BW = draft_pick(draft_keys[j], step.logits_BTW[:, 0])
+                d_ids.append(d_B)
+                q_list.append(q_BW)
+            d_BK, q_BKW = jnp.stack(d_ids, axis=1), jnp.stack(q_list, axis=1)
+        drafts_BK = draft.to_target_ids(d_BK)
 
         ids_BK1 = jnp.concatenate([s.last_B[:, None], drafts_BK], axis=1)
         pos_BK1 = s.lengths_B[:, None] + jnp.arange(K + 1, dtype=jnp.int32)[None, :]
@@ -244,7 +249,7 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
             return rejection_accept(k, drafts_BK, q_BKV, p_BK1V)
 
         n_acc_B, out_BK1 = jax.lax.cond(sp.greedy, lambda k, x, q: greedy_accept(drafts_BK, x), rejection,
-                                        k_accept, logits_BK1V, jnp.stack(q_list, axis=1))
+                                        k_accept, logits_BK1V, q_BKW)
 
         running_B = s.finish_B == RUNNING
         tokens_BN, n_out_B, finish_B, n_emit_B = _emit(s, out_BK1, n_acc_B + 1, sp.eos_E)
