@@ -1,5 +1,5 @@
-"""The Pallas grouped matmuls over quantized experts (kernels/quant_gmm.py), run in interpret mode
-on the CPU, against the exact dequantized reference (models/quantized.py's dequant_int4 /
+"""The Pallas grouped matmuls over quantized experts (kernels/quant_gmm.py: Mosaic for TPU,
+kernels/quant_gmm_gpu.py: Triton for GPU), run in interpret mode on the CPU, against the exact dequantized reference (models/quantized.py's dequant_int4 /
 dequant_fp8, float64 products), for every routing shape the block table produces."""
 
 import jax
@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from eagle3_jax.kernels import quant_gmm
+from eagle3_jax.kernels import quant_gmm, quant_gmm_gpu
 from eagle3_jax.models import experts
 from eagle3_jax.models.quantized import Fp8Stack, Int4Stack, QuantLayout, dequant_fp8, dequant_int4
 
@@ -48,13 +48,29 @@ def blocks_oracle(x, e_J, used, w_EOI, rows):
 
 @pytest.mark.parametrize("kind", ["int4", "fp8"])
 @pytest.mark.parametrize("e_J,used", [([0, 2, 2, 1, 0], 4), ([1, 1, 1], 3), ([0, 0], 0)])
-def test_gmm_matches_dequantized_reference(kind, e_J, used):
+def test_mosaic_gmm_matches_dequantized_reference(kind, e_J, used):
     """Blocks of several experts, one expert taking every block, and no block in use (all zeros)."""
     E, O, I, rows = 3, 256, 256, 8
     values, scales, st = (int4_stack if kind == "int4" else fp8_stack)(E, O, I)
     x = jnp.asarray(RNG.normal(size=(len(e_J) * rows, I)), jnp.bfloat16)
     e = jnp.asarray(e_J, jnp.int32)
-    y = quant_gmm.matmul(x, e, jnp.int32(used), values, scales, st, rows, interpret=True)
+    y = quant_gmm.matmul(x, e, jnp.int32(used), values, scales, st, rows, "cpu")   # interpreted
+    want = blocks_oracle(x, e, used, dequantized(values, scales, st), rows)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+def test_triton_gmm_matches_dequantized_reference(kind):
+    """The GPU kernels' bodies, interpreted: padding blocks zero, several experts, chunks over I."""
+    E, O, I, rows = 3, 128, 512, 16
+    values, scales, st = (int4_stack if kind == "int4" else fp8_stack)(E, O, I)
+    x = jnp.asarray(RNG.normal(size=(4 * rows, I)), jnp.bfloat16)
+    e, used = jnp.asarray([2, 0, 2, 1], jnp.int32), 3
+    if kind == "int4":
+        y = quant_gmm_gpu.int4_gmm(quant_gmm.split_planes(x), e, jnp.int32(used), values, scales, rows=rows,
+                                   interpret=True)
+    else:
+        y = quant_gmm_gpu.fp8_gmm(x, e, jnp.int32(used), values, scales, rows=rows, interpret=True)
     want = blocks_oracle(x, e, used, dequantized(values, scales, st), rows)
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
@@ -93,7 +109,7 @@ def test_grouped_experts_match_dense_oracle(kind, M, E, K, route, first):
     gate, up, down = make(local, F, D), make(local, F, D), make(local, D, F)
     x = jnp.asarray(RNG.normal(size=(M, D)), jnp.bfloat16)
     idx, w = routing(M, E, K, route)
-    got = experts.experts_grouped_quantized(x, idx, w, gate, up, down, first, interpret=True)
+    got = experts.experts_grouped_quantized(x, idx, w, gate, up, down, first, platform="cpu")
     want = dense_oracle(x, idx, w, gate, up, down, first)
     np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
     # and the blocked loop, the CPU default, agrees to bf16 rounding

@@ -95,8 +95,8 @@ def test_default_kernel_per_backend():
     assert moe.default_kernel("cpu") == "blocked"
     assert moe.default_kernel("gpu") == moe.default_kernel("cuda") == moe.default_kernel("tpu") == "ragged"
     # quantized stacks: the Pallas grouped kernels on TPU, the blocked loop elsewhere
-    assert moe.default_kernel("tpu", quantized=True) == "grouped"
-    assert moe.default_kernel("cpu", quantized=True) == moe.default_kernel("cuda", quantized=True) == "blocked"
+    assert moe.default_kernel("tpu", quantized=True) == moe.default_kernel("cuda", quantized=True) == "grouped"
+    assert moe.default_kernel("cpu", quantized=True) == "blocked"
 
 
 def test_captured_routes_are_the_routes_of_that_call():
@@ -172,6 +172,24 @@ def test_tpu_quantized_moe_is_three_kernels_reading_the_stored_stacks(experts):
     g2, s2 = nnx.split(blocked)
     text2 = jax.export.export(jax.jit(lambda st, x: nnx.merge(g2, st)(x)), platforms=("tpu",))(s2, x).mlir_module()
     assert re.search(r"stablehlo\.while", text2)
+
+
+@pytest.mark.parametrize("experts", ["int4", "fp8"])
+def test_cuda_quantized_moe_exports_without_a_loop_over_experts(experts):
+    """The quantized MoE layer exported for CUDA with its GPU default: Triton kernels (lowered on
+    this CPU host), no while loop whose trips follow the expert blocks."""
+    from eagle3_jax.models.quantized import QuantLayout
+
+    cfg = TargetConfig.from_hf_dict({**TINY, "hidden_size": 512, "moe_intermediate_size": 512})
+    layer = moe.MoE(cfg, jnp.bfloat16, nnx.Rngs(0), quant=QuantLayout(experts=experts), platform="cuda")
+    assert layer.kernel == "grouped"
+    graphdef, state = nnx.split(layer)
+    x = jax.ShapeDtypeStruct((4, 5, cfg.hidden_size), jnp.bfloat16)
+    triton = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    text = jax.export.export(jax.jit(lambda st, x: nnx.merge(graphdef, st)(x)), platforms=("cuda",),
+                             disabled_checks=triton)(state, x).mlir_module()
+    assert "xla.gpu.triton" in text, "expected the Triton grouped-matmul kernels"
+    assert not re.search(r"stablehlo\.while", text), "loop in the GPU quantized MoE program"
 
 
 # ---------------------------------------------------------------------- the sharding table

@@ -190,27 +190,57 @@ def fp8_gmm(x_AI, e_J, used, weight, scale_inv, *, rows: int, block=(128, 128), 
     )(e_J.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_AI, weight, scale_inv)
 
 
-def supports(stack, cols: int) -> bool:
-    """Whether these kernels take the stack (``Int4Stack`` / ``Fp8Stack`` of ``models/quantized.py``)
-    at an input width of ``cols``: INT4 groups of whole words over whole words; FP8 whole blocks."""
+def kernel_platform(platform: str) -> str:
+    """"tpu" (Mosaic), "gpu" (Triton) or "interpret" (the Mosaic kernels interpreted: CPU checks)."""
+    if platform == "tpu":
+        return "tpu"
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else "interpret"
+
+
+def min_rows(platform: str) -> int:
+    """Rows per expert block: whole 8-row sublanes on TPU; Triton's dot wants >= 16 per side."""
+    from eagle3_jax.kernels import quant_gmm_gpu
+
+    return quant_gmm_gpu.MIN_ROWS if kernel_platform(platform) == "gpu" else 8
+
+
+def supports(stack, out: int, cols: int, platform: str) -> bool:
+    """Whether the kernels for ``platform`` take the stack (``Int4Stack`` / ``Fp8Stack`` of
+    ``models/quantized.py``) of ``out`` x ``cols`` matrices: INT4 groups of whole words over whole
+    words; FP8 whole blocks; on GPU also power-of-two tiles of >= 16 (Triton's dot)."""
+    from eagle3_jax.kernels import quant_gmm_gpu
+
+    gpu = kernel_platform(platform) == "gpu"
     if hasattr(stack, "group"):
-        return stack.group % 8 == 0 and cols % stack.group == 0
+        if stack.group % 8 or cols % stack.group:
+            return False
+        return not gpu or quant_gmm_gpu.int4_tiles(out, cols // 8, cols // stack.group) is not None
     bo, bi = stack.block
-    return cols % bi == 0
+    pow2 = not (bo & (bo - 1) or bi & (bi - 1))
+    return cols % bi == 0 and out % bo == 0 and (pow2 or not gpu)
 
 
-def matmul(x_AI: jax.Array, e_J, used, values, scales, stack, rows: int, interpret: bool) -> jax.Array:
+def matmul(x_AI: jax.Array, e_J, used, values, scales, stack, rows: int, platform: str) -> jax.Array:
     """One grouped matmul ``x_AI @ W[e].T`` over a quantized stack, float32 result [A, O]."""
+    from eagle3_jax.kernels import quant_gmm_gpu
+
+    where = kernel_platform(platform)
+    if where == "gpu":
+        if hasattr(stack, "group"):
+            return quant_gmm_gpu.int4_gmm(split_planes(x_AI), e_J, used, values, scales, rows=rows)
+        return quant_gmm_gpu.fp8_gmm(x_AI, e_J, used, values, scales, rows=rows, block=tuple(stack.block))
+    interpret = where == "interpret"
     if hasattr(stack, "group"):
         return int4_gmm(split_planes(x_AI), e_J, used, values, scales, rows=rows, interpret=interpret)
     return fp8_gmm(x_AI, e_J, used, values, scales, rows=rows, block=tuple(stack.block), interpret=interpret)
 
 
-def expert_ffn(x_AD: jax.Array, e_J, used, gate, up, down, rows: int, interpret: bool = False) -> jax.Array:
+def expert_ffn(x_AD: jax.Array, e_J, used, gate, up, down, rows: int, platform: str = "tpu") -> jax.Array:
     """SwiGLU experts over rows in expert blocks: ``down(silu(gate x) * up x)`` with each of
     ``gate`` / ``up`` / ``down`` a (values, scales, container) triple in checkpoint orientation
-    [E, out, in]. Returns [A, D] in x's dtype; rows of blocks past ``used`` are 0."""
-    g_AF = matmul(x_AD, e_J, used, *gate, rows, interpret)
-    u_AF = matmul(x_AD, e_J, used, *up, rows, interpret)
+    [E, out, in], on ``platform``'s kernels. Returns [A, D] in x's dtype; rows of blocks past
+    ``used`` are 0."""
+    g_AF = matmul(x_AD, e_J, used, *gate, rows, platform)
+    u_AF = matmul(x_AD, e_J, used, *up, rows, platform)
     h_AF = (jax.nn.silu(g_AF) * u_AF).astype(x_AD.dtype)
-    return matmul(h_AF, e_J, used, *down, rows, interpret).astype(x_AD.dtype)
+    return matmul(h_AF, e_J, used, *down, rows, platform).astype(x_AD.dtype)

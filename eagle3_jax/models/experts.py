@@ -139,20 +139,18 @@ def experts_blocked_quantized(x_MD, idx_MK, weights_MK, gate, up, down, first_ex
     return _blocked_loop(x_MD, idx_MK, weights_MK, first_expert, gate[0].shape[0], ffn)
 
 
-GROUPED_MIN_ROWS = 8   # a block's rows are the kernel's output tile height: whole 8-row sublanes
-
-
-def experts_grouped_quantized(x_MD, idx_MK, weights_MK, gate, up, down, first_expert, interpret=False):
+def experts_grouped_quantized(x_MD, idx_MK, weights_MK, gate, up, down, first_expert, platform="tpu"):
     """Quantized experts as three grouped matmuls (``kernels/quant_gmm.py``): one kernel launch
     each over all expert blocks, the weights read as stored and dequantized a tile at a time in
     the kernel, padding blocks skipped inside it. No loop over experts outside the kernel, no
-    copy of a stack. ``interpret`` runs the kernels in Pallas interpret mode (CPU checks)."""
+    copy of a stack. ``platform``: "tpu" (Mosaic), "gpu" (Triton), anything else runs the Mosaic
+    kernels in Pallas interpret mode (CPU checks)."""
     M, K = idx_MK.shape
     E = gate[0].shape[0]
-    b = min(256, max(GROUPED_MIN_ROWS, block_rows(M, K, E)))
+    b = min(256, max(quant_gmm.min_rows(platform), block_rows(M, K, E)))
     e_J, tok_JB, w_JB, used = block_table(idx_MK, weights_MK, first_expert, E, b)
     tok_A = tok_JB.reshape(-1)
-    y_AD = quant_gmm.expert_ffn(x_MD[tok_A], e_J, used, gate, up, down, b, interpret)
+    y_AD = quant_gmm.expert_ffn(x_MD[tok_A], e_J, used, gate, up, down, b, platform)
     y_AD = y_AD * w_JB.reshape(-1, 1).astype(y_AD.dtype)
     return jnp.zeros_like(x_MD).at[tok_A].add(y_AD)
 

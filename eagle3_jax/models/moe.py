@@ -24,7 +24,8 @@ result up to float summation order:
 Quantized stacks (INT4 / FP8 held as stored) have their own two (``QUANT_EXPERT_KERNELS``):
   * ``blocked``: the loop above, each trip dequantizing its expert a tile of columns at a time.
   * ``grouped``: three Pallas grouped matmuls over all blocks at once, each reading the stored
-    words and dequantizing a tile in the kernel (``kernels/quant_gmm.py``); the TPU default.
+    words and dequantizing a tile in the kernel (``kernels/quant_gmm*.py``: Mosaic on TPU, Triton
+    on GPU); the TPU and GPU default.
 The kernels themselves live in ``models/experts.py``.
 With a mesh, experts are sharded over the expert mesh axis and expert width over the tensor axis
 (the table in ``sharding.py``): inside ``jax.shard_map`` each device runs only its local experts on
@@ -48,7 +49,7 @@ from eagle3_jax.config import TargetConfig
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.kernels import quant_gmm
 from eagle3_jax.models.experts import (  # noqa: F401 - the kernels live there; named here too
-    GROUPED_MIN_ROWS, PADDED_BLOCK_ROWS, block_rows, block_table, experts_blocked, experts_blocked_quantized,
+    PADDED_BLOCK_ROWS, block_rows, block_table, experts_blocked, experts_blocked_quantized,
     experts_grouped_quantized, experts_padded_blocks, experts_ragged, pow2_at_least, sort_assignments)
 from eagle3_jax.models.layers import SwiGLU, param
 from eagle3_jax.models.quantized import Int4Stack, QuantLayout, expert_stack
@@ -105,13 +106,12 @@ def default_kernel(backend: str | None = None, quantized: bool = False) -> str:
     Float experts: ``ragged`` (grouped matmul) on TPU and GPU; ``blocked`` on CPU, where ragged_dot
     is dense. On GPU ``blocked`` would be launch-bound: one loop trip per expert block, each a few
     small kernels plus a trip-count predicate read back by the host.
-    Quantized experts: ``grouped`` (the Pallas kernels of ``kernels/quant_gmm.py``) on TPU;
-    ``blocked`` on CPU, where the kernels only run interpreted, and on GPU, which has no lowering
-    of them yet.
+    Quantized experts: ``grouped`` (the Pallas kernels of ``kernels/quant_gmm*.py``: Mosaic on
+    TPU, Triton on GPU); ``blocked`` on CPU, where the kernels only run interpreted.
     """
     backend = backend or jax.default_backend()
     if quantized:
-        return "grouped" if backend == "tpu" else "blocked"
+        return "blocked" if backend == "cpu" else "grouped"
     return "blocked" if backend == "cpu" else "ragged"
 
 
@@ -187,11 +187,12 @@ class MoE(nnx.Module):
 
         quant_kernel = QUANT_EXPERT_KERNELS[self.kernel]
         if self.kernel == "grouped":
-            cols = (self.w_gate.cols, self.w_down.cols) if isinstance(self.w_gate, Int4Stack) else (0, 0)
-            if not all(quant_gmm.supports(st, c) for st, c in zip((self.w_gate, self.w_down), cols)):
+            shapes = ((self.w_gate, self.cfg.moe_intermediate_size, self.cfg.hidden_size),
+                      (self.w_down, self.cfg.hidden_size, self.cfg.moe_intermediate_size))
+            if all(quant_gmm.supports(st, o, i, self.platform) for st, o, i in shapes):
+                quant_kernel = functools.partial(experts_grouped_quantized, platform=self.platform)
+            else:
                 quant_kernel = experts_blocked_quantized   # shapes the kernels do not take
-            elif self.platform != "tpu":
-                quant_kernel = functools.partial(experts_grouped_quantized, interpret=True)
 
         def kernel(x_MD, idx_MK, weights_MK, wg, wu, wd, first):
             g, u, d = ((*w, st) for w, st in zip((wg, wu, wd), stacks))
