@@ -92,6 +92,7 @@ class TrainConfig:
     mode: str = "train"
     hidden_source: str = "online"
     offline_dir: str | None = None
+    offline_dtype: str | None = None    # stored states: float32, bfloat16, float16, float8_e4m3fn; None = target dtype
     mesh: str | None = None
     export_dir: str | None = None
     export_dtype: str | None = None     # the exported draft's weights; None = dtype
@@ -178,6 +179,10 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and v not in DTYPE_NAMES:
                 raise SettingsError(f"{name} '{v}' is not supported; use one of {DTYPE_NAMES}")
+        from eagle3_jax.train.offline import STORAGE_DTYPES
+
+        if self.offline_dtype is not None and self.offline_dtype not in STORAGE_DTYPES:
+            raise SettingsError(f"offline_dtype '{self.offline_dtype}' is not one of {STORAGE_DTYPES}")
         if not self.lr > 0:
             raise SettingsError(f"lr must be > 0, found {self.lr}")
         if not 0 <= self.warmup_ratio < 1:

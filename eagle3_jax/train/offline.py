@@ -2,6 +2,16 @@
 into tensorstore zarr3 arrays (``offline``): the aux states and the target's final (normed) hidden
 states, plus its embedding and head, so that training needs no target weights and computes the
 same loss (the head is applied to the stored states exactly as online).
+
+Storage (``offline_dtype``): the target's dtype, or narrower. At Kimi-K2.5's width the aux states
+alone are 3 x 7168 values a token (43 KB in bf16: ~7 TB for 83k rows of 2k tokens); float8_e4m3fn
+with one float32 scale per position (its largest magnitude maps to e4m3's 448) halves that again.
+Rows are read back dequantized to float32.
+
+``mode=prepare`` writes into ``OFFLINE_DIR.prepare`` and records the rows written after each batch
+(``progress.json``, replaced atomically once the batch's writes have completed), so a run killed at
+any point resumes from the last recorded batch and ends with the same store; the directory is
+renamed to ``offline_dir`` when complete.
 """
 
 from __future__ import annotations
@@ -9,20 +19,25 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax.checkpoint.staging import staged_dir, write_json_atomic
+from eagle3_jax.checkpoint.staging import write_json_atomic
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.train.data import file_digest, load_tokenizer, read_examples
 from eagle3_jax.train.pipeline import TokenizedSource
+from eagle3_jax.train.progress import info as _info
 
 log = logging.getLogger("eagle3_jax")
 
 OFFLINE_FORMAT = "eagle3-jax-offline-v1"
+STORAGE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+FP8_MAX = 448.0            # the largest finite float8_e4m3fn magnitude
+SCALED = ("aux", "hidden")  # the arrays stored with a per-position scale when narrowed to fp8
 
 
 # ---------------------------------------------------------------------- the target's side
@@ -51,14 +66,47 @@ def _ts_dtype(dtype):
     import tensorstore as ts
 
     return {"float32": ts.float32, "bfloat16": ts.bfloat16, "float16": ts.float16, "int32": ts.int32,
-            "bool": ts.bool}[np.dtype(dtype).name]
+            "bool": ts.bool, "float8_e4m3fn": ts.float8_e4m3fn}[np.dtype(dtype).name]
 
 
-def _create(root: str, name: str, shape, dtype, chunk):
+def _create(root: str, name: str, shape, dtype, chunk, reuse: bool = False):
+    """A new zarr3 array (or, with ``reuse``, the one a killed prepare left, if it has this shape and dtype)."""
     import tensorstore as ts
 
+    if reuse and os.path.isfile(os.path.join(root, name, "zarr.json")):
+        arr = _open(root, name)
+        if list(arr.shape) == list(shape) and arr.dtype == _ts_dtype(dtype):
+            return arr
     return ts.open(_ts_spec(root, name), create=True, delete_existing=True, dtype=_ts_dtype(dtype),
                    shape=list(shape), chunk_layout=ts.ChunkLayout(chunk_shape=list(chunk))).result()
+
+
+def storage_dtype(cfg) -> np.dtype:
+    """How the states are stored: ``offline_dtype``, else the target's dtype."""
+    from eagle3_jax.config import resolve_dtype
+
+    return np.dtype(cfg.offline_dtype or jnp.dtype(resolve_dtype(cfg.resolved_target_dtype)))
+
+
+def bytes_per_position(X: int, D: int, dtype: np.dtype) -> int:
+    """Stored bytes per (padded) position: id, mask, aux and final states, and their fp8 scales."""
+    scales = 4 * len(SCALED) if dtype.name == "float8_e4m3fn" else 0
+    return 4 + 1 + (X + D) * dtype.itemsize + scales
+
+
+def encode(x_BTF: np.ndarray, dtype: np.dtype):
+    """float states -> (stored values, per-position float32 scales or None)."""
+    if dtype.name != "float8_e4m3fn":
+        return x_BTF.astype(dtype), None
+    x = np.asarray(x_BTF, np.float32)
+    amax = np.max(np.abs(x), axis=-1)
+    scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+    return (x / scale[..., None]).astype(dtype), scale
+
+
+def decode(values: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+    x = np.asarray(values, np.float32)
+    return x if scale is None else x * scale[..., None]
 
 
 def _open(root: str, name: str):
@@ -76,12 +124,17 @@ class OfflineSource:
         self.root = root
         self.meta = read_offline_meta(root)
         self._arrays = {k: _open(root, k) for k in self.ARRAYS}
+        self._scales = ({k: _open(root, k + "_scale") for k in SCALED}
+                        if self.meta.get("storage") == "float8_e4m3fn" else {})
 
     def __len__(self) -> int:
         return int(self.meta["num_examples"])
 
     def __getitem__(self, i: int) -> dict:
         row = {k: self._arrays[k][int(i)].read().result() for k in self.ARRAYS}
+        if self._scales:
+            for k in SCALED:
+                row[k] = decode(row[k], self._scales[k][int(i)].read().result())
         row["index"] = np.int32(i)
         return row
 
@@ -110,13 +163,13 @@ def offline_meta_for(cfg, tcfg, data_digest: str) -> dict:
     """The facts a prepared directory must agree with to be reused by a run of ``cfg``."""
     return {"format": OFFLINE_FORMAT, "target_hidden_size": tcfg.hidden_size, "vocab_size": tcfg.vocab_size,
             "num_hidden_layers": tcfg.num_hidden_layers, "aux_layer_ids": list(cfg.resolved_aux_ids(tcfg)),
-            "max_len": cfg.max_len, "data_sha256": data_digest}
+            "max_len": cfg.max_len, "data_sha256": data_digest, "storage": storage_dtype(cfg).name}
 
 
 def check_offline_meta(meta: dict, cfg, tcfg, root: str) -> None:
     want = offline_meta_for(cfg, tcfg, meta.get("data_sha256", ""))
     for k, v in want.items():
-        if k != "data_sha256" and meta.get(k) != v:
+        if k not in ("data_sha256", "storage") and meta.get(k) != v:
             raise ConfigError(
                 f"{root} was prepared with {k}={meta.get(k)!r} but this run has {k}={v!r}; rerun mode=prepare "
                 "with this config (into an empty offline_dir)")
@@ -157,35 +210,74 @@ def prepare_offline(cfg, progress: bool = True) -> str:
     N, T, D, V = len(examples), cfg.max_len, tcfg.hidden_size, tcfg.vocab_size
     X = len(aux_ids) * D
     dtype = np.dtype(jnp.dtype(target.dtype))
-    # root is absent or empty (checked above), so replacing it loses nothing.
-    with staged_dir(root, overwrite=True) as tmp:
-        arrays = {
-            "ids": _create(tmp, "ids", (N, T), np.int32, (1, T)),
-            "loss_mask": _create(tmp, "loss_mask", (N, T), np.bool_, (1, T)),
-            "aux": _create(tmp, "aux", (N, T, X), dtype, (1, T, X)),
-            "hidden": _create(tmp, "hidden", (N, T, D), dtype, (1, T, D)),
-        }
+    store = storage_dtype(cfg)
+    per_pos = bytes_per_position(X, D, store)
+    _info("offline states in %s: %d bytes per token (aux %d x %s + final %d%s); this data: %d rows x %d = %s; "
+          "83k rows x 2k tokens at this width: %s", store.name, per_pos, X, store.name, D,
+          " + fp8 scales" if store.name == "float8_e4m3fn" else "", N, T, _size(N * T * per_pos),
+          _size(83_000 * 2048 * per_pos))
+    work = root.rstrip("/") + ".prepare"
+    meta.update({"num_examples": N, "dtype": dtype.name})
+    progress_path = os.path.join(work, "progress.json")
+    done = 0
+    if os.path.isfile(progress_path):
+        with open(progress_path) as f:
+            progress = json.load(f)
+        if progress.get("meta") == meta:
+            done = int(progress["rows"])
+            _info("resuming mode=prepare in %s at row %d of %d", work, done, N)
+    if done == 0 and os.path.isdir(work):
+        shutil.rmtree(work)
+    os.makedirs(work, exist_ok=True)
+    resume = done > 0
+    arrays = {
+        "ids": _create(work, "ids", (N, T), np.int32, (1, T), resume),
+        "loss_mask": _create(work, "loss_mask", (N, T), np.bool_, (1, T), resume),
+        "aux": _create(work, "aux", (N, T, X), store, (1, T, X), resume),
+        "hidden": _create(work, "hidden", (N, T, D), store, (1, T, D), resume),
+    }
+    if store.name == "float8_e4m3fn":
+        arrays.update({k + "_scale": _create(work, k + "_scale", (N, T), np.float32, (1, T), resume) for k in SCALED})
+    if not resume:
         embed_VD, lm_head_DV = target_head(target.model)
-        _create(tmp, "embed", (V, D), dtype, (min(V, 4096), D)).write(np.asarray(jax.device_get(embed_VD))).result()
-        _create(tmp, "lm_head", (D, V), dtype, (D, min(V, 4096))).write(np.asarray(jax.device_get(lm_head_DV))).result()
+        _create(work, "embed", (V, D), dtype, (min(V, 4096), D)).write(np.asarray(jax.device_get(embed_VD))).result()
+        _create(work, "lm_head", (D, V), dtype, (D, min(V, 4096))).write(
+            np.asarray(jax.device_get(lm_head_DV))).result()
+        write_json_atomic(progress_path, {"meta": meta, "rows": 0})
 
-        features = jax.jit(target_features, static_argnums=(0, 3))
-        source = TokenizedSource(examples, T)
-        B = cfg.batch_size
-        with mesh_context(target.mesh):
-            for start in tqdm(range(0, N, B), desc="prepare", disable=not progress):
-                rows = [source[i] for i in range(start, min(start + B, N))]
-                ids = np.stack([r["ids"] for r in rows])
-                mask = np.stack([r["loss_mask"] for r in rows])
-                pad = B - len(rows)  # keep one compiled shape
-                ids_in = np.concatenate([ids, np.zeros((pad, T), np.int32)]) if pad else ids
-                aux, hidden = jax.device_get(features(target.graphdef, target.state, jnp.asarray(ids_in), aux_ids))
-                stop = start + len(rows)
-                arrays["ids"][start:stop].write(ids).result()
-                arrays["loss_mask"][start:stop].write(mask).result()
-                arrays["aux"][start:stop].write(np.asarray(aux[:len(rows)])).result()
-                arrays["hidden"][start:stop].write(np.asarray(hidden[:len(rows)])).result()
-        meta.update({"complete": True, "num_examples": N, "dtype": dtype.name, "target": os.path.abspath(cfg.target),
-                     "data": os.path.abspath(cfg.data)})
-        write_json_atomic(os.path.join(tmp, "meta.json"), meta)
+    features = jax.jit(target_features, static_argnums=(0, 3))
+    source = TokenizedSource(examples, T)
+    B = cfg.batch_size
+    with mesh_context(target.mesh):
+        for start in tqdm(range(done, N, B), desc="prepare", disable=not progress):
+            rows = [source[i] for i in range(start, min(start + B, N))]
+            ids = np.stack([r["ids"] for r in rows])
+            mask = np.stack([r["loss_mask"] for r in rows])
+            pad = B - len(rows)  # keep one compiled shape
+            ids_in = np.concatenate([ids, np.zeros((pad, T), np.int32)]) if pad else ids
+            aux, hidden = jax.device_get(features(target.graphdef, target.state, jnp.asarray(ids_in), aux_ids))
+            stop = start + len(rows)
+            writes = [arrays["ids"][start:stop].write(ids), arrays["loss_mask"][start:stop].write(mask)]
+            for name, x in (("aux", aux), ("hidden", hidden)):
+                values, scale = encode(np.asarray(x[:len(rows)]), store)
+                writes.append(arrays[name][start:stop].write(values))
+                if scale is not None:
+                    writes.append(arrays[name + "_scale"][start:stop].write(scale))
+            for w in writes:
+                w.result()
+            # recorded only once the batch is on disk: a kill before this line redoes the batch
+            write_json_atomic(progress_path, {"meta": meta, "rows": stop})
+    meta.update({"complete": True, "target": os.path.abspath(cfg.target), "data": os.path.abspath(cfg.data)})
+    write_json_atomic(os.path.join(work, "meta.json"), meta)
+    os.remove(progress_path)
+    if os.path.isdir(root):
+        os.rmdir(root)  # empty (checked above)
+    os.rename(work, root)
     return root
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.1f} {unit}"
+        n /= 1000

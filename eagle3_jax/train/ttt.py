@@ -220,7 +220,8 @@ def blockwise_attend(block: int, prev, q_BTNH, k_BTGH, v_BTGH):
     else:
         k0_BSGH, v0_BSGH, diag_k, diag_v = prev
         diag_k, diag_v = diag_k + (k_BTGH,), diag_v + (v_BTGH,)
-    out_BTGRH, lse_BTGR = blockwise.causal_attention(q_BTGRH, k0_BSGH, v0_BSGH, block)
+    # rows shorter than a block are one block (no padded keys to score)
+    out_BTGRH, lse_BTGR = blockwise.causal_attention(q_BTGRH, k0_BSGH, v0_BSGH, min(block, T))
     if diag_k:
         diag_BTGRJ = jnp.einsum("btgrh,jbtgh->btgrj", q_BTGRH, jnp.stack(diag_k),
                                 preferred_element_type=jnp.float32) * H ** -0.5
