@@ -78,7 +78,7 @@ BENCHES = (
           quick_args=("--batches", "1", "--new-tokens", "4", "--prompt-len", "8", "--repeats", "1")),
     Bench("convert", "benchmarks/convert.py",
           "checkpoint conversion (to-jax, to-hf) throughput and peak memory against a raw read",
-          quick_args=("--experts", "4", "--hidden", "128", "--moe-intermediate", "64", "--layers", "2",
+          quick_args=("--experts", "8", "--hidden", "128", "--moe-intermediate", "64", "--layers", "2",
                       "--vocab", "512", "--part-sizes", "1MB", "--max-shard-size", "2MB")),
     Bench("attention_capacity", "benchmarks/attention_capacity.py",
           "verify-round cost vs cache capacity at a fixed filled length (demo pair, batch 8)",
