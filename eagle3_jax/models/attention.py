@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax.config import TargetConfig
-from eagle3_jax.models.cache import MLACache
+from eagle3_jax.models.cache import KVCache, MLACache
 from eagle3_jax.models.layers import RMSNorm, apply_rope
 from eagle3_jax.models.quantized import TILE_COLS, Fp8Linear, QuantLayout, linear_param, project
 
@@ -55,68 +55,114 @@ def expand_values(out_lat_BTNC: jax.Array, kv_b, nope: int, tile: int = TILE_COL
 KEY_BLOCK = 128
 
 
-def key_block(capacity: int, block: int = KEY_BLOCK) -> int:
-    """Slots per step of ``attend_filled``'s loop: ``block``, or the whole cache when that is
-    no larger (one step then, taken without a loop)."""
-    return min(block, capacity)
+def key_block(capacity: int, tokens: int, heads: int, block: int = KEY_BLOCK) -> int:
+    """Slots per step of ``attend_filled``'s loop: at least ``block`` and at least 4 * T * N (a
+    power of two), at most the whole cache (one step then, taken without a loop).
+
+    A step reads its keys, about 2 * kb * C bytes a row (bf16), and reads and writes the running
+    float32 sums, 8 * T * N * C bytes a row, which a compiled loop keeps in memory between steps:
+    blocks of 4 * T * N slots or more keep that traffic no larger than the keys'. (Compiled for a
+    TPU v5p at Kimi's shapes, 64 heads verifying 5 tokens: 128-slot steps moved 220 MB each, 47 MB
+    of them keys.)"""
+    need = 1 << max(0, (4 * tokens * heads - 1).bit_length())
+    return min(capacity, max(block, need))
 
 
-def attend_filled(q_lat_BTNC, q_rope_BTNP, cache: MLACache, layer: int, positions_BT, softmax_scale,
-                  block: int = KEY_BLOCK) -> jax.Array:
-    """Absorbed MLA attention over the *filled* slots of layer ``layer``: [B, T, N, C] out latents.
+def online_softmax_over_slots(scores_fn, weighted_fn, positions_BT, capacity: int, kb: int, out_dtype):
+    """softmax(scores over visible slots) . values, reading ``kb`` slots per step, up to the
+    largest position of the batch only (a query at position p sees slots 0..p).
 
-    A query at position p sees slots 0..p, so no query of the batch sees a slot past the largest
-    position; the loop reads key blocks of ``block`` slots up to that one only, with a running
-    (online) softmax: max, normalizer and weighted latent sum, rescaled as each block raises the
-    max. Cost follows the longest filled row, not the cache capacity. (A whole-capacity softmax
-    made a decode step at capacity 2048 read 8x the cache of capacity 256 for the same prompts.)
-    The last block may start earlier than ``k * block`` (capacity not a multiple of ``block``);
-    its slots already seen are masked, so no slot is counted twice.
-    """
-    latent_LBSC, rope_LBSP = cache.latent_LBSC, cache.rope_LBSP
-    _, B, S, C = latent_LBSC.shape
-    P = rope_LBSP.shape[-1]
-    T, N = q_lat_BTNC.shape[1], q_lat_BTNC.shape[2]
-    kb = key_block(S, block)
-    q_lat_BTNC = q_lat_BTNC.astype(latent_LBSC.dtype)
-    q_rope_BTNP = q_rope_BTNP.astype(rope_LBSP.dtype)
-
-    def scores(lat_BSC, rope_BSP, slots_S, seen_from):
-        s_BTNS = (jnp.einsum("btnc,bsc->btns", q_lat_BTNC, lat_BSC, preferred_element_type=jnp.float32)
-                  + jnp.einsum("btnp,bsp->btns", q_rope_BTNP, rope_BSP, preferred_element_type=jnp.float32)
-                  ) * softmax_scale
+    ``scores_fn(start, size)`` -> [B, T, N, size] float32 scaled scores of slots [start, start + size);
+    ``weighted_fn(p_BTNS, start, size)`` -> [B, T, N, X] float32, p times those slots' values.
+    A running max, normalizer and weighted sum are rescaled as each block raises the max (online
+    softmax). The last block may start before ``j * kb`` (capacity not a multiple of kb); its
+    slots already seen are masked, so no slot is counted twice. With kb == capacity: one plain
+    masked softmax, no loop."""
+    def masked(s_BTNS, start, size, seen_from):
+        slots_S = start + jnp.arange(size)
         vis_BTS = (slots_S[None, None, :] <= positions_BT[:, :, None]) & (slots_S >= seen_from)[None, None, :]
         return jnp.where(vis_BTS[:, :, None, :], s_BTNS, -jnp.inf)
 
-    if kb == S:  # one block: the plain masked softmax
-        s_BTNS = scores(latent_LBSC[layer], rope_LBSP[layer], jnp.arange(S), 0)
-        probs_BTNS = jax.nn.softmax(s_BTNS, axis=-1)
-        return jnp.einsum("btns,bsc->btnc", probs_BTNS.astype(latent_LBSC.dtype), latent_LBSC[layer])
+    if kb >= capacity:
+        probs_BTNS = jax.nn.softmax(masked(scores_fn(0, capacity), 0, capacity, 0), axis=-1)
+        return weighted_fn(probs_BTNS, 0, capacity).astype(out_dtype)
 
     # Slots any query of the batch can see; positions past the capacity see the whole cache.
-    filled = jnp.clip(jnp.max(positions_BT) + 1, 1, S)
+    filled = jnp.clip(jnp.max(positions_BT) + 1, 1, capacity)
     n_blocks = (filled + kb - 1) // kb
 
     def step(j, carry):
-        m_BTN, l_BTN, acc_BTNC = carry
-        start = jnp.minimum(j * kb, S - kb)
-        lat_BSC = jax.lax.dynamic_slice(latent_LBSC, (layer, 0, start, 0), (1, B, kb, C))[0]
-        rope_BSP = jax.lax.dynamic_slice(rope_LBSP, (layer, 0, start, 0), (1, B, kb, P))[0]
-        s_BTNS = scores(lat_BSC, rope_BSP, start + jnp.arange(kb), j * kb)
+        m_BTN, l_BTN, acc_BTN_ = carry
+        start = jnp.minimum(j * kb, capacity - kb)
+        s_BTNS = masked(scores_fn(start, kb), start, kb, j * kb)
         m_new_BTN = jnp.maximum(m_BTN, jnp.max(s_BTNS, axis=-1))
         # A query with nothing visible yet keeps max -inf; shift by 0 there so exp gives 0, not NaN.
         shift_BTN = jnp.where(jnp.isfinite(m_new_BTN), m_new_BTN, 0.0)
         p_BTNS = jnp.exp(s_BTNS - shift_BTN[..., None])
         keep_BTN = jnp.exp(m_BTN - shift_BTN)
-        l_BTN = l_BTN * keep_BTN + p_BTNS.sum(-1)
-        acc_BTNC = acc_BTNC * keep_BTN[..., None] + jnp.einsum(
-            "btns,bsc->btnc", p_BTNS.astype(lat_BSC.dtype), lat_BSC, preferred_element_type=jnp.float32)
-        return m_new_BTN, l_BTN, acc_BTNC
+        return (m_new_BTN, l_BTN * keep_BTN + p_BTNS.sum(-1),
+                acc_BTN_ * keep_BTN[..., None] + weighted_fn(p_BTNS, start, kb))
 
-    init = (jnp.full((B, T, N), -jnp.inf, jnp.float32), jnp.zeros((B, T, N), jnp.float32),
-            jnp.zeros((B, T, N, C), jnp.float32))
-    _, l_BTN, acc_BTNC = jax.lax.fori_loop(0, n_blocks, step, init)
-    return (acc_BTNC / l_BTN[..., None]).astype(latent_LBSC.dtype)
+    shape_BTN = positions_BT.shape + (jax.eval_shape(lambda: scores_fn(0, kb)).shape[2],)
+    width = jax.eval_shape(lambda: weighted_fn(jnp.zeros(shape_BTN + (kb,), jnp.float32), 0, kb)).shape[-1]
+    init = (jnp.full(shape_BTN, -jnp.inf, jnp.float32), jnp.zeros(shape_BTN, jnp.float32),
+            jnp.zeros(shape_BTN + (width,), jnp.float32))
+    _, l_BTN, acc_BTN_ = jax.lax.fori_loop(0, n_blocks, step, init)
+    return (acc_BTN_ / l_BTN[..., None]).astype(out_dtype)
+
+
+def attend_filled(q_lat_BTNC, q_rope_BTNP, cache: MLACache, layer: int, positions_BT, softmax_scale,
+                  block: int = KEY_BLOCK) -> jax.Array:
+    """Absorbed MLA attention over the *filled* slots of layer ``layer``: [B, T, N, C] out latents,
+    cost following the longest filled row, not the capacity (``online_softmax_over_slots``). A
+    whole-capacity softmax made a decode step at capacity 2048 read 8x the cache of capacity 256
+    for the same prompts."""
+    latent_LBSC, rope_LBSP = cache.latent_LBSC, cache.rope_LBSP
+    _, B, S, C = latent_LBSC.shape
+    P = rope_LBSP.shape[-1]
+    T, N = q_lat_BTNC.shape[1], q_lat_BTNC.shape[2]
+    q_lat_BTNC = q_lat_BTNC.astype(latent_LBSC.dtype)
+    q_rope_BTNP = q_rope_BTNP.astype(rope_LBSP.dtype)
+
+    def lat(start, size):   # only this layer's slots [start, start + size): no copy of the layer
+        return jax.lax.dynamic_slice(latent_LBSC, (layer, 0, start, 0), (1, B, size, C))[0]
+
+    def scores(start, size):
+        rope_BSP = jax.lax.dynamic_slice(rope_LBSP, (layer, 0, start, 0), (1, B, size, P))[0]
+        return (jnp.einsum("btnc,bsc->btns", q_lat_BTNC, lat(start, size), preferred_element_type=jnp.float32)
+                + jnp.einsum("btnp,bsp->btns", q_rope_BTNP, rope_BSP, preferred_element_type=jnp.float32)
+                ) * softmax_scale
+
+    def weighted(p_BTNS, start, size):
+        lat_BSC = lat(start, size)
+        return jnp.einsum("btns,bsc->btnc", p_BTNS.astype(lat_BSC.dtype), lat_BSC, preferred_element_type=jnp.float32)
+
+    return online_softmax_over_slots(scores, weighted, positions_BT, S, key_block(S, T, N, block),
+                                     latent_LBSC.dtype)
+
+
+def attend_filled_gqa(q_BTNH, cache: KVCache, positions_BT, softmax_scale, block: int | None = None) -> jax.Array:
+    """The draft's grouped-query attention over the filled slots of its KV cache ([B, G, S, H]):
+    [B, T, N, H] out, N = G * R query heads sharing each key/value head."""
+    k_BGSH, v_BGSH = cache.k_BGSH, cache.v_BGSH
+    B, G, S, H = k_BGSH.shape
+    T, N = q_BTNH.shape[1], q_BTNH.shape[2]
+    q_BTGRH = q_BTNH.reshape(B, T, G, N // G, H).astype(k_BGSH.dtype)
+
+    def slots(kv_BGSH, start, size):
+        return jax.lax.dynamic_slice_in_dim(kv_BGSH, start, size, axis=2)
+
+    def scores(start, size):
+        s = jnp.einsum("btgrh,bgsh->btgrs", q_BTGRH, slots(k_BGSH, start, size), preferred_element_type=jnp.float32)
+        return s.reshape(B, T, N, size) * softmax_scale
+
+    def weighted(p_BTNS, start, size):
+        p = p_BTNS.reshape(B, T, G, N // G, size).astype(v_BGSH.dtype)
+        out_BTGRH = jnp.einsum("btgrs,bgsh->btgrh", p, slots(v_BGSH, start, size), preferred_element_type=jnp.float32)
+        return out_BTGRH.reshape(B, T, N, H)
+
+    kb = key_block(S, T, N, KEY_BLOCK if block is None else block)
+    return online_softmax_over_slots(scores, weighted, positions_BT, S, kb, v_BGSH.dtype)
 
 
 class MLAttention(nnx.Module):

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax.config import DraftConfig
-from eagle3_jax.models.attention import masked_softmax
-from eagle3_jax.models.cache import KVCache, causal_slot_mask
+from eagle3_jax.models.attention import attend_filled_gqa, masked_softmax
+from eagle3_jax.models.cache import KVCache
 from eagle3_jax.models.layers import RMSNorm, SwiGLU, apply_rope, param, rope_cos_sin, rope_inv_freq
 
 
@@ -57,10 +57,10 @@ class DraftAttention(nnx.Module):
         if cache is None:  # one causal pass over the given tokens (training, TTT step 0)
             k_BGSH, v_BGSH = k_BTGH.transpose(0, 2, 1, 3), v_BTGH.transpose(0, 2, 1, 3)
             mask_BTS = positions_BT[:, None, :] <= positions_BT[:, :, None]
-        else:
+        else:  # over the filled slots only: cost follows the longest row, not the capacity
             cache = cache.write(k_BTGH, v_BTGH, positions_BT)
-            k_BGSH, v_BGSH = cache.k_BGSH, cache.v_BGSH
-            mask_BTS = causal_slot_mask(positions_BT, cache.capacity)
+            out_BTNH = attend_filled_gqa(q_BTNH, cache, positions_BT, cfg.head_dim ** -0.5)
+            return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...]), cache
         B, T = q_BTNH.shape[:2]
         q_BTGRH = q_BTNH.reshape(B, T, G, R, cfg.head_dim)
         scores_BTGRS = jnp.einsum("btgrh,bgsh->btgrs", q_BTGRH, k_BGSH) * cfg.head_dim ** -0.5
