@@ -58,6 +58,7 @@ class PlanSettings:
     topology: str | None = None         # a TPU slice, e.g. v5p:2x2x4 (platform tpu)
     layers: int | None = None           # plan the target cut to its first N layers (full width); None: all
     tau: float | None = None            # acceptance length for the predicted speedup (TPU estimates)
+    cost_k0: bool = True                # TPU: also compile decode at K = 0, the step a speedup is priced against
 
 
 @dataclass(frozen=True)

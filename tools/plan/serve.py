@@ -130,7 +130,8 @@ class Plan:
     def totals(self, program: str, expert_bits: int | None = None) -> tuple[int, int]:
         """(upper, lower) estimate of one program's peak bytes per device."""
         mem = self.programs[program]
-        if mem.temp is None:  # the TPU compiler refused it for HBM: its own figure is all there is
+        if self.settings.platform == "tpu" and expert_bits is None:
+            # the TPU compiler's own per-chip figure: it also counts the padding of arrays to its tiles
             return mem.peak, mem.peak
         ratio = self.temp_ratio
         params = self.param_bytes(expert_bits)
@@ -182,13 +183,11 @@ def choose_draft(target: TargetConfig, path: str | None = None) -> tuple[DraftCo
         if (cfg.vocab_size == target.vocab_size and cfg.target_hidden_size == target.hidden_size
                 and all(0 <= i < target.num_hidden_layers for i in ids)):
             return cfg, os.path.relpath(p, REPO_DIR)
-    H, N, L = target.hidden_size, target.num_attention_heads, target.num_hidden_layers
+    H, N = target.hidden_size, target.num_attention_heads
     derived = DraftConfig(
         hidden_size=H, intermediate_size=target.intermediate_size, num_attention_heads=N, num_key_value_heads=N,
         head_dim=H // N if H % N == 0 else target.v_head_dim, vocab_size=target.vocab_size,
-        draft_vocab_size=min(DEFAULT_DRAFT_VOCAB, target.vocab_size), target_hidden_size=H,
-        # The default ids [1, L//2 - 1, L - 4] need 4 layers; a target cut shorter taps first, middle, last.
-        aux_layer_ids=None if L >= 4 else (0, L // 2, L - 1))
+        draft_vocab_size=min(DEFAULT_DRAFT_VOCAB, target.vocab_size), target_hidden_size=H, aux_layer_ids=None)
     return derived, "derived from the target (hidden, intermediate and heads of the target; no published shape matches)"
 
 
@@ -256,7 +255,7 @@ def target_config(s: PlanSettings) -> TargetConfig:
 def plan(s: PlanSettings, log=None) -> Plan:
     """Builds everything abstractly, compiles the requested programs, returns the numbers."""
     log = log or (lambda msg: None)
-    cfg = target_config(s)
+    cfg, full = target_config(s), TargetConfig.from_path(s.model)
     mesh_cfg = MeshConfig.parse(s.mesh)
     check_settings(s, cfg, mesh_cfg)
     on_tpu = s.platform == "tpu"
@@ -264,7 +263,12 @@ def plan(s: PlanSettings, log=None) -> Plan:
     hbm = s.hbm or (tpu.chip_hbm_bytes(s.topology) if on_tpu else None)
     # The expert kernel the product picks for the platform compiled for, not for this host.
     moe_kernel = s.moe_kernel or default_kernel(s.platform)
-    dcfg, draft_source = choose_draft(cfg, s.draft)
+    dcfg, draft_source = choose_draft(full, s.draft)
+    if cfg.num_hidden_layers < full.num_hidden_layers:
+        # A cut target keeps the full model's draft (same widths, same cache), tapping layers it has.
+        L = cfg.num_hidden_layers
+        dcfg = dataclasses.replace(dcfg, aux_layer_ids=(0, L // 2, L - 1)[:len(resolve_aux_ids(dcfg, full))])
+        draft_source += f" (aux layers moved into the {L}-layer cut)"
     aux_ids = resolve_aux_ids(dcfg, cfg)
     check_pairing(dcfg, cfg, len(aux_ids) * cfg.hidden_size, len(aux_ids), None, None)
     planned = jnp.dtype(resolve_dtype(s.dtype))
@@ -319,7 +323,7 @@ def plan(s: PlanSettings, log=None) -> Plan:
                 mem = compile_program(name, gen.run_rounds, args, static, hbm)
                 log(f"  lowered in {mem.lower_s:.1f} s, compiled in {mem.compile_s:.1f} s")
                 result.programs[name] = mem
-                if on_tpu:  # the target-only round on the same state: the step a speedup is measured against
+                if on_tpu and s.cost_k0:  # the target-only round on the same state: the step a speedup is measured against
                     result.rounds[K] = mem
                     k0 = dict(static, program=static["program"].with_draft_tokens(0))
                     log("compiling decode at K = 0 (target-only rounds, for the predicted speedup) ...")

@@ -1,0 +1,125 @@
+"""The TPU compile tier: every program the product runs, compiled by the TPU compiler for real TPU
+slices on this CPU-only host (libtpu, deviceless ahead-of-time compilation; nothing runs on a TPU).
+
+Programs: the decode loop at K >= 1 and K = 0 (target-only rounds), admission with chunked prefill,
+and the draft training step with online and offline hidden states; for the tiny configs (float and
+native INT4 / FP8 experts) and the demo target, on v5p:2x2x2 and v6e:2x4. The per-layer test
+compiles Kimi-K2.5 (INT4 experts) and DeepSeek-V3 (FP8) at full width, cut to two and three layers
+(one and two MoE layers), and asserts per-chip memory grows by at most what the added layer holds:
+a copy of a layer's weights or cache made outside the loop shows up there and nowhere else.
+
+Skipped, with the reason, where libtpu (the ``tpu`` extra) is not installed.
+"""
+
+import json
+import pathlib
+
+import jax
+import pytest
+
+from eagle3_jax.tpu import libtpu_available
+from tests.quant_fixtures import int4_config
+from tools.plan import serve
+
+pytestmark = [pytest.mark.tpu_compile,
+              pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed (pip install -e '.[tpu]')")]
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TOPOLOGIES = ("v5p:2x2x2", "v6e:2x4")
+MESH = "data=2,expert=4,tensor=1"
+TINY = REPO / "configs/models/tiny_deepseek_v3.json"
+MIB = 2 ** 20
+
+
+@pytest.fixture(autouse=True)
+def product_precision():
+    """The suite computes float32 matmuls at "highest" (conftest) for its CPU oracles; the product
+    does not, and Mosaic (Pallas TPU kernels) refuses bf16 operands at float32 contract precision.
+    Compile what the product runs."""
+    with jax.default_matmul_precision("default"):
+        yield
+
+
+def fp8_config() -> dict:
+    """DeepSeek-V3's quantization_config (block FP8), at the tiny config's 16-wide blocks."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+
+
+@pytest.fixture(scope="module")
+def tiny_configs(tmp_path_factory):
+    """name -> config.json: the tiny DeepSeek-V3 shape as float, with INT4 experts, with FP8."""
+    root = tmp_path_factory.mktemp("tpu_configs")
+    base = json.loads(TINY.read_text())
+    out = {"float": str(TINY)}
+    for name, q in (("int4", int4_config()), ("fp8", fp8_config())):
+        path = root / f"{name}.json"
+        path.write_text(json.dumps(dict(base, quantization_config=q)))
+        out[name] = str(path)
+    return out
+
+
+def small_plan(model, topology, **kw):
+    settings = dict(model=model, mesh=MESH, batch=4, max_len=64, num_draft_tokens=2, prompt_len=16,
+                    prefill_chunk=8, platform="tpu", topology=topology, programs=("decode", "prefill"))
+    settings.update(kw)
+    return serve.plan(serve.PlanSettings(**settings))
+
+
+def assert_compiled(p):
+    for name, mem in list(p.programs.items()) + [(f"decode K={k}", m) for k, m in p.rounds.items()]:
+        assert mem.platform == "tpu", name
+        assert mem.fits and mem.temp is not None, (name, mem.error)
+        assert mem.flops and mem.estimated_seconds, name
+
+
+# Each weight form on one slice, each slice with float: the tier stays a few minutes on 2 cores.
+@pytest.mark.parametrize("weights,topology", [("float", "v5p:2x2x2"), ("float", "v6e:2x4"), ("int4", "v5p:2x2x2"),
+                                              ("fp8", "v6e:2x4")])
+def test_tiny_decode_and_chunked_prefill_compile(tiny_configs, topology, weights):
+    p = small_plan(tiny_configs[weights], topology)
+    assert_compiled(p)
+    assert sorted(p.rounds) == [0, 2] and p.prefill_chunk == 8
+    # arguments as the TPU compiler counts them hold the planned parameters and loop state, in bf16
+    # (and the padding of small arrays to its (8, 128) tiles, which dominates at this size)
+    assert p.programs["decode"].argument >= p.param_bytes() + p.state_bytes()
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("source", ["online", "offline"])
+def test_tiny_train_step_compiles(tiny_configs, topology, source):
+    p = small_plan(tiny_configs["float"], topology, programs=(), train=True, train_batch=2, train_len=16,
+                   ttt_steps=2, hidden_source=source, train_dtype="bfloat16")
+    assert p.train.program.platform == "tpu" and p.train.program.fits and p.train.program.temp is not None
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_demo_target_compiles(topology):
+    p = small_plan(str(REPO / "demo/target/config.json"), topology, mesh="data=1,expert=8,tensor=1", batch=8,
+                   max_len=256, num_draft_tokens=3, prompt_len=64, prefill_chunk=32, train=True, train_batch=8,
+                   train_len=64, ttt_steps=2)
+    assert_compiled(p)
+    assert p.train.program.fits
+
+
+def growth(model, topology, mesh):
+    """(per-chip peak growth, per-chip growth of what is held) from one MoE layer to two."""
+    dense = serve.TargetConfig.from_path(model).first_k_dense_replace
+    a, b = (serve.plan(serve.PlanSettings(model=model, mesh=mesh, batch=8, max_len=256, num_draft_tokens=2,
+                                          prompt_len=32, platform="tpu", topology=topology, layers=n,
+                                          programs=("decode",), cost_k0=False)) for n in (dense + 1, dense + 2))
+    for p in (a, b):
+        assert p.programs["decode"].fits, p.programs["decode"].error
+    held = (b.param_bytes() + b.state_bytes()) - (a.param_bytes() + a.state_bytes())
+    return b.programs["decode"].peak - a.programs["decode"].peak, held
+
+
+# Full-width compiles take minutes each on 2 cores: each model on one slice, both slices covered.
+@pytest.mark.parametrize("model,topology", [("kimi_k25", "v5p:2x2x2"), ("deepseek_v3", "v6e:2x4")])
+def test_memory_per_layer_is_what_the_layer_holds(model, topology):
+    """Full-width Kimi-K2.5 (native INT4 experts) and DeepSeek-V3 (native FP8): a second MoE layer
+    costs each chip its parameters and cache, plus a little slack for a loop's
+    larger buffers; the TPU compiler once relaid out every packed INT4 expert stack ahead of the
+    decode loop, which made a MoE layer cost twice its experts."""
+    grew, held = growth(str(REPO / f"configs/models/{model}.json"), topology, "data=1,expert=8,tensor=1")
+    assert held > 500 * MIB  # a full-width MoE layer's experts, one eighth per chip
+    assert grew <= held + 64 * MIB + held // 50, f"peak grew {grew / MIB:.0f} MiB for a layer holding {held / MIB:.0f} MiB"

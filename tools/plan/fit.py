@@ -1,0 +1,83 @@
+"""Where the seed's models fit on TPU: one markdown table from the TPU compiler.
+
+    python -m tools.plan.fit [--models kimi_k25,deepseek_v3] [--topologies v5p:2x2x2,v5p:2x2x4,v6e:4x4]
+                             [--programs decode,prefill] [--batch 32] [--max-len 8192] [--num-draft-tokens 4]
+
+For each model (native weights: Kimi-K2.5 INT4 experts, DeepSeek-V3 FP8) and TPU slice, the serving
+programs are compiled for the slice (mesh ``data=1,expert=<chips>,tensor=1``) with the target cut to
+one and to two MoE layers at full width; per-chip peak memory of the whole model is then
+``peak(2 MoE) + (MoE layers - 2) * (peak(2 MoE) - peak(1 MoE))``. That is exact where memory grows
+by the same bytes per MoE layer, which ``tests/test_tpu_compile.py`` asserts (each MoE layer costs its
+parameters and cache, nothing more); a full compile (``python -m tools.plan --platform tpu``) checks
+it for one slice and takes tens of minutes on a 2-core host, a cut compile a few. "Fits" is against
+the chip HBM the compiler reports. Compiled for TPU on this host, not run on one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+GiB = 2 ** 30
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.plan.fit", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="kimi_k25,deepseek_v3", help="configs/models/<name>.json, comma list")
+    p.add_argument("--topologies", default="v5p:2x2x2,v5p:2x2x4,v6e:2x4,v6e:4x4", help="TPU slices, comma list")
+    p.add_argument("--programs", default="decode,prefill")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=8192)
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    args = p.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    from eagle3_jax import tpu
+    from eagle3_jax.config import TargetConfig
+    from tools.plan import serve
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    programs = tuple(x for x in args.programs.split(",") if x)
+    rows = []
+    for name in args.models.split(","):
+        model = os.path.join(repo, "configs", "models", f"{name}.json")
+        cfg = TargetConfig.from_path(model)
+        dense, L = cfg.first_k_dense_replace, cfg.num_hidden_layers
+        for topo in args.topologies.split(","):
+            chips, hbm = tpu.chips(topo), tpu.chip_hbm_bytes(topo)
+            mesh = f"data=1,expert={chips},tensor=1"
+            t0 = time.perf_counter()
+            cuts = [serve.plan(serve.PlanSettings(
+                model=model, mesh=mesh, batch=args.batch, max_len=args.max_len,
+                num_draft_tokens=args.num_draft_tokens, prompt_len=args.prompt_len, prefill_chunk=args.prefill_chunk,
+                platform="tpu", topology=topo, layers=n, programs=programs, cost_k0=False),
+                log=lambda m: print(f"[fit {name} {topo}] {m}", file=sys.stderr, flush=True))
+                for n in (dense + 1, dense + 2)]
+            row = [name, topo, str(chips), f"{hbm / GiB:.2f}", mesh]
+            for prog in programs:
+                a, b = (c.totals(prog)[0] for c in cuts)
+                full = b + (L - dense - 2) * (b - a)
+                row += [f"{full / GiB:,.1f}", "yes" if full <= hbm else "no"]
+            row.append(f"{time.perf_counter() - t0:.0f}")
+            rows.append(row)
+            print("| " + " | ".join(row) + " |", file=sys.stderr, flush=True)
+    head = ["model", "slice", "chips", "HBM/chip GiB", "mesh"]
+    for prog in programs:
+        head += [f"{prog} peak/chip GiB", f"{prog} fits"]
+    head.append("compile s")
+    print(f"# batch {args.batch}, max_len {args.max_len}, K={args.num_draft_tokens}, prompt block {args.prompt_len} "
+          f"(prefill chunk {args.prefill_chunk}); native weights; TPU compiler, cut to 1 and 2 MoE layers, "
+          "extrapolated per MoE layer")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---" for _ in head) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
