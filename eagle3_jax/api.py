@@ -232,8 +232,13 @@ def load_draft(path: str | os.PathLike, target: LoadedTarget, dtype=None) -> Loa
     from eagle3_jax.checkpoint import store
     from eagle3_jax.checkpoint.draft_io import read_draft_layout
     from eagle3_jax.checkpoint.draft_map import draft_rules
+    from eagle3_jax.config.peagle import PEagleConfig, read_draft_config
 
     path = os.fspath(path)
+    if isinstance(read_draft_config(path), PEagleConfig):   # parallel drafting: its own layout and loader
+        from eagle3_jax.checkpoint.peagle_map import load_peagle_draft
+
+        return load_peagle_draft(path, target, dtype)
     preflight.check_pair(target.config, path)   # config.json + headers only, before any tensor is read
     cfg = DraftConfig.from_path(path)
     dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
@@ -340,6 +345,11 @@ def save_draft(draft: LoadedDraft, path: str | os.PathLike, config_overrides: di
     from eagle3_jax.checkpoint.draft_io import write_draft
 
     flat = {tuple(p): np.asarray(jax.device_get(v.value)) for p, v in nnx.to_flat_state(draft.state)}
+    if getattr(draft.model, "kind", None) == "peagle":   # SpecForge's PEagleDraftModel layout
+        from eagle3_jax.checkpoint.peagle_map import write_peagle
+
+        return write_peagle(path, draft.config, flat, draft.aux_layer_ids, resolve_dtype(dtype) if dtype else None,
+                            dtype, config_overrides)
     write_draft(path, draft.config, flat, draft.aux_layer_ids, draft.model.embed_tokens is not None,
                 out_dtype=resolve_dtype(dtype) if dtype is not None else None, dtype_name=dtype,
                 config_overrides=config_overrides)

@@ -44,7 +44,7 @@ def reference(tiny_target, prompts):
 
 @pytest.mark.parametrize("k,batch", [(1, 8), (8, 1)])
 def test_random_peagle_is_lossless(tiny_target, peagle_dir, prompts, reference, k, batch):
-    draft = load_peagle_draft(peagle_dir, tiny_target)
+    draft = e3.load_draft(peagle_dir, tiny_target)   # dispatches on the architecture
     assert draft.model.kind == "peagle"
     gen = e3.Generator(tiny_target, draft, num_draft_tokens=k, max_len=40, batch_size=batch)
     res = gen.generate(prompts if batch > 1 else prompts[:2], 20)
@@ -81,3 +81,34 @@ def test_trained_peagle_is_lossless_and_accepted(tiny_target, trained, k, batch)
           f"accepted per position {res.stats.accepted_per_position}")
     assert res.stats.mean_accept_length > 1.3, res.stats
     assert res.stats.accepted_per_position[1] > 0, res.stats.accepted_per_position
+
+
+def test_preflight_load_and_save_know_peagle(tiny_target, peagle_dir, tmp_path):
+    import json
+
+    from eagle3_jax import preflight
+    from eagle3_jax.errors import ConfigError
+
+    facts = preflight.check_pair(tiny_target.config, peagle_dir)
+    assert isinstance(facts.draft, PEagleConfig) and facts.aux_layer_ids == (0, 1, 2)
+    assert facts.fc_in_width == 3 * tiny_target.config.hidden_size
+    draft = e3.load_draft(peagle_dir, tiny_target)
+    e3.save_draft(draft, tmp_path / "again")
+    again = e3.load_draft(tmp_path / "again", tiny_target)
+    np.testing.assert_array_equal(np.asarray(again.model.mask_hidden[...]), np.asarray(draft.model.mask_hidden[...]))
+    # a SpecForge export names no MASK token: preflight says so, loading asks for it
+    cfg = json.loads((peagle_dir / "config.json").read_text())
+    cfg.pop("mask_token_id")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps(cfg))
+    (bare / "model.safetensors").symlink_to(peagle_dir / "model.safetensors")
+    assert any("mask_token_id" in n for n in preflight.check_pair(tiny_target.config, bare).notes)
+    with pytest.raises(ConfigError, match="mask_token_id"):
+        e3.load_draft(bare, tiny_target)
+    assert load_peagle_draft(bare, tiny_target, mask_token_id=3).config.mask_token_id == 3
+    # the wiring contracts hold for the new kind: a draft for a wider target is refused before any weight
+    cfg["target_hidden_size"] = tiny_target.config.hidden_size * 2
+    (bare / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="target_hidden_size"):
+        preflight.check_pair(tiny_target.config, bare)

@@ -95,7 +95,7 @@ def flat_params(model) -> dict[tuple, np.ndarray]:
 
 
 def write_peagle(path: str | os.PathLike, cfg: PEagleConfig, flat: Mapping[tuple, np.ndarray], aux_layer_ids,
-                 out_dtype=None, dtype_name: str | None = None) -> None:
+                 out_dtype=None, dtype_name: str | None = None, config_overrides: dict | None = None) -> None:
     """config.json (recording ``aux_layer_ids`` and the MASK token id) + model.safetensors in
     SpecForge's layout, staged beside ``path``; ``out_dtype`` casts floating-point weights."""
     path = os.fspath(path)
@@ -110,6 +110,7 @@ def write_peagle(path: str | os.PathLike, cfg: PEagleConfig, flat: Mapping[tuple
         flat = {k: (v.astype(out_dtype) if np.issubdtype(v.dtype, np.floating) or v.dtype.name == "bfloat16" else v)
                 for k, v in flat.items()}
         hf["torch_dtype"] = dtype_name
+    hf.update(config_overrides or {})
     with staged_dir(path) as tmp:
         with CheckpointWriter(tmp) as writer:
             for name, arr in iter_peagle_tensors(cfg, flat, len(aux_layer_ids)):
@@ -142,7 +143,10 @@ def load_peagle_draft(path: str | os.PathLike, target, dtype=None, mask_token_id
     from eagle3_jax.config import resolve_dtype
     from eagle3_jax.models.peagle import PEagleDraft
 
+    from eagle3_jax import preflight
+
     where = os.fspath(path)
+    preflight.check_pair(target.config, path)   # config.json + headers only, before any tensor is read
     cfg = PEagleConfig.from_path(path, mask_token_id)
     cfg.require_mask_token(where)
     dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
