@@ -17,7 +17,7 @@ from eagle3_jax.checkpoint import quant
 from eagle3_jax.checkpoint.target_map import Rule, target_rules
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.errors import ConfigError
-from eagle3_jax.models.quantized import NATIVE_INT4_GROUP, QuantLayout
+from eagle3_jax.checkpoint.quant import NATIVE_INT4_GROUP, QuantLayout
 
 EXPERT_PATHS = ("w_gate", "w_up", "w_down")
 WEIGHTS_CHOICES = ("native", "bfloat16")

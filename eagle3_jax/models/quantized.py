@@ -11,6 +11,9 @@ disk are the words held on the devices and the words written back, bit for bit):
     ``weight`` float8_e4m3fn ``[(E,) out, in]``, ``scale_inv`` float32
     ``[(E,) ceil(out/bo), ceil(in/bi)]``; ``w = weight * scale_inv[o // bo, i // bi]``.
 
+What a target holds quantized (``QuantLayout``) and the formats' facts (nibble order, offset,
+default group and block) are described once, in ``checkpoint/quant.py``; this module computes with them.
+
 Values and scales carry the same logical axes (the grouped axis keeps its name), so
 ``sharding.LOGICAL_AXIS_RULES`` shards both the same way. Nothing here dequantizes a whole matrix
 for a matmul: ``quantized_matmul`` dequantizes one expert's matrix one tile of input columns at a
@@ -26,69 +29,17 @@ checkpoint's own words.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from eagle3_jax.checkpoint.quant import (DEFAULT_FP8_BLOCK, DEFAULT_INT4_GROUP, INT4_OFFSET, INT4_PER_WORD,
-                                         QuantScheme, int4_nibbles, int4_plane)
+from eagle3_jax.checkpoint.quant import (  # noqa: F401 (QuantLayout re-exported: models name it from here)
+    INT4_OFFSET, INT4_PER_WORD, NATIVE_INT4_GROUP, QuantLayout, int4_nibbles, int4_plane)
 from eagle3_jax.models.params import param
 from eagle3_jax.sharding import mesh_axis
 
-# The one INT4 group size with a native kernel (Kimi-K2.5's); others are dequantized on load.
-NATIVE_INT4_GROUP = DEFAULT_INT4_GROUP
-
-
-@dataclass(frozen=True)
-class QuantLayout:
-    """Which weights a target holds quantized, and how (read from the checkpoint's headers).
-
-    ``experts``: None | "int4" | "fp8" (the routed expert stacks); ``linears``: None | "fp8"
-    (attention projections, dense MLPs, shared experts). The dtypes are the checkpoint's, kept so
-    that an export writes the same bytes back. The format itself (group, block, nibble order) is
-    ``checkpoint.quant``'s ``QuantScheme``; ``from_scheme`` is the one bridge between the two.
-    """
-
-    experts: str | None = None
-    linears: str | None = None
-    int4_group: int = NATIVE_INT4_GROUP
-    int4_scale_dtype: str = "bfloat16"
-    int4_shape_dtype: str = "int32"
-    fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK
-    fp8_scale_dtype: str = "float32"
-
-    @classmethod
-    def from_scheme(cls, scheme: QuantScheme, **held) -> "QuantLayout":
-        """The native layout of a config.json's quantization scheme: INT4 experts for
-        compressed-tensors, FP8 experts and linears for block FP8 (``held``: which / dtypes)."""
-        if scheme.method == "compressed-tensors":
-            return cls(**{"experts": "int4", "int4_group": scheme.int4_group, **held})
-        if scheme.method == "fp8":
-            return cls(**{"experts": "fp8", "linears": "fp8", "fp8_block": tuple(scheme.fp8_block), **held})
-        raise ValueError(f"no native layout for quantization method {scheme.method!r}")
-
-    def to_json(self) -> dict:
-        d = dict(self.__dict__)
-        d["fp8_block"] = list(self.fp8_block)
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict | None) -> "QuantLayout | None":
-        if not d:
-            return None
-        d = dict(d)
-        d["fp8_block"] = tuple(d.get("fp8_block", DEFAULT_FP8_BLOCK))
-        return cls(**d)
-
-    @property
-    def name(self) -> str:
-        parts = [f"{self.experts}-experts"] if self.experts else []
-        if self.linears:
-            parts.append(f"{self.linears}-linears")
-        return "+".join(parts) or "float"
 
 
 # ---------------------------------------------------------------------- dequantization (jnp)
@@ -231,12 +182,6 @@ class Int4Stack(nnx.Module):
         """Input columns of the smallest tile that holds whole words and whole groups."""
         return math.lcm(8, self.group)
 
-    def dequant_cols(self, packed_OW, scale_OG, start, width: int, dtype) -> jax.Array:
-        """Columns [start, start + width) of one expert's matrix (start, width: multiples of col_unit)."""
-        w = jax.lax.dynamic_slice_in_dim(packed_OW, start // 8, width // 8, axis=-1)
-        s = jax.lax.dynamic_slice_in_dim(scale_OG, start // self.group, width // self.group, axis=-1)
-        return dequant_int4(w, s, width, self.group, dtype)
-
     def tile_product(self, x_bT, packed_OW, scale_OG, start, width: int) -> jax.Array:
         """float32 ``x_bT @ W[:, start:start + width].T`` for one expert, by nibble plane.
 
@@ -248,14 +193,12 @@ class Int4Stack(nnx.Module):
         Each weight is still ``(q - 8) * scale`` rounded once to the activation dtype, as
         ``dequant_int4`` makes it, so only the float32 summation order differs.
         """
-        g = self.group
-        if g % 8:  # a group that splits words: the plain interleaved tile
-            return jnp.einsum("bt,ot->bo", x_bT, self.dequant_cols(packed_OW, scale_OG, start, width, x_bT.dtype),
-                              preferred_element_type=jnp.float32)
-        W = width // INT4_PER_WORD
+        g, W, dtype = self.group, width // INT4_PER_WORD, x_bT.dtype
         words_OW = jax.lax.dynamic_slice_in_dim(packed_OW, start // INT4_PER_WORD, W, axis=-1)
         s_OG = jax.lax.dynamic_slice_in_dim(scale_OG, start // g, width // g, axis=-1)
-        dtype = x_bT.dtype
+        if g % INT4_PER_WORD:  # a group that splits words: the plain interleaved tile
+            w_OT = dequant_int4(words_OW, s_OG, width, g, dtype)
+            return jnp.einsum("bt,ot->bo", x_bT, w_OT, preferred_element_type=jnp.float32)
         compute = s_OG.dtype if jnp.dtype(dtype) == s_OG.dtype else jnp.float32
         # One scale per word (a group spans g / 8 words), spread by a 0/1 matmul rather than a
         # reshape of the minor dimension (the layout change this form exists to avoid); exact, one
