@@ -154,7 +154,12 @@ class Engine:
             self.policy = self._call(session.policy, program, sp, self.sampling)
         policy = self.policy
         auto = isinstance(policy, AutoDraft)
+        # A sized collection (a list of requests) says when the last one has been admitted, so a
+        # single wave is known as one before its first run; an iterator only once it runs dry (no
+        # look-ahead: that would take a request before a row is free for it).
+        total = len(requests) if hasattr(requests, "__len__") else None
         pending = iter(requests)
+        admitted_count = 0
         occupant: list[Request | None] = [None] * self.batch_size
         # Per-row counters after the previous run (admitted rows restart at zero): the policy's deltas.
         seen_rounds_B = np.zeros(self.batch_size, np.int64)
@@ -176,7 +181,8 @@ class Engine:
                         session.check_prompt(req.prompt, f"request {req.key!r}: prompt")
                         occupant[b] = req
                         new[b] = list(req.prompt)
-                    exhausted = len(new) < len(free)
+                    admitted_count += len(new)
+                    exhausted = len(new) < len(free) or admitted_count == total
                 if all(o is None for o in occupant):
                     break
                 running = np.array([o is not None for o in occupant])
