@@ -116,3 +116,20 @@ def test_grouped_experts_match_dense_oracle(kind, M, E, K, route, first):
     blocked = experts.experts_blocked_quantized(x, idx, w, gate, up, down, first)
     np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), np.asarray(blocked.astype(jnp.float32)),
                                rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("mesh", [None, "data=1,expert=4,tensor=1"])
+def test_int4_target_on_the_grouped_kernel_matches_the_blocked_loop(tiny_target_dir, tmp_path_factory, mesh):
+    """A native INT4 checkpoint (packed by compressed-tensors) loaded with ``moe_kernel="grouped"``
+    (interpreted on this CPU; inside shard_map with an expert mesh): logits equal the blocked loop's."""
+    import eagle3_jax as e3
+    from eagle3_jax.models.moe import MoE
+    from tests import quant_fixtures
+
+    qdir, _ = quant_fixtures.int4_pair(tiny_target_dir, tmp_path_factory.mktemp("int4_grouped"))
+    ids = np.random.default_rng(1).integers(0, 256, size=(2, 5))
+    grouped = e3.load_target(qdir, mesh=mesh, moe_kernel="grouped")
+    assert {layer.mlp.kernel for layer in grouped.model.layers if isinstance(layer.mlp, MoE)} == {"grouped"}
+    blocked = e3.load_target(qdir, mesh=mesh, moe_kernel="blocked")
+    got, want = (np.asarray(t.forward(ids).logits) for t in (grouped, blocked))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
