@@ -6,6 +6,7 @@ import pytest
 import eagle3_jax as e3
 from eagle3_jax.checkpoint.peagle_map import build_peagle_draft, flat_params, load_peagle_draft, write_peagle
 from eagle3_jax.config.peagle import PEagleConfig
+from tests.test_spec_sampling import TEMP, TOP_K, _chi2_pvalue, _sample_pairs, exact_joint, prompt  # noqa: F401
 
 
 def peagle_config(target_cfg, **extra) -> PEagleConfig:
@@ -112,3 +113,14 @@ def test_preflight_load_and_save_know_peagle(tiny_target, peagle_dir, tmp_path):
     (bare / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="target_hidden_size"):
         preflight.check_pair(tiny_target.config, bare)
+
+
+def test_trained_peagle_sampling_matches_exact_distribution(tiny_target, trained, prompt, exact_joint):
+    """T = 1, top-k 6: the first two new tokens' joint law equals the target's (chi-square), with
+    K = 2 so the second guess is the parallel one (the MASK position)."""
+    draft, _ = trained
+    gen = e3.Generator(tiny_target, draft, num_draft_tokens=2, max_len=16)
+    assert _chi2_pvalue(_sample_pairs(gen, prompt), exact_joint) > 1e-3
+    res = gen.generate([prompt] * 64, 3, temperature=TEMP, top_k=TOP_K, seed=99)
+    print(f"P-EAGLE T=1 K=2: accepted per position {res.stats.accepted_per_position}")
+    assert sum(res.stats.accepted_per_position) > 0
