@@ -124,3 +124,17 @@ def test_trained_peagle_sampling_matches_exact_distribution(tiny_target, trained
     res = gen.generate([prompt] * 64, 3, temperature=TEMP, top_k=TOP_K, seed=99)
     print(f"P-EAGLE T=1 K=2: accepted per position {res.stats.accepted_per_position}")
     assert sum(res.stats.accepted_per_position) > 0
+
+
+def test_convert_round_trip(peagle_dir, tmp_path):
+    """SpecForge layout -> our JAX checkpoint -> SpecForge layout: the same tensors, byte for byte."""
+    from tests.test_convert import assert_same_tensors, to_hf, to_jax
+
+    meta = to_jax(peagle_dir, tmp_path / "p.jax")
+    assert meta["kind"] == "draft" and meta["architecture"] == "PEagleDraftModel"
+    to_hf(tmp_path / "p.jax", tmp_path / "p.back")
+    assert_same_tensors(peagle_dir, tmp_path / "p.back")
+    import json
+
+    back = json.loads((tmp_path / "p.back" / "config.json").read_text())
+    assert back["architectures"] == ["PEagleDraftModel"] and back["mask_token_id"] == 3

@@ -132,9 +132,9 @@ def hf_spec(src: Path, reader: CheckpointReader, dtype=jnp.float32, weights: str
         if weights == "native":
             layout = quant_native.detect_layout(reader, TargetConfig.from_hf_dict(hf, where), where=str(src))
         return target_spec(hf, arch, dtype, where, quant=layout)
-    from eagle3_jax.config import DraftConfig
+    from eagle3_jax.config.peagle import read_draft_config
 
-    wiring = read_draft_layout(src, reader).wiring(DraftConfig.from_hf_dict(hf, where).target_hidden_size)
+    wiring = read_draft_layout(src, reader).wiring(read_draft_config(src).target_hidden_size)
     return draft_spec(hf, arch, wiring, dtype, where)
 
 

@@ -14,6 +14,7 @@ from eagle3_jax.checkpoint.draft_map import draft_rules
 from eagle3_jax.checkpoint.quant_native import native_rules
 from eagle3_jax.checkpoint.target_map import is_ignored_key
 from eagle3_jax.config import DRAFT_ARCHITECTURES, TARGET_ARCHITECTURES, TARGET_MODEL_TYPES, DraftConfig, TargetConfig
+from eagle3_jax.config.peagle import PEAGLE_ARCHITECTURES, PEagleConfig
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.quantized import QuantLayout
 
@@ -43,7 +44,7 @@ def detect_kind(hf: dict, where: str = "config.json") -> tuple[str, str]:
     for a in archs:
         if a in TARGET_ARCHITECTURES:
             return TARGET, a
-        if a in DRAFT_ARCHITECTURES:
+        if a in DRAFT_ARCHITECTURES or a in PEAGLE_ARCHITECTURES:
             return DRAFT, a
     if archs:
         raise ConfigError(
@@ -78,6 +79,13 @@ def draft_spec(hf: dict, architecture: str, wiring: dict, dtype=jnp.float32,
                where: str = "config.json") -> ModelSpec:
     from eagle3_jax.models.draft import Draft
 
+    if architecture in PEAGLE_ARCHITECTURES:   # parallel drafting: SpecForge's PEagleDraftModel layout
+        from eagle3_jax.checkpoint.peagle_map import peagle_rules
+        from eagle3_jax.models.peagle import PEagleDraft
+
+        cfg, n_aux = PEagleConfig.from_hf_dict(hf, where), int(wiring["n_aux"])
+        return ModelSpec(DRAFT, architecture, cfg, peagle_rules(cfg, n_aux), "", lambda k: False,
+                         _flat(lambda: PEagleDraft(cfg, n_aux, dtype, None)), dict(wiring))
     cfg = DraftConfig.from_hf_dict(hf, where)
     n_aux, own = int(wiring["n_aux"]), bool(wiring["own_embedding"])
     rules = draft_rules(cfg, n_aux, own, tuple(wiring["vocab_maps"]))
