@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from flax import nnx
 
 import eagle3_jax as e3
 from eagle3_jax.checkpoint.peagle_map import build_peagle_draft, flat_params, load_peagle_draft, write_peagle
@@ -126,8 +127,9 @@ def test_trained_peagle_sampling_matches_exact_distribution(tiny_target, trained
     assert sum(res.stats.accepted_per_position) > 0
 
 
-def test_convert_round_trip(peagle_dir, tmp_path):
-    """SpecForge layout -> our JAX checkpoint -> SpecForge layout: the same tensors, byte for byte."""
+def test_convert_round_trip(tiny_target, peagle_dir, tmp_path):
+    """SpecForge layout -> our JAX checkpoint -> SpecForge layout: the same tensors, byte for byte;
+    the converted checkpoint loads as the original does."""
     from tests.test_convert import assert_same_tensors, to_hf, to_jax
 
     meta = to_jax(peagle_dir, tmp_path / "p.jax")
@@ -138,3 +140,8 @@ def test_convert_round_trip(peagle_dir, tmp_path):
 
     back = json.loads((tmp_path / "p.back" / "config.json").read_text())
     assert back["architectures"] == ["PEagleDraftModel"] and back["mask_token_id"] == 3
+    a, b = e3.load_draft(peagle_dir, tiny_target), e3.load_draft(tmp_path / "p.jax", tiny_target)
+    assert a.aux_layer_ids == b.aux_layer_ids
+    for (pa, va), (pb, vb) in zip(nnx.to_flat_state(a.state), nnx.to_flat_state(b.state)):
+        assert pa == pb
+        np.testing.assert_array_equal(np.asarray(va[...]), np.asarray(vb[...]), err_msg=str(pa))

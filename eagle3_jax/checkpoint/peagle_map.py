@@ -17,6 +17,7 @@ from typing import Mapping
 import numpy as np
 from flax import nnx
 
+from eagle3_jax.checkpoint import store
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 from eagle3_jax.checkpoint.draft_map import _cast
 from eagle3_jax.checkpoint.hf_loader import load_state
@@ -150,12 +151,19 @@ def load_peagle_draft(path: str | os.PathLike, target, dtype=None, mask_token_id
     cfg = PEagleConfig.from_path(path, mask_token_id)
     cfg.require_mask_token(where)
     dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
-    reader = CheckpointReader(path)
-    n_aux = n_aux_of(reader, cfg, where)
-    d2t = reader.read("d2t") if "d2t" in reader else None
+    converted = store.is_jax_checkpoint(path)   # written by tools.convert: our layout, with its wiring
+    reader = None if converted else CheckpointReader(path)
+    n_aux = int(store.read_meta(path)["wiring"]["n_aux"]) if converted else n_aux_of(reader, cfg, where)
+    if converted:
+        d2t = store.restore_arrays(path, ["d2t"])["d2t"]
+    else:   # a missing d2t is reported with every other missing tensor when the weights are read
+        d2t = reader.read("d2t") if "d2t" in reader else None
     ids = _check_and_wire(cfg, target, n_aux * cfg.target_hidden_size, d2t, cfg.hidden_size)
     if len(ids) != n_aux:
         raise CheckpointError(f"{where}: fc fuses {n_aux} aux states but the config names {len(ids)} layer ids {ids}")
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: PEagleDraft(cfg, n_aux, dtype, None)))
-    state = read_peagle_state(path, cfg, abstract, n_aux, mesh=target.mesh, reader=reader)
+    if converted:
+        state = store.restore_state(path, abstract, target.mesh, kind="draft")
+    else:
+        state = read_peagle_state(path, cfg, abstract, n_aux, mesh=target.mesh, reader=reader)
     return LoadedDraft(nnx.merge(graphdef, state), target, ids)
