@@ -145,3 +145,16 @@ def test_convert_round_trip(tiny_target, peagle_dir, tmp_path):
     for (pa, va), (pb, vb) in zip(nnx.to_flat_state(a.state), nnx.to_flat_state(b.state)):
         assert pa == pb
         np.testing.assert_array_equal(np.asarray(va[...]), np.asarray(vb[...]), err_msg=str(pa))
+
+
+def test_trained_peagle_on_8_device_mesh(tiny_target, tiny_target_dir, trained, tmp_path):
+    """The same draft, saved and loaded onto a data x expert x tensor mesh: the same greedy tokens."""
+    draft, seqs = trained
+    e3.save_draft(draft, tmp_path / "trained")
+    target = e3.load_target(tiny_target_dir, mesh=e3.make_mesh("data=2,expert=2,tensor=2"))
+    sharded = e3.load_draft(tmp_path / "trained", target)
+    prompts = [seqs[i, :n].tolist() for i, n in enumerate([6, 9, 12, 7])]
+    ref = e3.Generator(tiny_target, None, max_len=48).generate(prompts, 16)
+    res = e3.Generator(target, sharded, num_draft_tokens=4, max_len=48).generate(prompts, 16)
+    assert res.tokens == ref.tokens
+    assert res.stats.mean_accept_length > 1.3
