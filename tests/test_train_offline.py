@@ -104,3 +104,13 @@ def test_prepare_resumes_after_kill_9_to_the_same_store(tiny_target_dir, data, t
     for a, b in zip(_rows(tmp_path / "killed"), _rows(stores["float8_e4m3fn"])):
         for k in a:
             np.testing.assert_array_equal(np.asarray(a[k], np.float32), np.asarray(b[k], np.float32))
+
+
+def test_target_features_in_chunks_equal_one_call(tiny_target):
+    """The frozen target run a chunk of positions at a time over its cache (a partial last chunk)
+    gives the same aux and final states as one call over the row."""
+    ids = np.random.default_rng(4).integers(2, 256, (2, T)).astype(np.int32)
+    whole = offline.target_features(tiny_target.graphdef, tiny_target.state, ids, (0, 1, 2))
+    chunked = offline.target_features(tiny_target.graphdef, tiny_target.state, ids, (0, 1, 2), chunk=5)
+    for a, b in zip(chunked, whole):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

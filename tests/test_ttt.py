@@ -131,14 +131,15 @@ def test_target_signal_masks_and_restricts(case):
 
 
 def test_blockwise_attention_equals_dense_in_loss_and_gradients(case, results):
-    """Key blocks of 5 over 12 positions (a partial last block), the head and loss in chunks of 5:
+    """Key blocks of 5 over 12 positions (a partial last block), the head and loss in chunks of 5, each
+    step recomputed in the backward pass:
     the same loss and gradients as the dense attention, float32."""
     draft = case["draft"]
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
     signal = ttt.target_signal(case["logits"], case["loss_mask"], draft.d2t[...], draft.t2d[...])
 
     def f(p):
-        spec = ttt.LossSpec(steps=STEPS, attention="blockwise", attention_block=5, loss_chunk=5)
+        spec = ttt.LossSpec(steps=STEPS, attention="blockwise", attention_block=5, loss_chunk=5, remat=True)
         return ttt.ttt_loss(nnx.merge(graphdef, p, rest), case["aux"], case["ids"], signal, case["embed"], spec)
 
     (loss_b, m_b), g_b = jax.jit(jax.value_and_grad(f, has_aux=True))(params)

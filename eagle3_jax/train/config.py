@@ -64,15 +64,18 @@ class TrainConfig:
     # The loss (ttt.py's docstring): which positions count and what a step divides by ("ours" or
     # "specforge"), SpecForge's acceptance-aware LK objective (None, "alpha" or "lambda") and its
     # lambda weight kl_scale * exp(-kl_decay * acceptance), the attention core of the unroll
-    # ("efficient", "naive" or "blockwise" over attention_block keys a block: memory linear in the
-    # row) and the positions a chunk of the head and loss (None: whole rows).
+    # ("blockwise" over attention_block keys a block: memory linear in the row; "efficient" and
+    # "naive" score whole rows) and the positions a chunk of the head and loss (None: whole rows).
+    # Rows no longer than a block or a chunk run as one: the demo's 160-token rows are unaffected.
     loss_convention: str = "ours"
     lk_loss_type: str | None = None
     kl_scale: float = 1.0
     kl_decay: float = 1.0
-    attention: str = "efficient"
+    attention: str = "blockwise"
     attention_block: int = 512
-    loss_chunk: int | None = None
+    loss_chunk: int | None = 2048
+    target_chunk: int | None = 2048     # online: positions per call of the frozen target (its scores [chunk, T])
+    remat: bool = True                  # recompute each TTT step's decoder layer in the backward pass
     lr: float = 1e-4
     warmup_ratio: float = 0.015
     total_steps: int = 1000
@@ -202,6 +205,8 @@ class TrainConfig:
             raise SettingsError(f"kl_scale ({self.kl_scale}) and kl_decay ({self.kl_decay}) must be >= 0")
         if self.attention not in ATTENTIONS:
             raise SettingsError(f"attention '{self.attention}' is not one of {ATTENTIONS}")
+        if self.target_chunk is not None and self.target_chunk < 1:
+            raise SettingsError(f"target_chunk must be >= 1 (or unset: whole rows), found {self.target_chunk}")
         if self.attention_block < 1 or (self.loss_chunk is not None and self.loss_chunk < 1):
             raise SettingsError(f"attention_block ({self.attention_block}) and loss_chunk ({self.loss_chunk}) "
                                 "must be >= 1 (loss_chunk may be unset: whole rows)")

@@ -42,7 +42,8 @@ class OptimizerSpec:
 def loss_spec(cfg: TrainConfig) -> LossSpec:
     return LossSpec(steps=cfg.ttt_steps, decay=cfg.loss_decay, convention=cfg.loss_convention,
                     lk_loss_type=cfg.lk_loss_type, kl_scale=cfg.kl_scale, kl_decay=cfg.kl_decay,
-                    attention=cfg.attention, attention_block=cfg.attention_block, loss_chunk=cfg.loss_chunk)
+                    attention=cfg.attention, attention_block=cfg.attention_block, loss_chunk=cfg.loss_chunk,
+                    target_chunk=cfg.target_chunk, remat=cfg.remat)
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -60,7 +61,7 @@ def train_step(params, opt_state, rest, embed_VD, lm_head_DV, tstate, batch, lr,
     def micro(mb):
         if tgraph is not None:  # online: the frozen target runs here; nothing of it is differentiated
             aux_BTX, hidden_BTD = jax.lax.stop_gradient(
-                offline_lib.target_features(tgraph, tstate, mb["ids"], aux_ids))
+                offline_lib.target_features(tgraph, tstate, mb["ids"], aux_ids, spec.target_chunk))
         else:
             aux_BTX, hidden_BTD = mb["aux"], mb["hidden"]
         signal = target_signal_from_hidden(hidden_BTD, lm_head_DV, mb["loss_mask"], rest["d2t"], rest["t2d"],

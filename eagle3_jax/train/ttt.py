@@ -54,7 +54,7 @@ LK_LOSS_TYPES = ("alpha", "lambda")
 
 @dataclass(frozen=True)
 class LossSpec:
-    """What one TTT loss computes; hashable (the compiled step depends on it)."""
+    """What one TTT loss computes and how; hashable (the compiled step depends on it)."""
 
     steps: int = 7
     decay: float = 0.8
@@ -65,6 +65,8 @@ class LossSpec:
     attention: str = "efficient"
     attention_block: int = 512      # keys a block with attention="blockwise"
     loss_chunk: int | None = None   # positions per chunk of the head and loss (None: the whole row)
+    target_chunk: int | None = None  # online: positions per call of the frozen target (None: the whole row)
+    remat: bool = False             # recompute each step's decoder layer in the backward pass
 
 
 @jax.tree_util.register_dataclass
@@ -250,10 +252,15 @@ def ttt_outputs(draft: Draft, aux_BTX: jax.Array, ids_BT: jax.Array, embed_VD: j
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     hidden_BTD = draft.fuse(aux_BTX)
     state = None
-    for i in range(spec.steps):
+    def layer(i, hidden_BTD, state):
         step = draft(_shift(ids_BT, i + 1, 0), hidden_BTD, positions_BT + i, embed_VD,
                      attend=functools.partial(attend_fn, state), with_logits=False)
-        state, hidden_BTD = step.cache, step.hidden_BTD
+        return step.hidden_BTD, step.cache
+
+    if spec.remat:   # keep only each step's input for the backward pass, not its activations
+        layer = jax.checkpoint(layer, static_argnums=(0,))
+    for i in range(spec.steps):
+        hidden_BTD, state = layer(i, hidden_BTD, state)
         yield hidden_BTD
 
 
