@@ -1,33 +1,40 @@
-"""Side by side on the demo pair's held-out prompts: target-only vs EAGLE-3 at fixed K and at K = auto.
+"""Side by side on the demo pair: target-only vs EAGLE-3 at fixed K and at K = auto, on two prompt sets.
 
-For every batch size B and temperature T, each mode decodes all prompts on B rows as
-``Generator(..., batch_size=B)`` does: target-only, EAGLE-3 with K = 1..K_max and
-``num_draft_tokens="auto"`` (K re-chosen between bounded runs from calibrated round costs and live
-acceptance). With more prompts than rows every mode runs the refill ``Engine``; with exactly B
-prompts target-only and a fixed K run one static program (prefill and loop, no host round trip),
-and so does auto where it prices the wave as target-only (else it runs the Engine), as a user's
-call would. Every mode shares one cache capacity, so round costs are comparable. Untimed passes
-per mode compile (and, for auto, calibrate or read its cost cache) until one compiles nothing (at
-most three; the table's "warm / compiled" gives how many ran, and how many timed passes still
-compiled something); then --repeats passes run the modes interleaved (the order rotates), and
-each mode's tok/s is the median over its passes (new tokens / wall seconds, compile excluded); its × target-only is the median over repeats of
-its pass / target-only's pass in the same repeat (paired, so load drifting across repeats cancels),
-with the range of those ratios beside it. At T = 0 every mode's tokens must equal
-target-only's (greedy is lossless); the table says how many prompts do. For auto it also gives the
-K of its last run, how many loop iterations ran at each K, and its predicted vs measured speedup.
+Prompt sets: ``demo`` is the pair's held-out prompts (standard-library modules the target never
+saw); ``thirdparty`` is code unlike anything it trained on, cut the same way (a few lines before a
+def/class line, the header and its first body line: ``tools/demo/corpus.prompts_from``) from the
+third-party packages installed beside this interpreter (numpy, scipy, jinja2: one prompt per
+file, files in sha256-of-path order, so the set is the same on every run of one environment).
 
-    .venv/bin/python benchmarks/speedup.py [--demo-dir demo] [--batch 1,8,32] [--temperature 0,1]
-        [--k 1,2,3,4,5,6] [--num-prompts N] [--max-new-tokens 96] [--repeats 5] [--json OUT.json]
+For every prompt set, batch size B and temperature T, each mode decodes all prompts on B rows as
+``Generator(..., batch_size=B)`` does (one Engine run per pass): target-only, EAGLE-3 with each
+--k and ``num_draft_tokens="auto"``. Every mode shares one cache capacity, so round costs are
+comparable. Untimed passes per mode compile (and, for auto, probe its round costs) until one
+compiles nothing (at most three; "warm / compiled" gives how many ran, and how many timed passes
+still compiled something); then --repeats passes run the modes interleaved (the order rotates).
+Each mode's tok/s is the median over its passes (new tokens / wall seconds, compiles excluded);
+its × target-only is the median over repeats of its pass / target-only's pass in the same repeat
+(paired, so load drifting across repeats cancels), with the range of those ratios beside it. At
+T = 0 every mode's tokens must equal target-only's (greedy is lossless); the table says how many
+prompts do. For auto it also gives the K of its last run, loop iterations per K and its predicted
+vs measured speedup (measured: both round costs timed in this process; "-" where one was not).
+
+    .venv/bin/python benchmarks/speedup.py [--demo-dir demo] [--prompts demo,thirdparty] [--batch 1,8,32]
+        [--temperature 0,1] [--k 1,2,3,4,5,6] [--num-prompts N] [--max-new-tokens 96] [--repeats 5]
+        [--json OUT.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
+import math
 import os
 import statistics
 import sys
+import sysconfig
 
 from _common import REPO, describe, load_average, machine, parse_list, quiet_watchdog, table
 
@@ -36,12 +43,35 @@ from eagle3_jax import compile_cache
 from eagle3_jax.serve.demo import DemoPair
 from eagle3_jax.speculative.autodraft import DEFAULT_MAX_DRAFT_TOKENS
 
-
 MAX_WARM_PASSES = 3
+THIRD_PARTY_PACKAGES = ("numpy", "scipy", "jinja2")
+
+
+def thirdparty_prompts(n: int, packages=THIRD_PARTY_PACKAGES) -> list[str]:
+    """``n`` code prompts from the installed ``packages`` (not their tests), one per file, files in
+    sha256-of-path order; cut as the demo's held-out prompts are."""
+    from tools.demo.corpus import SourceFile, prompts_from
+
+    root = sysconfig.get_paths()["purelib"]
+    files = []
+    for package in packages:
+        for dirpath, dirnames, filenames in os.walk(os.path.join(root, package)):
+            dirnames[:] = sorted(d for d in dirnames if d not in ("tests", "test", "testing", "__pycache__"))
+            files += [os.path.relpath(os.path.join(dirpath, f), root) for f in filenames
+                      if f.endswith(".py") and not f.startswith("test_")]
+    if not files:
+        raise SystemExit(f"none of {packages} is installed under {root}: no third-party prompts")
+    out = []
+    for rel in sorted(files, key=lambda r: hashlib.sha256(r.encode()).hexdigest()):
+        with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
+            out += [p["prompt"] for p in prompts_from([SourceFile(rel, f.read())], 1, "thirdparty")]
+        if len(out) >= n:
+            return out
+    return out
 
 
 def mode_name(k) -> str:
-    return "target-only" if k == 0 else f"K={k}"
+    return "target-only" if k == 0 else k if isinstance(k, str) else f"K={k}"
 
 
 def make_generator(pair: DemoPair, k, batch: int, capacity: int):
@@ -49,71 +79,75 @@ def make_generator(pair: DemoPair, k, batch: int, capacity: int):
                         batch_size=batch, max_draft_tokens=DEFAULT_MAX_DRAFT_TOKENS if k == "auto" else None)
 
 
-def run_once(gen, pair: DemoPair, max_new_tokens: int, temperature: float):
-    return gen.generate(pair.prompt_ids, max_new_tokens, temperature=temperature, eos_token_ids=pair.eos)
+def measure(pair: DemoPair, prompts: list[list[int]], batch: int, temperature: float, ks: list,
+            max_new_tokens: int, repeats: int, extra_modes: dict | None = None) -> list[dict]:
+    """``extra_modes``: name -> factory(pair, batch, capacity) of another generator to run beside."""
+    capacity = max(map(len, prompts)) + max_new_tokens + DEFAULT_MAX_DRAFT_TOKENS + 2
+    modes = [0] + ks + ["auto"] + list(extra_modes or {})
+    gens = {k: (extra_modes[k](pair, batch, capacity) if k in (extra_modes or {})
+                else make_generator(pair, k, batch, capacity)) for k in modes}
 
+    def run_once(k):
+        return gens[k].generate(prompts, max_new_tokens, temperature=temperature, eos_token_ids=pair.eos)
 
-def measure(pair: DemoPair, batch: int, temperature: float, ks: list, max_new_tokens: int, repeats: int) -> list[dict]:
-    capacity = pair.capacity(max_new_tokens, DEFAULT_MAX_DRAFT_TOKENS)
-    modes = [0] + ks + ["auto"]
-    gens = {k: make_generator(pair, k, batch, capacity) for k in modes}
-    first = {}
-    warm_passes = {}
+    first, warm_passes = {}, {}
     for k in modes:
-        # Untimed passes until one compiles nothing (at most MAX_WARM_PASSES): the first compiles and,
-        # for auto, calibrates; a later one can still meet a new admission size or, under auto, a K
-        # or an admission without the draft that the first did not run. A timed pass that compiled
-        # is steady state minus the compile, but not quite: the runs dispatched before the compile
-        # share the CPU with it (measured: auto's first timed pass at batch 8 ran 1.1 s slower
-        # after excluding a 24-s compile, where the K = 4 beside it took 2.5 s).
+        # Untimed passes until one compiles nothing: the first compiles (and, for auto, probes);
+        # a later one can still meet an admission size or, under auto, a K not run before.
         for n in range(1, MAX_WARM_PASSES + 1):
-            first[k] = run_once(gens[k], pair, max_new_tokens, temperature)
+            first[k] = run_once(k)
             warm_passes[k] = n
             if n > 1 and gens[k].last_compile_seconds == 0:
                 break
         print(f"  B={batch} T={temperature:g} {mode_name(k)}: warm after {warm_passes[k]} passes",
               file=sys.stderr, flush=True)
     compiled_timed = {k: 0 for k in modes}
-    tps = {k: [] for k in modes}
-    taus = {k: [] for k in modes}
+    tps, taus = {k: [] for k in modes}, {k: [] for k in modes}
     tokens = {k: first[k].tokens for k in modes}
     for r in range(repeats):
-        order = modes[r % len(modes):] + modes[:r % len(modes)]
-        for k in order:
-            res = run_once(gens[k], pair, max_new_tokens, temperature)
+        for k in modes[r % len(modes):] + modes[:r % len(modes)]:
+            res = run_once(k)
             compiled_timed[k] += gens[k].last_compile_seconds > 0
             tps[k].append(res.stats.tokens_per_second)
             taus[k].append(res.stats.mean_accept_length)
             tokens[k] = res.tokens
     rows = []
     for k in modes:
-        tok_s = statistics.median(tps[k])
-        # paired: each pass against target-only's pass of the same repeat, so a load that drifts
-        # across repeats moves both sides of a ratio
         ratios = [a / b for a, b in zip(tps[k], tps[0])]
-        row = {"batch": batch, "temperature": temperature, "mode": mode_name(k), "tok_s": tok_s,
+        row = {"batch": batch, "temperature": temperature, "mode": mode_name(k), "tok_s": statistics.median(tps[k]),
                "speedup": statistics.median(ratios), "speedup_runs": ratios,
                "tau": statistics.median(taus[k]) if k != 0 else 1.0, "tok_s_runs": tps[k],
                "warm_passes": warm_passes[k], "timed_passes_that_compiled": compiled_timed[k]}
         if temperature == 0:
             row["identical"] = sum(a == b for a, b in zip(tokens[k], tokens[0]))
-        if k == "auto":
-            c = gens[k].draft_choice
+        c = getattr(gens[k], "draft_choice", None)
+        if c is not None:
             row.update(chosen_k=c.num_draft_tokens, iterations_per_k=c.rounds_per_k,
-                       predicted_speedup=c.predicted_speedup, measured_speedup=c.measured_speedup,
-                       calibration_seconds=c.calibration_seconds, compiled_round_programs=c.compiled_programs,
-                       round_seconds_per_k=c.round_seconds_per_k)
+                       predicted_speedup=c.predicted_speedup, measured_speedup=c.measured_speedup)
         rows.append(row)
     return rows
 
 
-def main(argv=None) -> int:
+def prompt_sets(pair: DemoPair, names: list[str], n: int | None) -> dict[str, list[list[int]]]:
+    sets = {}
+    for name in names:
+        if name == "demo":
+            sets[name] = pair.prompt_ids[:n] if n else pair.prompt_ids
+        elif name == "thirdparty":
+            sets[name] = [pair.tokenizer.encode(p) for p in thirdparty_prompts(n or len(pair.prompt_ids))]
+        else:
+            raise SystemExit(f"--prompts: unknown set {name!r}; use demo and/or thirdparty")
+    return sets
+
+
+def main(argv=None, extra_modes: dict | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--demo-dir", default=os.path.join(REPO, "demo"))
+    ap.add_argument("--prompts", default="demo,thirdparty", help="prompt sets: demo, thirdparty")
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--temperature", default="0,1")
     ap.add_argument("--k", default=",".join(str(k) for k in range(1, DEFAULT_MAX_DRAFT_TOKENS + 1)))
-    ap.add_argument("--num-prompts", type=int, default=None, help="default: every held-out prompt")
+    ap.add_argument("--num-prompts", type=int, default=None, help="per set; default: every held-out demo prompt")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
@@ -123,31 +157,40 @@ def main(argv=None) -> int:
     ks = parse_list(args.k)
     if any(not 1 <= k <= DEFAULT_MAX_DRAFT_TOKENS for k in ks):
         ap.error(f"--k values must be in 1..{DEFAULT_MAX_DRAFT_TOKENS}")
+    sets = prompt_sets(pair, [s.strip() for s in args.prompts.split(",") if s.strip()], args.num_prompts)
     print(describe(pair), file=sys.stderr)
     rows = []
     with quiet_watchdog():
-        for temperature in parse_list(args.temperature, float):
-            for batch in parse_list(args.batch):
-                rows += measure(pair, batch, temperature, ks, args.max_new_tokens, args.repeats)
-    headers = ["B", "T", "mode", "tok/s", "× target-only", "× range", "τ", "identical", "warm / compiled",
+        for name, prompts in sets.items():
+            for temperature in parse_list(args.temperature, float):
+                for batch in parse_list(args.batch):
+                    for row in measure(pair, prompts, batch, temperature, ks, args.max_new_tokens, args.repeats,
+                                       extra_modes):
+                        rows.append(dict(row, prompts=name, num_prompts=len(prompts)))
+    headers = ["prompts", "B", "T", "mode", "tok/s", "× target-only", "× range", "τ", "identical", "warm / compiled",
                "auto: K (iterations per K)", "auto: predicted / measured ×"]
+
+    def x(v):
+        return f"{v:.2f}" if v is not None and math.isfinite(v) else "-"
+
     body = []
     for r in rows:
-        auto = ""
+        auto = pm = ""
         if "chosen_k" in r:
-            per_k = ", ".join(f"{k}:{n}" for k, n in sorted(r["iterations_per_k"].items()))
-            auto = f"{r['chosen_k']} ({per_k})"
-        body.append([r["batch"], f"{r['temperature']:g}", r["mode"], r["tok_s"], f"{r['speedup']:.3f}",
-                     f"{min(r['speedup_runs']):.2f}–{max(r['speedup_runs']):.2f}", f"{r['tau']:.2f}", f"{r['identical']}/{len(pair.prompt_ids)}" if "identical" in r else "-",
-                     f"{r['warm_passes']} / {r['timed_passes_that_compiled']}", auto, (f"{r['predicted_speedup']:.2f} / {r['measured_speedup']:.2f}" if "chosen_k" in r else "")])
-    print(f"{machine()}, load average {load_average()}, {len(pair.prompt_ids)} prompts, "
+            auto = f"{r['chosen_k']} ({', '.join(f'{k}:{n}' for k, n in sorted(r['iterations_per_k'].items()))})"
+            pm = f"{x(r['predicted_speedup'])} / {x(r['measured_speedup'])}"
+        body.append([r["prompts"], r["batch"], f"{r['temperature']:g}", r["mode"], r["tok_s"], f"{r['speedup']:.3f}",
+                     f"{min(r['speedup_runs']):.2f}–{max(r['speedup_runs']):.2f}", f"{r['tau']:.2f}",
+                     f"{r['identical']}/{r['num_prompts']}" if "identical" in r else "-",
+                     f"{r['warm_passes']} / {r['timed_passes_that_compiled']}", auto, pm])
+    print(f"{machine()}, load average {load_average()}, {', '.join(f'{n}: {len(p)} prompts' for n, p in sets.items())}, "
           f"{args.max_new_tokens} new tokens, median of {args.repeats} interleaved passes")
     print(table(headers, body))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
                        "args": vars(args), "rows": rows}, f, indent=1, default=str)
-    bad = [r for r in rows if r.get("identical", len(pair.prompt_ids)) != len(pair.prompt_ids)]
+    bad = [r for r in rows if r.get("identical", r["num_prompts"]) != r["num_prompts"]]
     return 1 if bad else 0
 
 
