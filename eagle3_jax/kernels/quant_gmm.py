@@ -32,6 +32,9 @@ from jax.experimental.pallas import tpu as pltpu
 from eagle3_jax.errors import ConfigError
 
 _NT = (((1,), (1,)), ((), ()))   # contract the last dims of both: x [r, i] . w [o, i] -> [r, o]
+# The MXU's own precision for the weight matmuls, whatever jax_default_matmul_precision says: Mosaic
+# refuses bf16 operands at a float32 contract precision ("highest", which the test suite sets).
+_MXU = jax.lax.Precision.DEFAULT
 
 
 def out_tile(O: int, prefer: tuple[int, ...] = (512, 256, 128)) -> int:
@@ -73,7 +76,7 @@ def _int4_kernel(e_ref, used_ref, x_ref, w_ref, s_ref, o_ref):
         for k in range(8):
             q = (jax.lax.shift_right_logical(words, jnp.int32(4 * k)) & 15).astype(jnp.float32) - 8.0
             w = (q * scale_w).astype(x_ref.dtype)
-            acc += jax.lax.dot_general(x_ref[k], w, _NT, preferred_element_type=jnp.float32)
+            acc += jax.lax.dot_general(x_ref[k], w, _NT, precision=_MXU, preferred_element_type=jnp.float32)
         o_ref[...] = acc.astype(o_ref.dtype)
 
     @pl.when(j >= used_ref[0])
@@ -136,7 +139,8 @@ def _fp8_kernel(e_ref, used_ref, x_ref, w_ref, s_ref, o_ref, acc_ref, *, block):
         for c in range(tk // bi):     # tn == bo: one scale per bi-column chunk of the tile
             s = s_ref[n, k * (tk // bi) + c]
             w = (w_ref[:, c * bi:(c + 1) * bi].astype(jnp.float32) * s).astype(x_ref.dtype)
-            acc += jax.lax.dot_general(x_ref[:, c * bi:(c + 1) * bi], w, _NT, preferred_element_type=jnp.float32)
+            acc += jax.lax.dot_general(x_ref[:, c * bi:(c + 1) * bi], w, _NT, precision=_MXU,
+                                       preferred_element_type=jnp.float32)
         acc_ref[...] = acc
 
     @pl.when(k == pl.num_programs(2) - 1)
