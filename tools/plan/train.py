@@ -69,7 +69,8 @@ def plan_train(s: PlanSettings, cfg: TargetConfig, dcfg: DraftConfig, aux_ids, m
     defaults = TrainConfig(target=s.model)
     opt_spec = trainer.OptimizerSpec.from_config(defaults)
     opt = opt_spec.build()
-    shapes = jax.eval_shape(opt.init, params)
+    # shapes only: shardings naming compile-only (TPU topology) devices cannot be placed on, even abstractly
+    shapes = jax.eval_shape(opt.init, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
     replicated = NamedSharding(mesh, P())
     opt_state = optax.tree_map_params(
         opt, lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding), shapes, params,
