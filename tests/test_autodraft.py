@@ -103,17 +103,21 @@ def test_live_round_costs_outvote_the_probe():
 
 
 def test_report_says_measured_only_for_costs_timed_here():
-    """The measured speedup needs K's rounds and target-only's rounds timed in this process; a
-    chooser whose target-only cost was never timed reports it as nan, and the prediction alone."""
+    """The measured speedup needs K's rounds and target-only's rounds from real runs in this process;
+    while target-only is priced from the probe, it is nan and only the prediction is given."""
     acc = Acceptance(1)
     acc.observe(1, 100, [60])
     auto = AutoDraft(RoundCosts({0: 1.0, 1: 1.5}, probe_seconds=2.0), 1, acc)
     auto.observe(1, 10, 20.0, 10, 16, [6])          # K = 1 at 2 s per round
     c = auto.report()
     assert c.num_draft_tokens == 1 and c.round_seconds_per_k == {1: pytest.approx(2.0)}
-    assert c.measured_speedup == pytest.approx(acc.tau(1) * 1.0 / 2.0)   # probe's target-only, live K = 1
+    assert math.isnan(c.measured_speedup)           # target-only only probed
     assert c.predicted_speedup == pytest.approx(acc.tau(1) * (1.0 * 2.0 / 1.5) / 2.0)   # c(0) scaled by drift
     assert c.calibration_seconds == 2.0 and c.compiled_programs == 2
+    auto.observe(0, 10, 12.5, 10, 10, [0])          # target-only rounds at 1.25 s, live
+    assert auto.report().num_draft_tokens == 0 and auto.report().measured_speedup == 1.0
+    auto.observe(1, 10, 20.0, 10, 16, [6])
+    assert auto.report().measured_speedup == pytest.approx(acc.tau(1) * 1.25 / 2.0)
     fresh = AutoDraft(RoundCosts({0: 1.0, 1: 1.5}), 1, Acceptance(1))
     fresh.observe(1, 2, 0.1, 2, 2, [0])             # too short to time: K = 1 has no live cost
     assert math.isnan(fresh.report().measured_speedup) and fresh.report().predicted_speedup > 0

@@ -17,9 +17,9 @@ Ks between on the line a + b·K through 1 and K_max), scaled by how the Ks that 
 with their probe (the machine's load now against then). Nothing is cached on disk: a cost taken
 under another load, capacity or prompt length would price this run wrongly.
 
-The speedup a report calls "measured" divides K's live round cost by target-only's, both timed in
-this process (its runs or the probe), with τ from the observed acceptance; a figure that needs an
-untimed cost is only "predicted".
+The speedup a report calls "measured" divides target-only's live round cost by K's, both from
+real runs in this process, with τ from the observed acceptance; anything resting on the probe is
+only "predicted" (a probe of a few rounds on a shared machine can be off by 2x).
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ UCB_Z = 1.0
 # round model leaves out (the draft's share of admissions, rows finishing out of step) is small
 # but not zero, and a loss within the noise of a shared machine is still a loss.
 MARGIN = 0.03
-# The probe: PROBE_REPEATS interleaved runs of PROBE_ROUNDS rounds per probed K, median per round.
+# The probe: PROBE_REPEATS interleaved runs of PROBE_ROUNDS rounds per probed K, the fastest per
+# round (other load on the machine only ever adds time).
 PROBE_ROUNDS = 8
-PROBE_REPEATS = 2
+PROBE_REPEATS = 3
 # Live costs: the latest LIVE_RUNS timed runs (all Ks together, so a K that stopped running ages
 # out); a run shorter than MIN_TIMED_ROUNDS rounds is not timed (its fixed costs would dominate).
 LIVE_RUNS = 16
@@ -127,7 +128,7 @@ class RoundCosts:
 
 def probe_costs(session, program, sp, ks) -> RoundCosts:
     """Times ``ks`` on a scratch state of ``program``: one untimed run each (it compiles), then
-    PROBE_REPEATS interleaved runs of PROBE_ROUNDS rounds, the median seconds per executed round.
+    PROBE_REPEATS interleaved runs of PROBE_ROUNDS rounds, the fewest seconds per executed round.
     The rows hold random prompts: a MoE round costs what the number of distinct experts its tokens
     reach makes it cost, so identical dummy rows would time it too cheap."""
     from eagle3_jax.speculative.generate import admit_rows, blank_state, run_rounds
@@ -155,8 +156,11 @@ def probe_costs(session, program, sp, ks) -> RoundCosts:
     with session.activate():
         for k in ks:
             timed(k)
-        samples = {k: sorted(timed(k) for _ in range(PROBE_REPEATS)) for k in ks}
-    return RoundCosts({k: float(np.median(v)) for k, v in samples.items()}, time.perf_counter() - start)
+        samples = {k: [] for k in ks}
+        for _ in range(PROBE_REPEATS):
+            for k in ks:
+                samples[k].append(timed(k))
+    return RoundCosts({k: min(v) for k, v in samples.items()}, time.perf_counter() - start)
 
 
 def probed_ks(max_draft_tokens: int) -> list[int]:
@@ -169,7 +173,7 @@ class DraftChoice:
 
     num_draft_tokens: int               # the K of the latest run
     predicted_speedup: float            # τ(K) · c(0) / c(K) with the model's current costs
-    measured_speedup: float             # the same with both costs timed in this process, else nan
+    measured_speedup: float             # the same from both Ks' live runs in this process, else nan
     tau: float                          # τ(K) at the point estimate
     rounds_per_k: dict[int, int] = field(default_factory=dict)   # loop iterations run with each K
     compiled_programs: int = 0          # round programs the probe ran (compiled, or found compiled)
@@ -247,8 +251,7 @@ class AutoDraft:
     def report(self) -> DraftChoice:
         k, costs = self.last_k, self.costs
         tau = self.acceptance.tau(k)
-        plain = costs.live(0) if costs.live(0) is not None else costs.probe.get(0)
-        live_k = costs.live(k)
+        plain, live_k = costs.live(0), costs.live(k)
         measured = 1.0 if k == 0 else tau * plain / live_k if (live_k and plain) else float("nan")
         return DraftChoice(
             num_draft_tokens=k, predicted_speedup=tau * costs.cost(0) / costs.cost(k), measured_speedup=measured,
