@@ -5,7 +5,6 @@ substituted before ``fc`` at guessed positions, the rollout attention rule), its
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -53,17 +52,8 @@ DEPTH = np.array([0] * 10 + [1] * 4 + [2] * 2 + [3])
 
 
 # ---------------------------------------------------------------- independent torch reference
-def _rms(x, w, eps=1e-6):
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rope(x, positions, theta):
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = positions[:, None].double() * inv[None]
-    cos, sin = torch.cat([ang.cos()] * 2, -1).float(), torch.cat([ang.sin()] * 2, -1).float()
-    rot = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
-    return x * cos[None, :, None] + rot * sin[None, :, None]
+# the same RMSNorm and rotate-half RoPE as the chain draft's torch oracle
+from tests.test_draft_oracle import _rms, _rope  # noqa: E402
 
 
 def reference_logits(sd, cfg, ids, aux, anchor, depth):

@@ -88,6 +88,16 @@ def write_draft(path: str | os.PathLike, cfg, flat: Mapping[tuple, np.ndarray], 
 
     ``out_dtype`` casts floating-point weights and is recorded as ``torch_dtype`` = ``dtype_name``.
     """
+    write_staged(path, cfg, flat, aux_layer_ids,
+                 lambda cast: iter_draft_tensors(cfg, dict(cast), len(aux_layer_ids), own_embedding),
+                 out_dtype, dtype_name, config_overrides)
+
+
+def write_staged(path, cfg, flat: Mapping[tuple, np.ndarray], aux_layer_ids, tensors, out_dtype=None,
+                 dtype_name: str | None = None, config_overrides: dict | None = None) -> None:
+    """The export every draft kind shares: refuses an existing ``path``, records the aux ids (and
+    ``torch_dtype`` when ``out_dtype`` casts the floating-point weights) in config.json, and writes
+    ``tensors(flat)`` (checkpoint name, array) pairs into a directory renamed to ``path`` when complete."""
     path = os.fspath(path)
     if os.path.exists(path):
         raise CheckpointError(f"{path} already exists; remove it or choose another output directory")
@@ -102,6 +112,6 @@ def write_draft(path: str | os.PathLike, cfg, flat: Mapping[tuple, np.ndarray], 
     hf.update(config_overrides or {})
     with staged_dir(path) as tmp:
         with CheckpointWriter(tmp) as writer:
-            for name, arr in iter_draft_tensors(cfg, dict(flat), len(aux_layer_ids), own_embedding):
+            for name, arr in tensors(flat):
                 writer.add(name, arr)
         write_json_atomic(tmp / "config.json", hf, fsync=False)

@@ -19,10 +19,9 @@ from flax import nnx
 
 from eagle3_jax.checkpoint import store
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
+from eagle3_jax.checkpoint.draft_io import write_staged
 from eagle3_jax.checkpoint.draft_map import _cast
 from eagle3_jax.checkpoint.hf_loader import load_state
-from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
-from eagle3_jax.checkpoint.staging import staged_dir, write_json_atomic
 from eagle3_jax.checkpoint.target_map import Rule, _linear, _linear_in, _same
 from eagle3_jax.config.peagle import PEagleConfig
 from eagle3_jax.errors import CheckpointError
@@ -99,24 +98,9 @@ def write_peagle(path: str | os.PathLike, cfg: PEagleConfig, flat: Mapping[tuple
                  out_dtype=None, dtype_name: str | None = None, config_overrides: dict | None = None) -> None:
     """config.json (recording ``aux_layer_ids`` and the MASK token id) + model.safetensors in
     SpecForge's layout, staged beside ``path``; ``out_dtype`` casts floating-point weights."""
-    path = os.fspath(path)
-    if os.path.exists(path):
-        raise CheckpointError(f"{path} already exists; remove it or choose another output directory")
-    cfg.require_mask_token(path)
-    hf = cfg.to_hf_dict()
-    hf.setdefault("eagle_config", {})
-    hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(aux_layer_ids)
-    hf["eagle_config"].setdefault("use_aux_hidden_state", True)
-    if out_dtype is not None:
-        flat = {k: (v.astype(out_dtype) if np.issubdtype(v.dtype, np.floating) or v.dtype.name == "bfloat16" else v)
-                for k, v in flat.items()}
-        hf["torch_dtype"] = dtype_name
-    hf.update(config_overrides or {})
-    with staged_dir(path) as tmp:
-        with CheckpointWriter(tmp) as writer:
-            for name, arr in iter_peagle_tensors(cfg, flat, len(aux_layer_ids)):
-                writer.add(name, arr)
-        write_json_atomic(tmp / "config.json", hf, fsync=False)
+    cfg.require_mask_token(os.fspath(path))
+    write_staged(path, cfg, flat, aux_layer_ids, lambda cast: iter_peagle_tensors(cfg, cast, len(aux_layer_ids)),
+                 out_dtype, dtype_name, config_overrides)
 
 
 def build_peagle_draft(cfg: PEagleConfig, target, dtype=None, seed: int = 0):

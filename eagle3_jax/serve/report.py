@@ -16,22 +16,11 @@ import time
 from eagle3_jax.checkpoint.staging import write_json_atomic
 from jax import monitoring
 
-from eagle3_jax.metrics import WATCHDOG_MIN_ROUNDS, GenerationStats, check_acceptance
+from eagle3_jax.metrics import (BACKEND_COMPILE_EVENT, TRACE_EVENT, WATCHDOG_MIN_ROUNDS, GenerationStats,
+                                check_acceptance, union_length)
 
 # JAX reports each compilation as timed phases: trace, lower to MLIR, XLA compile (and load).
-TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
-LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-def union_length(intervals) -> float:
-    """Total length covered by (start, end) intervals, overlaps counted once."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"   # trace and backend events: metrics
 
 
 class CompileClock:
