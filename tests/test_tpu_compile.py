@@ -87,9 +87,6 @@ def test_tiny_decode_and_chunked_prefill_compile(tiny_configs, topology, weights
     assert p.programs["decode"].argument >= p.param_bytes() + p.state_bytes()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "tools/plan/train.py traces the AdamW state (opt.init) under the topology mesh, which places arrays on "
-    "compile-only TPU devices ('Executable' object has no attribute 'local_devices')"))
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("source", ["online", "offline"])
 def test_tiny_train_step_compiles(tiny_configs, topology, source):

@@ -53,7 +53,6 @@ def plan_train(s: PlanSettings, cfg: TargetConfig, dcfg: DraftConfig, aux_ids, m
                compiled, log) -> TrainMemory:
     """Lowers and compiles eagle3_jax.train.trainer.train_step on abstract arguments laid out as the
     Trainer lays them out (rows on the data axis, the draft by the table, the head replicated offline)."""
-    import optax
 
     from eagle3_jax.train import trainer
     from eagle3_jax.train.config import TrainConfig
@@ -72,9 +71,18 @@ def plan_train(s: PlanSettings, cfg: TargetConfig, dcfg: DraftConfig, aux_ids, m
     # shapes only: shardings naming compile-only (TPU topology) devices cannot be placed on, even abstractly
     shapes = jax.eval_shape(opt.init, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
     replicated = NamedSharding(mesh, P())
-    opt_state = optax.tree_map_params(
-        opt, lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding), shapes, params,
-        transform_non_params=lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated))
+    # The moments mirror the params and take their shardings; the rest (step counts) is replicated.
+    # Matched by tree structure on abstract values: optax.tree_map_params would run opt.init eagerly,
+    # which under a TPU topology's mesh places a scalar on devices that can only be compiled for.
+    ptree = jax.tree.structure(params)
+
+    def like_params(x) -> bool:
+        return jax.tree.structure(x) == ptree
+
+    opt_state = jax.tree.map(
+        lambda x: (jax.tree.map(lambda m, p: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=p.sharding), x, params)
+                   if like_params(x) else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)),
+        shapes, is_leaf=like_params)
 
     tgraph, tstate = target_models
     V, D, T, A, R = cfg.vocab_size, cfg.hidden_size, s.train_len, s.train_accum, s.train_batch
