@@ -1,6 +1,7 @@
-"""EAGLE-3 draft training: records (data.py), the grain pipeline (pipeline.py), the target's hidden
-states online or stored offline (offline.py), the training-time-test loss (ttt.py), the vocab map
-(vocab.py), the loop with checkpoints and export (trainer.py), and its config (config.py)."""
+"""Draft training: records (data.py), the grain pipeline (pipeline.py), the target's hidden states
+online or stored offline (offline.py), the training-time-test loss (ttt.py), the vocab map
+(vocab.py), the loop with checkpoints and export (trainer.py), and its config (config.py); which
+draft trains (draft_kind.py), and the P-EAGLE step and loop (peagle_step.py, peagle_trainer.py)."""
 
 from eagle3_jax import preflight
 from eagle3_jax.train.config import DraftShape, TrainConfig
@@ -22,7 +23,10 @@ def run(cfg: TrainConfig, progress: bool = True):
         from eagle3_jax.train.offline import prepare_offline
 
         return prepare_offline(cfg, progress=progress)
-    from eagle3_jax.train.trainer import Trainer
+    if cfg.resolved_draft_kind == "peagle":
+        from eagle3_jax.train.peagle_trainer import PEagleTrainer as Trainer
+    else:
+        from eagle3_jax.train.trainer import Trainer
 
     trainer = Trainer(cfg, progress=progress)
     try:

@@ -49,11 +49,29 @@ class DraftShape:
 
 
 @dataclass(frozen=True)
+class PEagleShape:
+    """``draft_kind: peagle``: the draft's decoder layers (None: 4, SpecForge's recipe, or the
+    draft_config_file's), the MASK token fed at guessed positions (None: draft_kind.py's rule), and
+    COD depth sampling (SpecForge's defaults)."""
+
+    num_hidden_layers: int | None = None
+    mask_token_id: int | None = None
+    num_depths: int = 8
+    down_sample_ratio: float = 0.7
+    down_sample_ratio_min: float = 0.2
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     target: str
     out_dir: str | None = None
     data: str | None = None
+    # Which draft trains: "eagle3" (the chain draft, TTT loss) or "peagle" (parallel drafting,
+    # SpecForge's P-EAGLE objective); None = eagle3, or what draft_config_file's architecture says.
+    draft_kind: str | None = None
+    draft_config_file: str | None = None   # a draft config.json whose architecture and sizes the run takes
     draft: DraftShape = field(default_factory=DraftShape)
+    peagle: PEagleShape = field(default_factory=PEagleShape)
     aux_layer_ids: tuple[int, ...] | None = None
     draft_vocab_size: int | None = None
     max_len: int = 2048
@@ -114,32 +132,24 @@ class TrainConfig:
 
     def resolved_aux_ids(self, tcfg: TargetConfig | None = None) -> tuple[int, ...]:
         tcfg = tcfg or self.target_config()
-        return self.aux_layer_ids if self.aux_layer_ids is not None else tcfg.default_aux_layer_ids()
+        if self.aux_layer_ids is not None:
+            return self.aux_layer_ids
+        from eagle3_jax.train.draft_kind import file_aux_ids
+
+        ids = file_aux_ids(self)   # a draft_config_file's eagle_config ids, when it names them
+        return ids if ids is not None else tcfg.default_aux_layer_ids()
+
+    @property
+    def resolved_draft_kind(self) -> str:
+        from eagle3_jax.train.draft_kind import resolve_kind
+
+        return resolve_kind(self)
 
     def draft_config(self, tcfg: TargetConfig | None = None) -> DraftConfig:
-        """The EAGLE-3 draft config.json this run trains and exports."""
-        tcfg = tcfg or self.target_config()
-        s = self.draft
-        hidden = s.hidden_size or tcfg.hidden_size
-        heads = s.num_attention_heads or tcfg.num_attention_heads
-        d = {
-            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-            "hidden_act": "silu", "hidden_size": hidden,
-            "intermediate_size": s.intermediate_size or tcfg.intermediate_size,
-            "num_attention_heads": heads,
-            "num_key_value_heads": s.num_key_value_heads or heads,
-            "head_dim": s.head_dim or hidden // heads,
-            "vocab_size": tcfg.vocab_size,
-            "draft_vocab_size": self.draft_vocab_size or tcfg.vocab_size,
-            "target_hidden_size": tcfg.hidden_size,
-            "rms_norm_eps": s.rms_norm_eps or tcfg.rms_norm_eps,
-            "rope_theta": s.rope_theta,
-            "max_position_embeddings": s.max_position_embeddings or max(self.max_len + self.ttt_steps, 2048),
-            "tie_word_embeddings": False,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.resolved_aux_ids(tcfg)),
-                             "use_aux_hidden_state": True},
-        }
-        return DraftConfig.from_hf_dict(d, where="train config draft")
+        """The draft config.json this run trains and exports (a ``PEagleConfig`` for P-EAGLE)."""
+        from eagle3_jax.train.draft_kind import build_draft_config
+
+        return build_draft_config(self, tcfg or self.target_config())
 
     def to_dict(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
@@ -248,6 +258,9 @@ class TrainConfig:
                     "each data-parallel device needs the same number of rows")
 
         tcfg = self.target_config()
+        from eagle3_jax.train.draft_kind import check_draft_settings
+
+        check_draft_settings(self, tcfg)
         try:
             ids = tcfg.check_aux_layer_ids(self.resolved_aux_ids(tcfg), where="aux_layer_ids")
         except ConfigError as e:

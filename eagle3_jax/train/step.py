@@ -74,25 +74,37 @@ def train_step(params, opt_state, rest, embed_VD, lm_head_DV, tstate, batch, lr,
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return loss, metrics, grads
 
+    loss, metrics, grads = accumulate(micro, batch)
     A = batch["ids"].shape[0]
-    if A == 1:
-        loss, metrics, grads = micro(jax.tree.map(lambda x: x[0], batch))
-    else:
-        def body(carry, mb):
-            return jax.tree.map(jnp.add, carry, micro(mb)), None
-
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                             jax.eval_shape(micro, jax.tree.map(lambda x: x[0], batch)))
-        (loss, metrics, grads), _ = jax.lax.scan(body, zeros, batch)
-        loss = loss / A
-        grads = jax.tree.map(lambda g: g / A, grads)
+    if A > 1:
         metrics = {k: v if k == "count" else v / A for k, v in metrics.items()}
-    grad_norm = optax.global_norm(grads)
-    updates, opt_state = opt_spec.build(lr).update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    params, opt_state, grad_norm = apply_update(params, opt_state, grads, lr, opt_spec)
     return params, opt_state, {"loss": loss, "ploss": metrics["loss"], "acc": metrics["acc"],
                                "acc_all": metrics["acc_all"], "accept": metrics["accept"],
                                "count": metrics["count"], "grad_norm": grad_norm}
+
+
+def accumulate(micro, batch):
+    """``micro(one micro-batch) -> (loss, metrics, grads)`` over batch arrays shaped [grad_accum, rows,
+    ...]: loss and grads averaged over the micro-batches, metrics summed (a ``lax.scan``)."""
+    A = batch["ids"].shape[0]
+    if A == 1:
+        return micro(jax.tree.map(lambda x: x[0], batch))
+
+    def body(carry, mb):
+        return jax.tree.map(jnp.add, carry, micro(mb)), None
+
+    first = jax.tree.map(lambda x: x[0], batch)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(micro, first))
+    (loss, metrics, grads), _ = jax.lax.scan(body, zeros, batch)
+    return loss / A, metrics, jax.tree.map(lambda g: g / A, grads)
+
+
+def apply_update(params, opt_state, grads, lr, opt_spec: OptimizerSpec):
+    """(params, opt_state, grad_norm) after one AdamW step (clipped) at learning rate ``lr``."""
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = opt_spec.build(lr).update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, grad_norm
 
 
 @functools.lru_cache(maxsize=8)

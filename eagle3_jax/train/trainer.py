@@ -47,8 +47,8 @@ log = logging.getLogger("eagle3_jax")
 
 # Keys a checkpoint cannot be resumed under if they changed: they alter the parameters' shapes,
 # the data order, or what a step means.
-RESUME_INVARIANTS = ("draft", "aux_layer_ids", "draft_vocab_size", "max_len", "batch_size", "grad_accum",
-                     "seed", "dtype", "hidden_source", "ttt_steps")
+RESUME_INVARIANTS = ("draft_kind", "draft_config_file", "draft", "peagle", "aux_layer_ids", "draft_vocab_size",
+                     "max_len", "batch_size", "grad_accum", "seed", "dtype", "hidden_source", "ttt_steps")
 # Settings that only say where and how the finished draft is written or how the run reports:
 # rerunning a finished run with new ones re-exports it, which is their whole effect.
 OUTPUT_ONLY = ("export_dir", "export_dtype", "log_every", "save_every", "keep", "mesh")
@@ -104,7 +104,7 @@ class Trainer:
         V, W = tcfg.vocab_size, self.dcfg.draft_vocab_size
         self.vocab: VocabMap = self._vocab_map(V, W)
         check_pairing(self.dcfg, tcfg, len(self.aux_ids) * tcfg.hidden_size, len(self.aux_ids), self.vocab.d2t, None)
-        model = Draft(self.dcfg, len(self.aux_ids), resolve_dtype(cfg.dtype), nnx.Rngs(cfg.seed))
+        model = self._new_draft()
         model.d2t.value = jnp.asarray(self.vocab.d2t, jnp.int32)
         model.t2d.value = jnp.asarray(self.vocab.t2d, jnp.bool_)
         if self.mesh is not None:
@@ -137,8 +137,15 @@ class Trainer:
             self.eval_prompts = data_lib.read_prompts(cfg.eval_prompts, self.tokenizer)
 
         leaves, tree = jax.tree.flatten(self._shardings)
-        self._step = compiled_step(self.graphdef, self.target.graphdef if self.target else None, self.opt_spec,
-                                   self.aux_ids, loss_spec(cfg), tuple(leaves), tree)
+        self._step = self._compile_step(tuple(leaves), tree)
+
+    # ------------------------------------------------------------------ what the draft kind decides
+    def _new_draft(self):
+        return Draft(self.dcfg, len(self.aux_ids), resolve_dtype(self.cfg.dtype), nnx.Rngs(self.cfg.seed))
+
+    def _compile_step(self, sharding_leaves: tuple, sharding_tree):
+        return compiled_step(self.graphdef, self.target.graphdef if self.target else None, self.opt_spec,
+                             self.aux_ids, loss_spec(self.cfg), sharding_leaves, sharding_tree)
 
     # ------------------------------------------------------------------ setup helpers
     def _load_target(self):

@@ -1,0 +1,114 @@
+"""The P-EAGLE training step: the frozen target's states (online, or stored offline, as for EAGLE-3),
+SpecForge's shifted pairing, COD-sampled rollouts, SpecForge's loss, and the shared AdamW update.
+
+Pairing. The trainer's rows are the target's view: token x_t, its aux states aux[t] and final
+hidden state at t (logits[t] guess x_{t+1}). peagle_objective reads rows in SpecForge's shifted
+capture: position t carries ids[t] = x_{t+1}, aux[t], target[t] = logits[t+1]. The shift keeps T
+positions, the last one filled as SpecForge's padding does (id 0, zero logits: a uniform label).
+Which positions count (``loss_convention``, as for EAGLE-3):
+  ours       position t predicts x_{t+2}: it counts when x_{t+2} is a loss token (loss_mask[t+2]);
+  specforge  loss_mask[t] as SpecForge passes it, unshifted beside the shifted ids and logits.
+The same mask decides which positions COD sampling may extend rollouts into.
+
+Sampling is host-side numpy before the batch goes to the devices, one generator per (seed, step,
+micro-batch, global row): a resumed run draws what the uninterrupted one drew, and the draw does
+not depend on which process reads the row. A batch's loss is the weighted mean over all its rows'
+sampled tokens (SpecForge trains one row a device and averages the devices' means).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle3_jax.train import offline as offline_lib
+from eagle3_jax.train.peagle_objective import CODSettings, cod_budget, cod_sample, pad_rollouts, peagle_loss
+from eagle3_jax.train.step import OptimizerSpec, accumulate, apply_update
+from eagle3_jax.train.ttt import target_logits
+
+
+@dataclass(frozen=True)
+class PEagleSpec:
+    """What one P-EAGLE step computes; hashable (the compiled step depends on it)."""
+
+    cod: CODSettings
+    convention: str = "ours"
+    target_chunk: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> "PEagleSpec":
+        s = cfg.peagle
+        return cls(CODSettings(s.num_depths, s.down_sample_ratio, s.down_sample_ratio_min), cfg.loss_convention,
+                   cfg.target_chunk)
+
+
+def shifted_loss_mask(loss_mask_BT, convention: str):
+    """The loss mask of the shifted rows (module docstring); numpy or jax arrays alike."""
+    if convention == "specforge":
+        return loss_mask_BT
+    xp = jnp if isinstance(loss_mask_BT, jax.Array) else np
+    return xp.concatenate([loss_mask_BT[:, 2:], xp.zeros_like(loss_mask_BT[:, :2])], axis=1)
+
+
+def _shift_left(x_BT_):
+    """x[:, t] <- x[:, t + 1]; zeros at the last position."""
+    return jnp.concatenate([x_BT_[:, 1:], jnp.zeros_like(x_BT_[:, :1])], axis=1)
+
+
+def sample_rollouts(loss_mask_ABT: np.ndarray, spec: PEagleSpec, seed: int, step: int, first_row: int) -> dict:
+    """{anchor, depth, valid} [A, B, P] of COD-sampled rollouts for one optimizer step's rows
+    (``first_row``: the global index of this process's first row of each batch)."""
+    A, B, T = loss_mask_ABT.shape
+    budget = cod_budget(T, spec.cod)
+    out = {"anchor": np.zeros((A, B, budget), np.int32), "depth": np.zeros((A, B, budget), np.int32),
+           "valid": np.zeros((A, B, budget), bool)}
+    for a in range(A):
+        mask_BT = shifted_loss_mask(np.asarray(loss_mask_ABT[a]), spec.convention)
+        for b in range(B):
+            rng = np.random.default_rng([seed, step, a, first_row + b])
+            anchor, depth, valid = pad_rollouts(*cod_sample(mask_BT[b], spec.cod, rng), budget)
+            out["anchor"][a, b], out["depth"][a, b], out["valid"][a, b] = anchor, depth, valid
+    return out
+
+
+def peagle_train_step(params, opt_state, rest, lm_head_DV, tstate, batch, lr, *, graphdef, tgraph,
+                      opt_spec: OptimizerSpec, aux_ids, spec: PEagleSpec):
+    """One optimizer step at learning rate ``lr`` over batch arrays shaped [grad_accum, rows, ...]
+    (the trainer's ids and loss mask, plus ``anchor`` / ``depth`` / ``valid`` from sample_rollouts)."""
+
+    def micro(mb):
+        if tgraph is not None:  # online: the frozen target runs here; nothing of it is differentiated
+            aux_BTX, hidden_BTD = jax.lax.stop_gradient(
+                offline_lib.target_features(tgraph, tstate, mb["ids"], aux_ids, spec.target_chunk))
+        else:
+            aux_BTX, hidden_BTD = mb["aux"], mb["hidden"]
+        target_BTV = _shift_left(target_logits(hidden_BTD, lm_head_DV))
+        rows = (_shift_left(mb["ids"]), aux_BTX, target_BTV, shifted_loss_mask(mb["loss_mask"], spec.convention),
+                mb["anchor"], mb["depth"], mb["valid"])
+
+        def loss_fn(p):
+            return peagle_loss(nnx.merge(graphdef, p, rest), *rows, num_depths=spec.cod.num_depths)
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return loss, metrics, grads
+
+    loss, metrics, grads = accumulate(micro, batch)
+    params, opt_state, grad_norm = apply_update(params, opt_state, grads, lr, opt_spec)
+    return params, opt_state, {"loss": loss, "acc_sum": metrics["acc_sum"], "acc_total": metrics["acc_total"],
+                               "grad_norm": grad_norm}
+
+
+@functools.lru_cache(maxsize=8)
+def compiled_peagle_step(graphdef, tgraph, opt_spec: OptimizerSpec, aux_ids: tuple, spec: PEagleSpec,
+                         sharding_leaves: tuple, sharding_tree):
+    """The jitted step, its outputs pinned to the shardings its params and moments came in with
+    (as step.compiled_step; cached, so a resume in the same process reuses it)."""
+    params_sh, opt_sh = jax.tree.unflatten(sharding_tree, sharding_leaves)
+    step = functools.partial(peagle_train_step, graphdef=graphdef, tgraph=tgraph, opt_spec=opt_spec,
+                             aux_ids=aux_ids, spec=spec)
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(params_sh, opt_sh, None))

@@ -1,0 +1,187 @@
+"""``train.py`` with ``draft_kind: peagle``: the P-EAGLE draft learns a tiny memorizable set, a
+killed run resumes to the same weights as an uninterrupted one, online and offline target states
+train alike, the export loads strictly here and in SpecForge's class, and bad settings are refused."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+import eagle3_jax as e3
+from eagle3_jax.errors import ConfigError
+from eagle3_jax.train import TrainConfig, run
+from eagle3_jax.train.peagle_trainer import PEagleTrainer
+from tests.test_train import predictable_target_dir  # noqa: F401  (module fixture: a peaked tiny target)
+
+T = 16
+# One set of shapes for every trainer here, so they share one compiled step.
+SMALL = dict(max_len=T, batch_size=4, grad_accum=2, draft_vocab_size=128, aux_layer_ids=[0, 1, 2],
+             draft={"intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+             peagle={"num_hidden_layers": 2, "num_depths": 4})
+
+
+@pytest.fixture(scope="module")
+def rows_file(tmp_path_factory):
+    """Eight fixed rows, the loss on all but the first two tokens: memorizable in a few dozen steps."""
+    rng = np.random.default_rng(3)
+    path = tmp_path_factory.mktemp("peagle_data") / "rows.jsonl"
+    with open(path, "w") as f:
+        for _ in range(8):
+            ids = rng.integers(2, 256, T).tolist()
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0, 0] + [1] * (T - 2)}) + "\n")
+    return path
+
+
+def _config(target_dir, data, out_dir, **over) -> TrainConfig:
+    d = {"target": str(target_dir), "data": None if data is None else str(data), "out_dir": str(out_dir),
+         "draft_kind": "peagle", "lr": 3e-3, "warmup_ratio": 0.0, "total_steps": 6, "save_every": 2, "keep": 2,
+         "seed": 0, **SMALL}
+    d.update(over)
+    return TrainConfig.from_dict(d)
+
+
+def _losses(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [(r["step"], r["loss"], r["acc"]) for r in map(json.loads, f) if "loss" in r]
+
+
+def test_training_reduces_the_loss(predictable_target_dir, rows_file, tmp_path):  # noqa: F811
+    result = run(_config(predictable_target_dir, rows_file, tmp_path / "run", total_steps=30, save_every=30),
+                 progress=False)
+    assert result.finished and result.step == 30
+    losses = [loss for _, loss, _ in _losses(tmp_path / "run")]
+    # Soft labels: the floor is the target's own entropy, not 0.
+    assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3]), losses
+    acc = _losses(tmp_path / "run")[-1][2]
+    assert len(acc) == 4 and acc[0] > 0.9, acc   # depth 0 (the EAGLE-3 prediction) is memorized
+
+
+def test_kill_and_resume_equals_uninterrupted_and_export_loads_strictly(predictable_target_dir, rows_file,  # noqa: F811
+                                                                         tmp_path):
+    straight = PEagleTrainer(_config(predictable_target_dir, rows_file, tmp_path / "a"), progress=False)
+    straight.train()
+    straight.close()
+
+    cfg = _config(predictable_target_dir, rows_file, tmp_path / "b")
+    first = PEagleTrainer(cfg, progress=False)
+    stopped = first.train(stop_at=5)   # killed after step 5; the last checkpoint is step 4
+    first.close()
+    assert not stopped.finished and not (tmp_path / "b" / "draft").exists()
+    resumed = PEagleTrainer(cfg, progress=False)
+    assert resumed.step == 4
+    resumed.train()
+    resumed.close()
+    assert _losses(tmp_path / "b") == _losses(tmp_path / "a")
+    for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    wa = load_file(str(tmp_path / "a" / "draft" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "b" / "draft" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        np.testing.assert_array_equal(wa[k], wb[k])
+
+    # The export: SpecForge's P-EAGLE layout with the ids and MASK token it was trained with.
+    out = tmp_path / "b" / "draft"
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["architectures"] == ["PEagleDraftModel"] and hf["num_hidden_layers"] == 2
+    assert hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert hf["mask_token_id"] == resumed.dcfg.mask_token_id and hf["draft_vocab_size"] == 128
+    target = e3.load_target(predictable_target_dir)
+    loaded = e3.load_draft(out, target)   # strict: any missing or extra tensor is an error
+    assert loaded.model.kind == "peagle" and loaded.aux_layer_ids == (0, 1, 2)
+    trained = dict(nnx.to_flat_state(nnx.state(resumed.draft_model())))
+    for path, v in nnx.to_flat_state(nnx.state(loaded.model)):
+        np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(trained[path][...]), err_msg=str(path))
+
+    peagle = pytest.importorskip("specforge.modeling.draft.peagle")
+    import torch
+    from safetensors.torch import load_file as load_torch
+    from transformers import LlamaConfig
+
+    theirs = peagle.PEagleDraftModel(LlamaConfig.from_pretrained(str(out))).float()
+    missing, unexpected = theirs.load_state_dict(load_torch(str(out / "model.safetensors")), strict=True)
+    assert not missing and not unexpected
+    np.testing.assert_array_equal(theirs.mask_hidden.detach().numpy().reshape(-1),
+                                  np.asarray(loaded.model.mask_hidden[...]))
+    assert torch.equal(theirs.d2t, torch.as_tensor(wb["d2t"]))
+
+
+def test_online_and_offline_states_train_alike(predictable_target_dir, rows_file, tmp_path):  # noqa: F811
+    off = dict(offline_dir=str(tmp_path / "offline"), total_steps=2)
+    run(_config(predictable_target_dir, rows_file, tmp_path / "unused", mode="prepare", **off), progress=False)
+    online = PEagleTrainer(_config(predictable_target_dir, rows_file, tmp_path / "on", **off), progress=False)
+    offline = PEagleTrainer(_config(predictable_target_dir, None, tmp_path / "off", hidden_source="offline", **off),
+                            progress=False)
+    assert offline.target is None
+    for _ in range(2):
+        b_on, b_off = online.next_batch(), offline.next_batch()
+        for k in ("ids", "anchor", "depth", "valid"):   # the same rows and the same sampled rollouts
+            np.testing.assert_array_equal(b_on[k], b_off[k])
+        m_on, m_off = online.run_step(b_on), offline.run_step(b_off)
+        np.testing.assert_allclose(m_on["loss"], m_off["loss"], rtol=1e-5)
+        assert m_on["count"] == m_off["count"]
+    for a, b in zip(jax.tree.leaves(online.params), jax.tree.leaves(offline.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    online.close()
+    offline.close()
+
+
+def _peagle_file(tmp_path, **over):
+    d = {"architectures": ["PEagleDraftModel"], "model_type": "llama", "hidden_size": 64, "vocab_size": 256,
+         "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
+         "num_hidden_layers": 3, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256,
+         "draft_vocab_size": 64, **over}
+    path = tmp_path / f"draft_config_{len(list(tmp_path.glob('draft_config_*')))}.json"   # one file a call
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+def test_draft_kind_settings(predictable_target_dir, rows_file, tmp_path):  # noqa: F811
+    base = dict(target=str(predictable_target_dir), data=str(rows_file), out_dir=str(tmp_path / "o"))
+    check = lambda **kw: TrainConfig.from_dict({**base, **kw}).validate()  # noqa: E731
+
+    assert TrainConfig.from_dict(base).resolved_draft_kind == "eagle3"   # the default is unchanged
+    with pytest.raises(ConfigError, match=r"draft_kind 'medusa' is not one of \('eagle3', 'peagle'\)"):
+        check(draft_kind="medusa")
+
+    # A draft config file decides the kind and the sizes; a disagreeing draft_kind names both.
+    peagle_file = _peagle_file(tmp_path)
+    cfg = TrainConfig.from_dict({**base, "draft_config_file": peagle_file})
+    cfg.validate()
+    assert cfg.resolved_draft_kind == "peagle"
+    dcfg = cfg.draft_config()
+    assert type(dcfg).__name__ == "PEagleConfig" and dcfg.num_hidden_layers == 3 and dcfg.intermediate_size == 96
+    assert dcfg.draft_vocab_size == 64 and dcfg.target_hidden_size == 64
+    with pytest.raises(ConfigError, match=r"draft_kind is 'eagle3' but draft_config_file .* has architectures "
+                                          r"\['PEagleDraftModel'\] \(a peagle draft\)"):
+        check(draft_kind="eagle3", draft_config_file=peagle_file)
+    eagle3_file = _peagle_file(tmp_path, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1)
+    with pytest.raises(ConfigError, match=r"draft_kind is 'peagle' but .*LlamaForCausalLMEagle3.* \(a eagle3 draft\)"):
+        check(draft_kind="peagle", draft_config_file=eagle3_file)
+    assert TrainConfig.from_dict({**base, "draft_config_file": eagle3_file}).resolved_draft_kind == "eagle3"
+    with pytest.raises(ConfigError, match=r"architectures \['LlamaForCausalLM'\] is neither an EAGLE-3 draft"):
+        check(draft_config_file=_peagle_file(tmp_path, architectures=["LlamaForCausalLM"]))
+    with pytest.raises(ConfigError, match="does not exist"):
+        check(draft_config_file=str(tmp_path / "nowhere.json"))
+    with pytest.raises(ConfigError, match=r"hidden_size=32 but the target's hidden_size is 64"):
+        check(draft_config_file=_peagle_file(tmp_path, hidden_size=32))
+    with pytest.raises(ConfigError, match="both draft: .* give the draft's sizes"):
+        check(draft_config_file=peagle_file, draft={"intermediate_size": 64})
+    with pytest.raises(ConfigError, match=r"peagle.num_hidden_layers=2 but draft_config_file .* num_hidden_layers=3"):
+        check(draft_config_file=peagle_file, peagle={"num_hidden_layers": 2})
+
+    # Settings of one kind given to the other are refused rather than ignored.
+    with pytest.raises(ConfigError, match="apply to draft_kind: peagle, but this run trains an eagle3 draft"):
+        check(peagle={"num_depths": 4})
+    with pytest.raises(ConfigError, match="lk_loss_type 'alpha' is EAGLE-3's"):
+        check(draft_kind="peagle", lk_loss_type="alpha")
+    with pytest.raises(ConfigError, match="peagle.num_depths must be >= 1"):
+        check(draft_kind="peagle", peagle={"num_depths": 0})
+    with pytest.raises(ConfigError, match=r"peagle.mask_token_id=999 is outside the vocab \[0, 256\)"):
+        check(draft_kind="peagle", peagle={"mask_token_id": 999})
+    with pytest.raises(ConfigError, match="unknown key 'depths'"):
+        check(draft_kind="peagle", peagle={"depths": 4})
