@@ -1,4 +1,5 @@
-"""Train an EAGLE-3 draft for a target (training-time test) and export it in the SpecForge layout.
+"""Train an EAGLE-3 draft for a target (training-time test), or a P-EAGLE one (``draft_kind: peagle``),
+and export it in the SpecForge layout.
 
     python train.py --config configs/train/NAME.yaml [key=value ...]
 
@@ -19,7 +20,7 @@ import sys
 
 USAGE = """usage: python train.py --config configs/train/NAME.yaml [key=value ...]
 
-Trains an EAGLE-3 draft; the YAML config names the target, the data and out_dir (see configs/train/,
+Trains an EAGLE-3 draft (or a P-EAGLE one: draft_kind: peagle); the YAML config names the target, the data and out_dir (see configs/train/,
 e.g. configs/train/demo.yaml). `python train.py --help` lists every config key and the data formats."""
 
 

@@ -4,6 +4,7 @@ train alike, the export loads strictly here and in SpecForge's class, and bad se
 
 import json
 import os
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -185,3 +186,14 @@ def test_draft_kind_settings(predictable_target_dir, rows_file, tmp_path):  # no
         check(draft_kind="peagle", peagle={"mask_token_id": 999})
     with pytest.raises(ConfigError, match="unknown key 'depths'"):
         check(draft_kind="peagle", peagle={"depths": 4})
+
+
+def test_shipped_peagle_recipe_fits_the_demo_target():
+    repo = Path(__file__).resolve().parent.parent
+    cfg = TrainConfig.load(repo / "configs/train/peagle_demo.yaml")
+    tcfg = e3.TargetConfig.from_path(repo / "demo/target")
+    d = cfg.draft_config(tcfg)
+    assert cfg.resolved_draft_kind == "peagle" and type(d).__name__ == "PEagleConfig"
+    assert d.num_hidden_layers == 4 and d.hidden_size == tcfg.hidden_size and d.head_dim % 2 == 0
+    assert all(0 <= i < tcfg.num_hidden_layers for i in cfg.resolved_aux_ids(tcfg))
+    assert d.draft_vocab_size == 2048 and d.vocab_size == tcfg.vocab_size
