@@ -133,3 +133,13 @@ def test_int4_target_on_the_grouped_kernel_matches_the_blocked_loop(tiny_target_
     blocked = e3.load_target(qdir, mesh=mesh, moe_kernel="blocked")
     got, want = (np.asarray(t.forward(ids).logits) for t in (grouped, blocked))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("block,tpu,gpu", [((128, 128), True, True), ((16, 16), False, True), ((128, 16), False, True)])
+def test_fp8_kernel_takes_only_blocks_its_platform_can_tile(block, tpu, gpu):
+    """Mosaic tiles a block's last dim by 128 lanes: narrower FP8 blocks run the blocked loop on
+    TPU (supports False) and the Triton kernel on GPU, which only needs power-of-two tiles."""
+    st = Fp8Stack(4, 256, 256, ("expert", None, None), QuantLayout(experts="fp8", fp8_block=block), None)
+    assert quant_gmm.supports(st, 256, 256, "tpu") is tpu
+    assert quant_gmm.supports(st, 256, 256, "gpu") is gpu
+    assert quant_gmm.supports(st, 256, 256, "cpu") is True   # interpreted: no tiling constraint

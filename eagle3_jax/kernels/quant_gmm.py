@@ -32,6 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 from eagle3_jax.errors import ConfigError
 
 _NT = (((1,), (1,)), ((), ()))   # contract the last dims of both: x [r, i] . w [o, i] -> [r, o]
+_TN = (((0,), (0,)), ((), ()))   # contract the first dims of both: s [g, o] . e [g, w] -> [o, w]
 # The MXU's own precision for the weight matmuls, whatever jax_default_matmul_precision says: Mosaic
 # refuses bf16 operands at a float32 contract precision ("highest", which the test suite sets).
 _MXU = jax.lax.Precision.DEFAULT
@@ -62,16 +63,16 @@ def _int4_kernel(e_ref, used_ref, x_ref, w_ref, s_ref, o_ref):
     @pl.when(j < used_ref[0])
     def _compute():
         words = w_ref[...]                                   # [tn, W] int32, as stored
-        scale = s_ref[...].astype(jnp.float32)               # [tn, G]
-        G, W = scale.shape[-1], words.shape[-1]
+        scale_GN = s_ref[...].astype(jnp.float32)            # [G, tn]: group-major, see int4_gmm
+        G, W = scale_GN.shape[0], words.shape[-1]
         per_group = W // G
         # expand[g, w] = 1 where word w lies in group g: scale per word by a matmul, exact
         # (lax.div, not //: floor division of signed ints lowers through sign, which Mosaic's
         # lowering resolves against the default device, a CPU on a compile-only host)
         expand = (jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (G, W), 1), jnp.int32(per_group))
                   == jax.lax.broadcasted_iota(jnp.int32, (G, W), 0)).astype(jnp.float32)
-        scale_w = jnp.dot(scale, expand, precision=jax.lax.Precision.HIGHEST,
-                          preferred_element_type=jnp.float32)
+        scale_w = jax.lax.dot_general(scale_GN, expand, _TN, precision=jax.lax.Precision.HIGHEST,
+                                      preferred_element_type=jnp.float32)   # [tn, W]
         acc = jnp.zeros(o_ref.shape, jnp.float32)
         for k in range(8):
             q = (jax.lax.shift_right_logical(words, jnp.int32(4 * k)) & 15).astype(jnp.float32) - 8.0
@@ -96,6 +97,12 @@ def int4_gmm(x_planes, e_J, used, packed, scale, *, rows: int, out_dtype=jnp.flo
                           f"{rows}-row blocks; found packed {packed.shape}, scale {scale.shape}, {A} rows")
     tn = out_tile(O)
     J = A // rows
+    # The kernel reads the scales group-major, [E, G, O]. A stack's scale [E, O, G] has a narrow
+    # last dim (I/32: 64 or 224 at Kimi-K2.5's widths), for which the TPU's default HBM layout
+    # puts O innermost: physically it already is [E, G, O], so this swap is a free bitcast, where
+    # asking for [E, O, G] blocks made the compiler relayout every scale stack ahead of the decode
+    # loop (one copy per layer and projection, ~180 MiB per MoE layer per chip at Kimi-K2.5's width).
+    scale_EGO = jnp.swapaxes(scale, 1, 2)
 
     def x_map(j, n, e_ref, used_ref):
         return 0, _clamped(j, used_ref), 0
@@ -103,12 +110,15 @@ def int4_gmm(x_planes, e_J, used, packed, scale, *, rows: int, out_dtype=jnp.flo
     def w_map(j, n, e_ref, used_ref):
         return e_ref[_clamped(j, used_ref)], n, 0
 
+    def s_map(j, n, e_ref, used_ref):
+        return e_ref[_clamped(j, used_ref)], 0, n
+
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(J, O // tn),
         in_specs=[pl.BlockSpec((8, rows, W), x_map),
                   pl.BlockSpec((None, tn, W), w_map),
-                  pl.BlockSpec((None, tn, G), w_map)],
+                  pl.BlockSpec((None, G, tn), s_map)],
         out_specs=pl.BlockSpec((rows, tn), lambda j, n, e_ref, used_ref: (j, n)),
     )
     cost = pl.CostEstimate(flops=2 * A * O * 8 * W, transcendentals=0,
@@ -121,7 +131,7 @@ def int4_gmm(x_planes, e_J, used, packed, scale, *, rows: int, out_dtype=jnp.flo
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         cost_estimate=cost,
         interpret=interpret,
-    )(e_J.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_planes, packed, scale)
+    )(e_J.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_planes, packed, scale_EGO)
 
 
 def _fp8_kernel(e_ref, used_ref, x_ref, w_ref, s_ref, o_ref, acc_ref, *, block):
@@ -211,7 +221,8 @@ def min_rows(platform: str) -> int:
 def supports(stack, out: int, cols: int, platform: str) -> bool:
     """Whether the kernels for ``platform`` take the stack (``Int4Stack`` / ``Fp8Stack`` of
     ``models/quantized.py``) of ``out`` x ``cols`` matrices: INT4 groups of whole words over whole
-    words; FP8 whole blocks; on GPU also power-of-two tiles of >= 16 (Triton's dot)."""
+    words; FP8 whole blocks; on GPU also power-of-two tiles of >= 16 (Triton's dot), on TPU
+    blocks of whole 128-lane tiles. A stack they do not take runs the ``blocked`` loop."""
     from eagle3_jax.kernels import quant_gmm_gpu
 
     gpu = kernel_platform(platform) == "gpu"
@@ -221,7 +232,10 @@ def supports(stack, out: int, cols: int, platform: str) -> bool:
         return not gpu or quant_gmm_gpu.int4_tiles(out, cols // 8, cols // stack.group) is not None
     bo, bi = stack.block
     pow2 = not (bo & (bo - 1) or bi & (bi - 1))
-    return cols % bi == 0 and out % bo == 0 and (pow2 or not gpu)
+    # Mosaic tiles the last dim of every block by 128 lanes: the kernel's output tile is bo wide
+    # and it slices its input tile bi columns at a time (real FP8 checkpoints use 128x128 blocks).
+    lanes = bo % 128 == 0 and bi % 128 == 0
+    return cols % bi == 0 and out % bo == 0 and (pow2 or not gpu) and (lanes or kernel_platform(platform) != "tpu")
 
 
 def matmul(x_AI: jax.Array, e_J, used, values, scales, stack, rows: int, platform: str) -> jax.Array:

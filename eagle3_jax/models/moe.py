@@ -62,7 +62,11 @@ ExpertKernel = Callable[..., jax.Array]
 
 def route(x_MD: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array, cfg: TargetConfig):
     """Returns (expert ids [M, K] int32, weights [M, K] float32)."""
-    logits_ME = jnp.einsum("md,de->me", x_MD.astype(jnp.float32), w_router_DE.astype(jnp.float32))
+    # HIGHEST: float32 logits as the reference computes them; at the default precision the TPU
+    # compiler rounds the router weight to bf16, and hoists that rounding out of the decode loop
+    # as one bf16 copy of every layer's router weight.
+    logits_ME = jnp.einsum("md,de->me", x_MD.astype(jnp.float32), w_router_DE.astype(jnp.float32),
+                           precision=jax.lax.Precision.HIGHEST)
     if cfg.scoring_func == "sigmoid":
         scores_ME = jax.nn.sigmoid(logits_ME)
     else:
