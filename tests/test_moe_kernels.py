@@ -218,3 +218,17 @@ def test_uneven_dimension_replicates_and_logs_once(caplog):
     assert len(msgs) == 1, msgs
     assert "mesh axis 'tensor' of size 8" in msgs[0] and "'data': 1" in msgs[0]
     assert sharding.sharding_for(mesh, ("embed", "heads"), (16, 24)).spec == jax.sharding.PartitionSpec(None, "tensor")
+
+
+@pytest.mark.parametrize("tensor,takes", [(1, True), (4, False)])
+def test_grouped_kernel_is_checked_on_the_shard_each_device_holds(tensor, takes):
+    """Expert width 1024 split over tensor=4 leaves 256 inputs of down per device: 32 INT4 words,
+    fewer than the Triton kernel's smallest word tile (16 groups of 4 words), though the full
+    width's 128 words tile. The shard decides: such a layer runs the blocked loop."""
+    from eagle3_jax.checkpoint.quant import QuantLayout
+
+    cfg = TargetConfig.from_hf_dict(dict(TINY, hidden_size=512, moe_intermediate_size=1024, n_routed_experts=8))
+    mesh = sharding.make_mesh(f"data=1,expert={8 // tensor},tensor={tensor}")
+    layer = nnx.eval_shape(lambda: moe.MoE(cfg, jnp.bfloat16, nnx.Rngs(0), mesh=mesh, kernel="grouped",
+                                           quant=QuantLayout(experts="int4"), platform="gpu"))
+    assert layer.grouped_kernel_takes_shards() is takes

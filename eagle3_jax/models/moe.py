@@ -191,9 +191,7 @@ class MoE(nnx.Module):
 
         quant_kernel = QUANT_EXPERT_KERNELS[self.kernel]
         if self.kernel == "grouped":
-            shapes = ((self.w_gate, self.cfg.moe_intermediate_size, self.cfg.hidden_size),
-                      (self.w_down, self.cfg.hidden_size, self.cfg.moe_intermediate_size))
-            if all(quant_gmm.supports(st, o, i, self.platform) for st, o, i in shapes):
+            if self.grouped_kernel_takes_shards():
                 quant_kernel = functools.partial(experts_grouped_quantized, platform=self.platform)
             else:
                 quant_kernel = experts_blocked_quantized   # shapes the kernels do not take
@@ -203,6 +201,16 @@ class MoE(nnx.Module):
             return quant_kernel(x_MD, idx_MK, weights_MK, g, u, d, first)
 
         return kernel, ws
+
+    def grouped_kernel_takes_shards(self) -> bool:
+        """Whether the grouped kernels take the stacks as each device holds them: with the expert
+        width split over ``tensor``, a device's gate/up have F / n outputs and its down F / n inputs,
+        and it is that shard's tiles (Triton's power-of-two tiles, whole INT4 groups) that count."""
+        F, D = self.cfg.moe_intermediate_size, self.cfg.hidden_size
+        if self.mesh is not None:
+            n_ten = self.mesh.shape[mesh_axis("moe_mlp")]
+            F = F // n_ten if self._tensor_split(F, n_ten) else F
+        return all(quant_gmm.supports(st, o, i, self.platform) for st, o, i in ((self.w_gate, F, D), (self.w_down, D, F)))
 
     def _tensor_split(self, F: int, n_ten: int) -> bool:
         """Whether expert width F can be split over ``tensor``: quantized stacks also need every
