@@ -16,7 +16,8 @@ import eagle3_jax as e3
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.train import TrainConfig, run
 from eagle3_jax.train.peagle_trainer import PEagleTrainer
-from tests.test_train import predictable_target_dir  # noqa: F401  (module fixture: a peaked tiny target)
+from tests import spec_fixtures
+from tests.test_train import predictable_target, predictable_target_dir  # noqa: F401  (a peaked tiny target)
 
 T = 16
 # One set of shapes for every trainer here, so they share one compiled step.
@@ -25,16 +26,28 @@ SMALL = dict(max_len=T, batch_size=4, grad_accum=2, draft_vocab_size=128, aux_la
              peagle={"num_hidden_layers": 2, "num_depths": 4})
 
 
+PROMPT_LEN = 6
+
+
 @pytest.fixture(scope="module")
-def rows_file(tmp_path_factory):
-    """Eight fixed rows, the loss on all but the first two tokens: memorizable in a few dozen steps."""
-    rng = np.random.default_rng(3)
-    path = tmp_path_factory.mktemp("peagle_data") / "rows.jsonl"
-    with open(path, "w") as f:
-        for _ in range(8):
-            ids = rng.integers(2, 256, T).tolist()
-            f.write(json.dumps({"input_ids": ids, "loss_mask": [0, 0] + [1] * (T - 2)}) + "\n")
-    return path
+def corpus(predictable_target, tmp_path_factory):  # noqa: F811
+    """Eight of the target's own greedy continuations (the loss on the generated part), and their
+    prompts: memorizable in a few dozen steps, and what the evaluation then generates again."""
+    seqs = spec_fixtures.target_greedy_corpus(predictable_target, n_prompts=8, prompt_len=PROMPT_LEN,
+                                              new_tokens=T - PROMPT_LEN, seed=3)
+    root = tmp_path_factory.mktemp("peagle_data")
+    with open(root / "rows.jsonl", "w") as f:
+        for s in seqs:
+            f.write(json.dumps({"input_ids": s.tolist(), "loss_mask": [0] * PROMPT_LEN + [1] * (T - PROMPT_LEN)}) + "\n")
+    with open(root / "prompts.jsonl", "w") as f:
+        for s in seqs:
+            f.write(json.dumps({"prompt_ids": s[:PROMPT_LEN].tolist()}) + "\n")
+    return root / "rows.jsonl", root / "prompts.jsonl"
+
+
+@pytest.fixture(scope="module")
+def rows_file(corpus):
+    return corpus[0]
 
 
 def _config(target_dir, data, out_dir, **over) -> TrainConfig:
@@ -50,10 +63,16 @@ def _losses(out_dir):
         return [(r["step"], r["loss"], r["acc"]) for r in map(json.loads, f) if "loss" in r]
 
 
-def test_training_reduces_the_loss(predictable_target_dir, rows_file, tmp_path):  # noqa: F811
-    result = run(_config(predictable_target_dir, rows_file, tmp_path / "run", total_steps=30, save_every=30),
-                 progress=False)
+def test_training_reduces_the_loss(predictable_target_dir, corpus, tmp_path):  # noqa: F811
+    rows, prompts = corpus
+    result = run(_config(predictable_target_dir, rows, tmp_path / "run", total_steps=30, save_every=30,
+                         eval_every=30, eval_prompts=str(prompts), eval_new_tokens=T - PROMPT_LEN,
+                         eval_draft_tokens=3), progress=False)
     assert result.finished and result.step == 30
+    # The evaluation serves the draft in the decode loop (parallel drafting, K = 3) on the rows'
+    # prompts: the memorized continuations are accepted (a random draft's tau is about 1).
+    evals = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "eval_tau" in r]
+    assert len(evals) == 1 and evals[0]["eval_tau"] > 1.5, evals
     losses = [loss for _, loss, _ in _losses(tmp_path / "run")]
     # Soft labels: the floor is the target's own entropy, not 0.
     assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3]), losses
@@ -61,8 +80,8 @@ def test_training_reduces_the_loss(predictable_target_dir, rows_file, tmp_path):
     assert len(acc) == 4 and acc[0] > 0.9, acc   # depth 0 (the EAGLE-3 prediction) is memorized
 
 
-def test_kill_and_resume_equals_uninterrupted_and_export_loads_strictly(predictable_target_dir, rows_file,  # noqa: F811
-                                                                         tmp_path):
+def test_kill_and_resume_equals_uninterrupted_and_export_loads_strictly(predictable_target_dir,  # noqa: F811
+                                                                         predictable_target, rows_file, tmp_path):
     straight = PEagleTrainer(_config(predictable_target_dir, rows_file, tmp_path / "a"), progress=False)
     straight.train()
     straight.close()
@@ -91,8 +110,7 @@ def test_kill_and_resume_equals_uninterrupted_and_export_loads_strictly(predicta
     assert hf["architectures"] == ["PEagleDraftModel"] and hf["num_hidden_layers"] == 2
     assert hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
     assert hf["mask_token_id"] == resumed.dcfg.mask_token_id and hf["draft_vocab_size"] == 128
-    target = e3.load_target(predictable_target_dir)
-    loaded = e3.load_draft(out, target)   # strict: any missing or extra tensor is an error
+    loaded = e3.load_draft(out, predictable_target)   # strict: any missing or extra tensor is an error
     assert loaded.model.kind == "peagle" and loaded.aux_layer_ids == (0, 1, 2)
     trained = dict(nnx.to_flat_state(nnx.state(resumed.draft_model())))
     for path, v in nnx.to_flat_state(nnx.state(loaded.model)):

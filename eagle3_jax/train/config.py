@@ -152,7 +152,9 @@ class TrainConfig:
         return build_draft_config(self, tcfg or self.target_config())
 
     def to_dict(self) -> dict:
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        d = json.loads(json.dumps(dataclasses.asdict(self)))
+        d["draft_kind"] = self.resolved_draft_kind   # unset and "eagle3" are one kind to a resumed run
+        return d
 
     # ------------------------------------------------------------------ reading
     @classmethod

@@ -11,6 +11,7 @@ trained with (api.save_draft dispatches on the draft's kind).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,10 @@ from eagle3_jax.train.trainer import Trainer
 
 
 class PEagleTrainer(Trainer):
+    @functools.cached_property
+    def spec(self) -> PEagleSpec:
+        return PEagleSpec.from_config(self.cfg)
+
     def _new_draft(self) -> PEagleDraft:
         cfg = self.cfg
         # Offline runs hold no tokenizer; the target directory's one names the MASK candidates.
@@ -36,7 +41,6 @@ class PEagleTrainer(Trainer):
         mask_id, source = resolve_mask_token_id(self.dcfg, tokenizer)
         self.dcfg = dataclasses.replace(self.dcfg, mask_token_id=mask_id)
         _info("P-EAGLE draft: %d layers, MASK token id %d (%s)", self.dcfg.num_hidden_layers, mask_id, source)
-        self.spec = PEagleSpec.from_config(cfg)
         model = PEagleDraft(self.dcfg, len(self.aux_ids), resolve_dtype(cfg.dtype), nnx.Rngs(cfg.seed))
         # A copy: the step donates the draft's params, and this buffer is also the target's embedding.
         model.embed_tokens[...] = jnp.array(self.embed_VD, model.dtype, copy=True)
