@@ -15,6 +15,7 @@ from safetensors.numpy import load_file
 import eagle3_jax as e3
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.train import TrainConfig, run
+from eagle3_jax.train.peagle_objective import peagle_loss
 from eagle3_jax.train.peagle_trainer import PEagleTrainer
 from tests import spec_fixtures
 from tests.test_train import predictable_target, predictable_target_dir  # noqa: F401  (a peaked tiny target)
@@ -38,7 +39,8 @@ def corpus(predictable_target, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("peagle_data")
     with open(root / "rows.jsonl", "w") as f:
         for s in seqs:
-            f.write(json.dumps({"input_ids": s.tolist(), "loss_mask": [0] * PROMPT_LEN + [1] * (T - PROMPT_LEN)}) + "\n")
+            mask = [0] * PROMPT_LEN + [1] * (T - PROMPT_LEN)
+            f.write(json.dumps({"input_ids": s.tolist(), "loss_mask": mask}) + "\n")
     with open(root / "prompts.jsonl", "w") as f:
         for s in seqs:
             f.write(json.dumps({"prompt_ids": s[:PROMPT_LEN].tolist()}) + "\n")
@@ -127,6 +129,36 @@ def test_kill_and_resume_equals_uninterrupted_and_export_loads_strictly(predicta
     np.testing.assert_array_equal(theirs.mask_hidden.detach().numpy().reshape(-1),
                                   np.asarray(loaded.model.mask_hidden[...]))
     assert torch.equal(theirs.d2t, torch.as_tensor(wb["d2t"]))
+
+
+@pytest.mark.parametrize("convention", ["ours", "specforge"])
+def test_step_pairs_the_rows_as_specforge_captures_them(predictable_target_dir, predictable_target,  # noqa: F811
+                                                         rows_file, tmp_path, convention):
+    """The step's loss against peagle_loss on rows built here from the target's public forward:
+    ids and logits shifted by one with SpecForge's zero padding, the mask per convention."""
+    trainer = PEagleTrainer(_config(predictable_target_dir, rows_file, tmp_path / "run", loss_convention=convention),
+                            progress=False)
+    batch = trainer.next_batch()
+    draft = trainer.draft_model()   # the weights the step starts from
+    ids, mask = np.asarray(batch["ids"]), np.asarray(batch["loss_mask"])
+    anchor, depth, valid = (np.asarray(batch[k]) for k in ("anchor", "depth", "valid"))
+    expected = []
+    for a in range(ids.shape[0]):
+        out = predictable_target.forward(ids[a], aux_layer_ids=(0, 1, 2))
+        logits = np.asarray(out.logits)
+        ids_s = np.concatenate([ids[a][:, 1:], np.zeros_like(ids[a][:, :1])], axis=1)
+        target_s = np.concatenate([logits[:, 1:], np.zeros_like(logits[:, :1])], axis=1)
+        # ours: position t predicts x_{t+2}, counted when that is a loss token; specforge: its mask as is
+        mask_s = (mask[a] if convention == "specforge"
+                  else np.concatenate([mask[a][:, 2:], np.zeros_like(mask[a][:, :2])], axis=1))
+        pos = anchor[a] + depth[a]
+        guessed = valid[a] & (depth[a] > 0)
+        assert guessed.any() and mask_s[np.nonzero(guessed)[0], pos[guessed]].all()  # rollouts reach loss positions
+        loss, _ = peagle_loss(draft, ids_s, np.asarray(out.aux_hidden), target_s, mask_s, anchor[a], depth[a],
+                              valid[a], num_depths=4)
+        expected.append(float(loss))
+    assert trainer.run_step(batch)["loss"] == pytest.approx(np.mean(expected), rel=1e-5)
+    trainer.close()
 
 
 def test_online_and_offline_states_train_alike(predictable_target_dir, rows_file, tmp_path):  # noqa: F811
