@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import hashlib
 import json
 import math
@@ -37,6 +38,8 @@ import sys
 import sysconfig
 
 from _common import REPO, describe, load_average, machine, parse_list, quiet_watchdog, table
+
+import jax
 
 import eagle3_jax as e3
 from eagle3_jax import compile_cache
@@ -125,6 +128,12 @@ def measure(pair: DemoPair, prompts: list[list[int]], batch: int, temperature: f
             row.update(chosen_k=c.num_draft_tokens, iterations_per_k=c.rounds_per_k,
                        predicted_speedup=c.predicted_speedup, measured_speedup=c.measured_speedup)
         rows.append(row)
+    # Each mode's programs stay loaded until the caches are cleared, and XLA:CPU maps every
+    # compiled kernel separately: a matrix of cells in one process would run into the kernel's
+    # limit on memory mappings (vm.max_map_count, 65530 by default; mmap then fails mid-run).
+    del gens
+    jax.clear_caches()
+    gc.collect()
     return rows
 
 
