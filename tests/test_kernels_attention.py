@@ -37,14 +37,14 @@ def test_blocked_online_softmax_matches_whole_capacity(capacity, block):
 def test_draft_gqa_over_filled_slots_matches_whole_capacity(capacity, block):
     rng = np.random.default_rng(capacity)
     B, T, G, R, H = 3, 2, 2, 3, 8
-    cache = KVCache(jnp.asarray(rng.normal(size=(B, G, capacity, H)), jnp.float32),
-                    jnp.asarray(rng.normal(size=(B, G, capacity, H)), jnp.float32))
+    cache = KVCache(jnp.asarray(rng.normal(size=(B, capacity, G, H)), jnp.float32),
+                    jnp.asarray(rng.normal(size=(B, capacity, G, H)), jnp.float32))
     q = jnp.asarray(rng.normal(size=(B, T, G * R, H)), jnp.float32)
     positions = jnp.asarray(np.array([1, capacity // 2, capacity - 2])[:, None] + np.arange(T), jnp.int32)
     got = attention.attend_filled_gqa(q, cache, positions, 0.4, block)
-    s = jnp.einsum("btgrh,bgsh->btgrs", q.reshape(B, T, G, R, H), cache.k_BGSH) * 0.4
+    s = jnp.einsum("btgrh,bsgh->btgrs", q.reshape(B, T, G, R, H), cache.k_BSGH) * 0.4
     probs = attention.masked_softmax(s.reshape(B, T, G * R, capacity), causal_slot_mask(positions, capacity))
-    want = jnp.einsum("btgrs,bgsh->btgrh", probs.reshape(B, T, G, R, capacity), cache.v_BGSH).reshape(B, T, G * R, H)
+    want = jnp.einsum("btgrs,bsgh->btgrh", probs.reshape(B, T, G, R, capacity), cache.v_BSGH).reshape(B, T, G * R, H)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 

@@ -128,9 +128,9 @@ def test_caches_sharded_on_data_and_tensor(compiled):
     dims, shapes = _out_dims(compiled)
     for name in ("tcache.latent_LBSC", "tcache.rope_LBSP"):
         assert dims[name][1] == {"data"}, f"{name} [L, B, S, C]: batch must be on 'data', got {dims[name]}"
-    for name in ("dcache.k_BGSH", "dcache.v_BGSH"):
-        assert dims[name][0] == {"data"}, f"{name} [B, G, S, H]: batch must be on 'data', got {dims[name]}"
-        assert dims[name][1] == {"tensor"}, f"{name} [B, G, S, H]: kv heads must be on 'tensor', got {dims[name]}"
+    for name in ("dcache.k_BSGH", "dcache.v_BSGH"):
+        assert dims[name][0] == {"data"}, f"{name} [B, S, G, H]: batch must be on 'data', got {dims[name]}"
+        assert dims[name][2] == {"tensor"}, f"{name} [B, S, G, H]: kv heads must be on 'tensor', got {dims[name]}"
     assert dims["dlogits_BW"] == ({"data"}, {"tensor"})
 
 

@@ -142,27 +142,28 @@ def attend_filled(q_lat_BTNC, q_rope_BTNP, cache: MLACache, layer: int, position
 
 
 def attend_filled_gqa(q_BTNH, cache: KVCache, positions_BT, softmax_scale, block: int | None = None) -> jax.Array:
-    """The draft's grouped-query attention over the filled slots of its KV cache ([B, G, S, H]):
-    [B, T, N, H] out, N = G * R query heads sharing each key/value head."""
-    k_BGSH, v_BGSH = cache.k_BGSH, cache.v_BGSH
-    B, G, S, H = k_BGSH.shape
+    """The draft's grouped-query attention over the filled slots of its KV cache ([B, S, G, H]):
+    [B, T, N, H] out, N = G * R query heads sharing each key/value head. Keys and values are read
+    a block of slots at a time, so a layout change the dot wants costs one block, not the cache."""
+    k_BSGH, v_BSGH = cache.k_BSGH, cache.v_BSGH
+    B, S, G, H = k_BSGH.shape
     T, N = q_BTNH.shape[1], q_BTNH.shape[2]
-    q_BTGRH = q_BTNH.reshape(B, T, G, N // G, H).astype(k_BGSH.dtype)
+    q_BTGRH = q_BTNH.reshape(B, T, G, N // G, H).astype(k_BSGH.dtype)
 
-    def slots(kv_BGSH, start, size):
-        return jax.lax.dynamic_slice_in_dim(kv_BGSH, start, size, axis=2)
+    def slots(kv_BSGH, start, size):
+        return jax.lax.dynamic_slice_in_dim(kv_BSGH, start, size, axis=1)
 
     def scores(start, size):
-        s = jnp.einsum("btgrh,bgsh->btgrs", q_BTGRH, slots(k_BGSH, start, size), preferred_element_type=jnp.float32)
+        s = jnp.einsum("btgrh,bsgh->btgrs", q_BTGRH, slots(k_BSGH, start, size), preferred_element_type=jnp.float32)
         return s.reshape(B, T, N, size) * softmax_scale
 
     def weighted(p_BTNS, start, size):
-        p = p_BTNS.reshape(B, T, G, N // G, size).astype(v_BGSH.dtype)
-        out_BTGRH = jnp.einsum("btgrs,bgsh->btgrh", p, slots(v_BGSH, start, size), preferred_element_type=jnp.float32)
+        p = p_BTNS.reshape(B, T, G, N // G, size).astype(v_BSGH.dtype)
+        out_BTGRH = jnp.einsum("btgrs,bsgh->btgrh", p, slots(v_BSGH, start, size), preferred_element_type=jnp.float32)
         return out_BTGRH.reshape(B, T, N, H)
 
     kb = key_block(S, T, N, KEY_BLOCK if block is None else block)
-    return online_softmax_over_slots(scores, weighted, positions_BT, S, kb, v_BGSH.dtype)
+    return online_softmax_over_slots(scores, weighted, positions_BT, S, kb, v_BSGH.dtype)
 
 
 class MLAttention(nnx.Module):

@@ -50,34 +50,37 @@ class MLACache:
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    """Draft cache: plain per-head keys and values of its one decoder layer.
+    """Draft cache: plain per-head keys and values of its one decoder layer, [B, S, G, H].
 
-    Heads before slots: attention contracts over head_dim (scores) and slots (values) with batch
-    and head as the dot's batch dimensions, so this layout is read as stored; slots-first made XLA
-    transpose both whole buffers on every draft call.
+    Slots before heads, as the K/V projections produce them ([B, T, G, H]): a call's write is a
+    scatter of whole [G, H] windows, one per (row, position), contiguous as stored. Heads before
+    slots made the TPU compiler give the scatter's result a slots-major layout and copy the whole
+    cache back to heads-major for attention, K and V, on every draft call (compiled for v5p at
+    Kimi-K2.5's shapes: 8 GiB of temporaries at 32 rows x 8192 slots). Attention reads the cache a
+    block of slots at a time (``attend_filled_gqa``), so the heads-major copy its dot wants is one
+    block's (the whole cache only where it fits in one block).
     """
 
-    k_BGSH: jax.Array
-    v_BGSH: jax.Array
+    k_BSGH: jax.Array
+    v_BSGH: jax.Array
 
     @property
     def capacity(self) -> int:
-        return self.k_BGSH.shape[2]
+        return self.k_BSGH.shape[1]
 
     @classmethod
     def zeros(cls, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
-        shape = (batch, kv_heads, capacity, head_dim)
-        return cls(k_BGSH=jnp.zeros(shape, dtype), v_BGSH=jnp.zeros(shape, dtype))
+        shape = (batch, capacity, kv_heads, head_dim)
+        return cls(k_BSGH=jnp.zeros(shape, dtype), v_BSGH=jnp.zeros(shape, dtype))
 
     def write(self, k_BTGH: jax.Array, v_BTGH: jax.Array, positions_BT: jax.Array) -> "KVCache":
         """Scatters only the new tokens into their slots (positions outside [0, S) are dropped)."""
-        b_BT = jnp.broadcast_to(jnp.arange(self.k_BGSH.shape[0])[:, None], positions_BT.shape)
+        b_BT = jnp.broadcast_to(jnp.arange(self.k_BSGH.shape[0])[:, None], positions_BT.shape)
 
-        def put(cache_BGSH, new_BTGH):
-            # Indices split by a slice: the indexed view is [B, T, G, H], as new_BTGH is.
-            return cache_BGSH.at[b_BT, :, positions_BT].set(new_BTGH.astype(cache_BGSH.dtype), mode="drop")
+        def put(cache_BSGH, new_BTGH):
+            return cache_BSGH.at[b_BT, positions_BT].set(new_BTGH.astype(cache_BSGH.dtype), mode="drop")
 
-        return KVCache(k_BGSH=put(self.k_BGSH, k_BTGH), v_BGSH=put(self.v_BGSH, v_BTGH))
+        return KVCache(k_BSGH=put(self.k_BSGH, k_BTGH), v_BSGH=put(self.v_BSGH, v_BTGH))
 
 
 def causal_slot_mask(positions_BT: jax.Array, capacity: int) -> jax.Array:

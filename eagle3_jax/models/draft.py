@@ -55,7 +55,7 @@ class DraftAttention(nnx.Module):
             out_BTNH, state = attend(q_BTNH, k_BTGH, v_BTGH)
             return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...]), state
         if cache is None:  # one causal pass over the given tokens (training, TTT step 0)
-            k_BGSH, v_BGSH = k_BTGH.transpose(0, 2, 1, 3), v_BTGH.transpose(0, 2, 1, 3)
+            k_BSGH, v_BSGH = k_BTGH, v_BTGH   # keys are this call's tokens: S = T
             mask_BTS = positions_BT[:, None, :] <= positions_BT[:, :, None]
         else:  # over the filled slots only: cost follows the longest row, not the capacity
             cache = cache.write(k_BTGH, v_BTGH, positions_BT)
@@ -63,10 +63,10 @@ class DraftAttention(nnx.Module):
             return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...]), cache
         B, T = q_BTNH.shape[:2]
         q_BTGRH = q_BTNH.reshape(B, T, G, R, cfg.head_dim)
-        scores_BTGRS = jnp.einsum("btgrh,bgsh->btgrs", q_BTGRH, k_BGSH) * cfg.head_dim ** -0.5
-        S = k_BGSH.shape[2]
+        scores_BTGRS = jnp.einsum("btgrh,bsgh->btgrs", q_BTGRH, k_BSGH) * cfg.head_dim ** -0.5
+        S = k_BSGH.shape[1]
         probs = masked_softmax(scores_BTGRS.reshape(B, T, G * R, S), mask_BTS).reshape(B, T, G, R, S)
-        out_BTGRH = jnp.einsum("btgrs,bgsh->btgrh", probs.astype(v_BGSH.dtype), v_BGSH)
+        out_BTGRH = jnp.einsum("btgrs,bsgh->btgrh", probs.astype(v_BSGH.dtype), v_BSGH)
         y_BTD = jnp.einsum("btnh,nhd->btd", out_BTGRH.reshape(B, T, G * R, cfg.head_dim), self.o_proj[...])
         return y_BTD, cache
 

@@ -46,14 +46,14 @@ def rollout_mask(anchor_BT: jax.Array, depth_BT: jax.Array, doc_BT: jax.Array | 
     return seen
 
 
-def _attend(q_BTNH, k_BGSH, v_BGSH, mask_BTS):
+def _attend(q_BTNH, k_BSGH, v_BSGH, mask_BTS):
     """Grouped-query attention over S keys; returns [B, T, N, H]."""
     B, T, N, H = q_BTNH.shape
-    G, S = k_BGSH.shape[1], k_BGSH.shape[2]
+    S, G = k_BSGH.shape[1], k_BSGH.shape[2]
     q_BTGRH = q_BTNH.reshape(B, T, G, N // G, H)
-    scores_BTGRS = jnp.einsum("btgrh,bgsh->btgrs", q_BTGRH, k_BGSH) * H ** -0.5
+    scores_BTGRS = jnp.einsum("btgrh,bsgh->btgrs", q_BTGRH, k_BSGH) * H ** -0.5
     probs = masked_softmax(scores_BTGRS.reshape(B, T, N, S), mask_BTS).reshape(B, T, G, N // G, S)
-    out_BTGRH = jnp.einsum("btgrs,bgsh->btgrh", probs.astype(v_BGSH.dtype), v_BGSH)
+    out_BTGRH = jnp.einsum("btgrs,bsgh->btgrh", probs.astype(v_BSGH.dtype), v_BSGH)
     return out_BTGRH.reshape(B, T, N, H)
 
 
@@ -76,10 +76,10 @@ class PEagleAttention(nnx.Module):
         q_BTNH = apply_rope(q_BTNH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
         k_BTGH = apply_rope(k_BTGH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
         if cache is None:
-            out_BTNH = _attend(q_BTNH, k_BTGH.transpose(0, 2, 1, 3), v_BTGH.transpose(0, 2, 1, 3), mask_BTT)
+            out_BTNH = _attend(q_BTNH, k_BTGH, v_BTGH, mask_BTT)
         else:
             cache = cache.write(k_BTGH, v_BTGH, positions_BT)
-            out_BTNH = _attend(q_BTNH, cache.k_BGSH, cache.v_BGSH, causal_slot_mask(positions_BT, cache.capacity))
+            out_BTNH = _attend(q_BTNH, cache.k_BSGH, cache.v_BSGH, causal_slot_mask(positions_BT, cache.capacity))
         return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...]), cache
 
 

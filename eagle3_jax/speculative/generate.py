@@ -94,8 +94,8 @@ class DecodeProgram:
 LOOP_STATE_AXES = {
     "tcache.latent_LBSC": (None, "batch", "cache_seq", "kv_lora"),
     "tcache.rope_LBSP": (None, "batch", "cache_seq", None),
-    "dcache.k_BGSH": ("batch", "heads", "cache_seq", "head_dim"),
-    "dcache.v_BGSH": ("batch", "heads", "cache_seq", "head_dim"),
+    "dcache.k_BSGH": ("batch", "cache_seq", "heads", "head_dim"),
+    "dcache.v_BSGH": ("batch", "cache_seq", "heads", "head_dim"),
     "dhidden_BD": ("batch", "embed"),
     "dlogits_BW": ("batch", "draft_vocab"),
 }
