@@ -2,9 +2,10 @@
 
     python -m tools.plan.fit [--models kimi_k25,deepseek_v3] [--topologies v5p:2x2x2,v5p:2x2x4,v6e:4x4]
                              [--programs decode,prefill] [--batch 32] [--max-len 8192] [--num-draft-tokens 4]
+                             [--data D] [--tensor T]
 
 For each model (native weights: Kimi-K2.5 INT4 experts, DeepSeek-V3 FP8) and TPU slice, the serving
-programs are compiled for the slice (mesh ``data=1,expert=<chips>,tensor=1``) with the target cut to
+programs are compiled for the slice (mesh ``data=D,expert=<chips / (D x T)>,tensor=T``, default D = T = 1) with the target cut to
 one and to two MoE layers at full width; per-chip peak memory of the whole model is then
 ``peak(2 MoE) + (MoE layers - 2) * (peak(2 MoE) - peak(1 MoE))``. That is exact where memory grows
 by the same bytes per MoE layer, which ``tests/test_tpu_compile.py`` asserts (each MoE layer costs its
@@ -33,6 +34,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--data", type=int, default=1, help="mesh data axis (rows and caches split); expert = chips / (data x tensor)")
+    p.add_argument("--tensor", type=int, default=1, help="mesh tensor axis (attention heads and expert width split)")
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -49,7 +52,9 @@ def main(argv=None) -> int:
         dense, L = cfg.first_k_dense_replace, cfg.num_hidden_layers
         for topo in args.topologies.split(","):
             chips, hbm = tpu.chips(topo), tpu.chip_hbm_bytes(topo)
-            mesh = f"data=1,expert={chips},tensor=1"
+            if chips % (args.data * args.tensor):
+                raise SystemExit(f"{topo} has {chips} chips, not a multiple of data x tensor = {args.data * args.tensor}")
+            mesh = f"data={args.data},expert={chips // (args.data * args.tensor)},tensor={args.tensor}"
             t0 = time.perf_counter()
             cuts = [serve.plan(serve.PlanSettings(
                 model=model, mesh=mesh, batch=args.batch, max_len=args.max_len,
