@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--admit-rows", type=int, default=None,
+                   help="rows one prefill call admits (serve.py --admit-rows; default the whole batch)")
     p.add_argument("--data", type=int, default=1, help="mesh data axis (rows and caches split); expert = chips / (data x tensor)")
     p.add_argument("--tensor", type=int, default=1, help="mesh tensor axis (attention heads and expert width split)")
     args = p.parse_args(argv)
@@ -59,6 +61,7 @@ def main(argv=None) -> int:
             cuts = [serve.plan(serve.PlanSettings(
                 model=model, mesh=mesh, batch=args.batch, max_len=args.max_len,
                 num_draft_tokens=args.num_draft_tokens, prompt_len=args.prompt_len, prefill_chunk=args.prefill_chunk,
+                admit_rows=args.admit_rows,
                 platform="tpu", topology=topo, layers=n, programs=programs, cost_k0=False),
                 log=lambda m: print(f"[fit {name} {topo}] {m}", file=sys.stderr, flush=True))
                 for n in (dense + 1, dense + 2)]
@@ -75,7 +78,7 @@ def main(argv=None) -> int:
         head += [f"{prog} peak/chip GiB", f"{prog} fits"]
     head.append("compile s")
     print(f"# batch {args.batch}, max_len {args.max_len}, K={args.num_draft_tokens}, prompt block {args.prompt_len} "
-          f"(prefill chunk {args.prefill_chunk}); native weights; TPU compiler, cut to 1 and 2 MoE layers, "
+          f"(prefill chunk {args.prefill_chunk}, {args.admit_rows or args.batch} rows per admission); native weights; TPU compiler, cut to 1 and 2 MoE layers, "
           "extrapolated per MoE layer")
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
