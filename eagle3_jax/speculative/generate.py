@@ -29,7 +29,7 @@ from flax import nnx
 from eagle3_jax.models.cache import KVCache, MLACache
 from eagle3_jax.sharding import constrain
 from eagle3_jax.speculative.accept import first_argmax, greedy_accept, rejection_accept, sample_from_probs, target_probs
-from eagle3_jax.speculative.prefill import chunked_draft, chunked_target, scatter_rows
+from eagle3_jax.speculative.prefill import chunked_draft, chunked_target
 from eagle3_jax.speculative.parallel import propose_parallel
 
 RUNNING, FINISH_EOS, FINISH_LENGTH, FINISH_CAPACITY = 0, 1, 2, 3
@@ -149,15 +149,13 @@ def _emit(state: LoopState, new_BJ, n_new_B, eos_E):
     return tokens_BN, n_out_B, finish_B.astype(jnp.int32), n_B
 
 
-def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program: DecodeProgram,
-             slots: int | None = None) -> LoopState:
-    """Runs the prompts through the target (and the draft) and emits each row's first token, into
-    caches of ``slots`` slots per row (default max_len; admit_rows: the prompt block's)."""
+def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program: DecodeProgram) -> LoopState:
+    """Runs the prompts through the target (and the draft) and emits each row's first token."""
     K = program.max_draft_tokens   # the layout's width, also when the draft is left out (admit_rows)
     max_len, max_new_tokens = program.max_len, program.max_new_tokens
     B, T = prompt_BT.shape
     rows_B = jnp.arange(B)
-    tcache = target.init_cache(B, slots or max_len)
+    tcache = target.init_cache(B, max_len)
     tcache = MLACache(constrain(tcache.latent_LBSC, (None, "batch", "cache_seq", "kv_lora")),
                       constrain(tcache.rope_LBSP, (None, "batch", "cache_seq", None)))
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -190,7 +188,7 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
         # with the target's first new token at each row's end).
         shifted_BT = jnp.concatenate([prompt_BT[:, 1:], jnp.zeros((B, 1), prompt_BT.dtype)], axis=1)
         shifted_BT = shifted_BT.at[rows_B, prompt_len_B - 1].set(first_B)
-        dcache = draft.init_cache(B, slots or max_len)
+        dcache = draft.init_cache(B, max_len)
         if chunk is None or chunk >= T:
             dstep = draft(shifted_BT, draft.fuse(aux_BTX), positions_BT, target.embed_tokens[...], dcache,
                           with_logits=False)
@@ -341,12 +339,29 @@ def admit_rows(tgraph, tstate, dgraph, dstate, state: LoopState, rows_A, prompt_
     having no draft (the Engine's choice)."""
     target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
     key, k_new = jax.random.split(state.key)
-    # The new rows' caches hold only the prompt block's slots (their later slots keep the previous
-    # occupant's entries, masked by position until written, as any stale slot): a fresh cache of
-    # max_len slots per admitted row was a second copy of the running caches at full admission.
-    fresh = _prefill(target, draft, prompt_AT, prompt_len_A, k_new, sp, program,
-                     slots=min(prompt_AT.shape[1], program.max_len))
-    return scatter_rows(rows_A, fresh, dataclasses.replace(state, key=key))
+    fresh = _prefill(target, draft, prompt_AT, prompt_len_A, k_new, sp, program)
+    return _scatter_rows(rows_A, fresh, dataclasses.replace(state, key=key))
+
+
+_DRAFT_FIELDS = ("dcache", "dhidden_BD", "dlogits_BW")
+
+
+def _scatter_rows(rows_A, new: LoopState, old: LoopState) -> LoopState:
+    """old[rows_A] = new, row by row (out-of-range rows dropped); the key stays old's, and so does
+    the draft state where ``new`` has none. The target cache keeps layers first and batch second;
+    everything else is batch-first."""
+
+    def put(axis):
+        def scatter(o, n):
+            return o.at[(slice(None),) * axis + (rows_A,)].set(n.astype(o.dtype), mode="drop")
+        return scatter
+
+    kept = dict(tcache=None, key=None)
+    if new.dcache is None:
+        kept.update({f: None for f in _DRAFT_FIELDS})
+    rest = jax.tree_util.tree_map(put(0), dataclasses.replace(old, **kept), dataclasses.replace(new, **kept))
+    return dataclasses.replace(rest, tcache=jax.tree_util.tree_map(put(1), old.tcache, new.tcache), key=old.key,
+                               **{f: getattr(old, f) for f in kept if f in _DRAFT_FIELDS})
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))

@@ -3,12 +3,9 @@
 Each chunk is written into the cache before the next one attends to it, so the temporaries of one
 call (MoE assignments, attention scores) scale with B x C instead of B x T. Same
 tokens, same cache contents as one call over the whole block (tests/test_prefill_chunks.py).
-``scatter_rows`` writes admitted rows into a running loop state.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -76,28 +73,3 @@ def chunked_target(target, prompt_BT, prompt_len_B, tcache, aux_ids, chunk):
     if aux_ids:
         aux_BTX = aux_NBCX.transpose(1, 0, 2, 3).reshape(B, n * chunk, -1)[:, :T]
     return last_hidden_BD, tcache, aux_BTX
-
-
-_DRAFT_FIELDS = ("dcache", "dhidden_BD", "dlogits_BW")
-
-
-def scatter_rows(rows_A, new, old):
-    """Admission: old[rows_A] = new for two loop states (``generate.LoopState``), row by row
-    (out-of-range rows dropped); the key stays old's, and so does the draft state where ``new`` has
-    none. The target cache keeps layers first and batch second, everything else is batch-first;
-    ``new``'s caches may hold fewer slots than ``old``'s (the prompt block's): they fill the first."""
-
-    def put(axis, slots=False):   # slots: the caches, whose new rows fill their first slots only
-        def scatter(o, n):
-            at = (slice(None),) * axis + (rows_A,) + ((slice(0, n.shape[axis + 1]),) if slots else ())
-            return o.at[at].set(n.astype(o.dtype), mode="drop")
-        return scatter
-
-    kept = dict(tcache=None, dcache=None, key=None)
-    if new.dcache is None:   # admitted without the draft: the draft fields stay old's
-        kept.update({f: None for f in _DRAFT_FIELDS})
-    rest = jax.tree_util.tree_map(put(0), dataclasses.replace(old, **kept), dataclasses.replace(new, **kept))
-    dcache = old.dcache if new.dcache is None else jax.tree_util.tree_map(put(0, True), old.dcache, new.dcache)
-    return dataclasses.replace(rest, tcache=jax.tree_util.tree_map(put(1, True), old.tcache, new.tcache),
-                               dcache=dcache, key=old.key,
-                               **{f: getattr(old, f) for f in kept if f in _DRAFT_FIELDS[1:]})
