@@ -26,9 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax.train import offline as offline_lib
 from eagle3_jax.train.peagle_objective import CODSettings, cod_budget, cod_sample, pad_rollouts, peagle_loss
-from eagle3_jax.train.step import OptimizerSpec, accumulate, apply_update
+from eagle3_jax.train.step import OptimizerSpec, accumulate, apply_update, micro_features
 from eagle3_jax.train.ttt import target_logits
 
 
@@ -82,11 +81,7 @@ def peagle_train_step(params, opt_state, rest, lm_head_DV, tstate, batch, lr, *,
     (the trainer's ids and loss mask, plus ``anchor`` / ``depth`` / ``valid`` from sample_rollouts)."""
 
     def micro(mb):
-        if tgraph is not None:  # online: the frozen target runs here; nothing of it is differentiated
-            aux_BTX, hidden_BTD = jax.lax.stop_gradient(
-                offline_lib.target_features(tgraph, tstate, mb["ids"], aux_ids, spec.target_chunk))
-        else:
-            aux_BTX, hidden_BTD = mb["aux"], mb["hidden"]
+        aux_BTX, hidden_BTD = micro_features(mb, tgraph, tstate, aux_ids, spec.target_chunk)
         target_BTV = _shift_left(target_logits(hidden_BTD, lm_head_DV))
         rows = (_shift_left(mb["ids"]), aux_BTX, target_BTV, shifted_loss_mask(mb["loss_mask"], spec.convention),
                 mb["anchor"], mb["depth"], mb["valid"])

@@ -59,11 +59,7 @@ def train_step(params, opt_state, rest, embed_VD, lm_head_DV, tstate, batch, lr,
     """One optimizer step at learning rate ``lr`` over batch arrays shaped [grad_accum, rows, ...]."""
 
     def micro(mb):
-        if tgraph is not None:  # online: the frozen target runs here; nothing of it is differentiated
-            aux_BTX, hidden_BTD = jax.lax.stop_gradient(
-                offline_lib.target_features(tgraph, tstate, mb["ids"], aux_ids, spec.target_chunk))
-        else:
-            aux_BTX, hidden_BTD = mb["aux"], mb["hidden"]
+        aux_BTX, hidden_BTD = micro_features(mb, tgraph, tstate, aux_ids, spec.target_chunk)
         signal = target_signal_from_hidden(hidden_BTD, lm_head_DV, mb["loss_mask"], rest["d2t"], rest["t2d"],
                                            spec.convention, spec.loss_chunk)
 
@@ -82,6 +78,14 @@ def train_step(params, opt_state, rest, embed_VD, lm_head_DV, tstate, batch, lr,
     return params, opt_state, {"loss": loss, "ploss": metrics["loss"], "acc": metrics["acc"],
                                "acc_all": metrics["acc_all"], "accept": metrics["accept"],
                                "count": metrics["count"], "grad_norm": grad_norm}
+
+
+def micro_features(mb, tgraph, tstate, aux_ids, target_chunk):
+    """(aux states, last hidden states) of a micro-batch: online, the frozen target runs here and
+    nothing of it is differentiated; offline, they come with the batch."""
+    if tgraph is None:
+        return mb["aux"], mb["hidden"]
+    return jax.lax.stop_gradient(offline_lib.target_features(tgraph, tstate, mb["ids"], aux_ids, target_chunk))
 
 
 def accumulate(micro, batch):
