@@ -60,7 +60,7 @@ BENCHES = (
     Bench("speedup", "benchmarks/speedup.py",
           "EAGLE-3 vs target-only decode tok/s on the demo pair: batch 1/8/32, T = 0/1, fixed K and auto",
           args=(), quick_args=("--batch", "1", "--temperature", "0", "--k", "2", "--num-prompts", "1",
-                               "--max-new-tokens", "8", "--repeats", "1"), writes_json=True),
+                               "--max-new-tokens", "8", "--repeats", "1", "--parallel-k", "2"), writes_json=True),
     Bench("refill", "benchmarks/refill.py",
           "refill batching (the serve engine) vs static batches on mixed output lengths",
           quick_args=("--prompts", "4", "--batch", "2", "--max-new-tokens", "8", "--rounds-per-sync", "4",
@@ -236,7 +236,8 @@ def render(out_dir: Path, order=BENCHES) -> str:
 
 def speedup_summary(out_dir: Path) -> str | None:
     """The README's results table from ``speedup.json`` (the script's own rows): per prompt set,
-    batch and temperature, target-only tok/s, the best fixed K and auto against target-only."""
+    batch and temperature, target-only tok/s, the best fixed K and auto against target-only (and the
+    best fixed K of a P-EAGLE draft, where one ran beside)."""
     path = out_dir / "speedup.json"
     try:
         r = json.loads(path.read_text())
@@ -255,6 +256,8 @@ def speedup_summary(out_dir: Path) -> str | None:
         if base is None:
             continue
         best = max(fixed, key=lambda m: m["speedup"], default=None)
+        parallel = max((m for name, m in modes.items() if name.startswith("P-EAGLE")), key=lambda m: m["speedup"],
+                       default=None)
         greedy = [m for m in modes.values() if "identical" in m and m is not base]
         same = "-"   # sampled rows: tokens differ by design
         if greedy:
@@ -263,12 +266,18 @@ def speedup_summary(out_dir: Path) -> str | None:
         body.append([prompts, batch, f"{temperature:g}", round(base["tok_s"], 1),
                      f"{best['mode']}: {best['speedup']:.2f}×" if best else "-",
                      f"{auto['speedup']:.2f}×" if auto else "-",
-                     auto.get("chosen_k", "-") if auto else "-", same])
+                     auto.get("chosen_k", "-") if auto else "-",
+                     f"{parallel['mode'].removeprefix('P-EAGLE ')}: {parallel['speedup']:.2f}×" if parallel else "-",
+                     same])
     if not body:
         return None
+    headers = ["prompts", "batch", "T", "target-only tok/s", "best fixed K", "auto", "auto's last K",
+               "P-EAGLE, best fixed K", "greedy identical"]
+    if all(row[-2] == "-" for row in body):   # no parallel draft ran
+        headers.pop(-2)
+        body = [row[:-2] + row[-1:] for row in body]
     m = r.get("machine", {})
-    return (table(["prompts", "batch", "T", "target-only tok/s", "best fixed K", "auto", "auto's last K",
-                   "greedy identical"], body)
+    return (table(headers, body)
             + f"\n\n{describe_machine(m)}; commit {r.get('commit', '?')}; {r.get('date', '?')}; "
             f"`{r.get('command', '')}`")
 

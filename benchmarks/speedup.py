@@ -19,9 +19,14 @@ T = 0 every mode's tokens must equal target-only's (greedy is lossless); the tab
 prompts do. For auto it also gives the K of its last run, loop iterations per K and its predicted
 vs measured speedup (measured: both round costs timed in this process; "-" where one was not).
 
+With a P-EAGLE draft (``--parallel-draft``, default ``DEMO/peagle`` when it exists), the modes
+"P-EAGLE K=k" for each --parallel-k run beside the chain draft's, on the same prompts and capacity:
+all K draft tokens come from one draft pass. "round ms" is wall seconds per loop iteration
+(rounds summed over rows / B), so the cost of a round at each K can be read beside its τ.
+
     .venv/bin/python benchmarks/speedup.py [--demo-dir demo] [--prompts demo,thirdparty] [--batch 1,8,32]
         [--temperature 0,1] [--k 1,2,3,4,5,6] [--num-prompts N] [--max-new-tokens 96] [--repeats 5]
-        [--json OUT.json]
+        [--parallel-draft DIR] [--parallel-k 2,4,6,8] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import statistics
 import sys
 import sysconfig
 
-from _common import REPO, describe, load_average, machine, parse_list, quiet_watchdog, table
+from _common import REPO, describe, load_average, machine, parse_list, quiet_watchdog, shown_path, table
 
 import jax
 
@@ -77,6 +82,13 @@ def mode_name(k) -> str:
     return "target-only" if k == 0 else k if isinstance(k, str) else f"K={k}"
 
 
+def parallel_mode(draft, k: int):
+    """A mode decoding with the P-EAGLE ``draft`` at a fixed ``k``."""
+    def make(pair: DemoPair, batch: int, capacity: int):
+        return e3.Generator(pair.target, draft, num_draft_tokens=k, max_len=capacity, batch_size=batch)
+    return make
+
+
 def make_generator(pair: DemoPair, k, batch: int, capacity: int):
     return e3.Generator(pair.target, pair.draft if k != 0 else None, num_draft_tokens=k, max_len=capacity,
                         batch_size=batch, max_draft_tokens=DEFAULT_MAX_DRAFT_TOKENS if k == "auto" else None)
@@ -85,7 +97,8 @@ def make_generator(pair: DemoPair, k, batch: int, capacity: int):
 def measure(pair: DemoPair, prompts: list[list[int]], batch: int, temperature: float, ks: list,
             max_new_tokens: int, repeats: int, extra_modes: dict | None = None) -> list[dict]:
     """``extra_modes``: name -> factory(pair, batch, capacity) of another generator to run beside."""
-    capacity = max(map(len, prompts)) + max_new_tokens + DEFAULT_MAX_DRAFT_TOKENS + 2
+    most_k = max([DEFAULT_MAX_DRAFT_TOKENS] + [m.k for m in (extra_modes or {}).values() if hasattr(m, "k")])
+    capacity = max(map(len, prompts)) + max_new_tokens + most_k + 2
     modes = [0] + ks + ["auto"] + list(extra_modes or {})
     gens = {k: (extra_modes[k](pair, batch, capacity) if k in (extra_modes or {})
                 else make_generator(pair, k, batch, capacity)) for k in modes}
@@ -105,7 +118,7 @@ def measure(pair: DemoPair, prompts: list[list[int]], batch: int, temperature: f
         print(f"  B={batch} T={temperature:g} {mode_name(k)}: warm after {warm_passes[k]} passes",
               file=sys.stderr, flush=True)
     compiled_timed = {k: 0 for k in modes}
-    tps, taus = {k: [] for k in modes}, {k: [] for k in modes}
+    tps, taus, round_ms = {k: [] for k in modes}, {k: [] for k in modes}, {k: [] for k in modes}
     tokens = {k: first[k].tokens for k in modes}
     for r in range(repeats):
         for k in modes[r % len(modes):] + modes[:r % len(modes)]:
@@ -113,6 +126,7 @@ def measure(pair: DemoPair, prompts: list[list[int]], batch: int, temperature: f
             compiled_timed[k] += gens[k].last_compile_seconds > 0
             tps[k].append(res.stats.tokens_per_second)
             taus[k].append(res.stats.mean_accept_length)
+            round_ms[k].append(1e3 * res.stats.seconds / max(res.stats.rounds / batch, 1))
             tokens[k] = res.tokens
     rows = []
     for k in modes:
@@ -120,6 +134,7 @@ def measure(pair: DemoPair, prompts: list[list[int]], batch: int, temperature: f
         row = {"batch": batch, "temperature": temperature, "mode": mode_name(k), "tok_s": statistics.median(tps[k]),
                "speedup": statistics.median(ratios), "speedup_runs": ratios,
                "tau": statistics.median(taus[k]) if k != 0 else 1.0, "tok_s_runs": tps[k],
+               "round_ms": statistics.median(round_ms[k]),
                "warm_passes": warm_passes[k], "timed_passes_that_compiled": compiled_timed[k]}
         if temperature == 0:
             row["identical"] = sum(a == b for a, b in zip(tokens[k], tokens[0]))
@@ -159,6 +174,10 @@ def main(argv=None, extra_modes: dict | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=None, help="per set; default: every held-out demo prompt")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--parallel-draft", default=None,
+                    help="a P-EAGLE draft to run beside the chain draft (default DEMO/peagle when it exists; "
+                         "'none': skip)")
+    ap.add_argument("--parallel-k", default="2,4,6,8", help="the P-EAGLE draft's fixed Ks")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     compile_cache.enable()   # as serve.py: a rerun reads its programs from disk
@@ -168,6 +187,17 @@ def main(argv=None, extra_modes: dict | None = None) -> int:
         ap.error(f"--k values must be in 1..{DEFAULT_MAX_DRAFT_TOKENS}")
     sets = prompt_sets(pair, [s.strip() for s in args.prompts.split(",") if s.strip()], args.num_prompts)
     print(describe(pair), file=sys.stderr)
+    parallel_dir = args.parallel_draft or os.path.join(args.demo_dir, "peagle")
+    extra_modes = dict(extra_modes or {})
+    if parallel_dir != "none" and os.path.isdir(parallel_dir):
+        parallel = e3.load_draft(parallel_dir, pair.target)
+        print(f"P-EAGLE draft {shown_path(parallel_dir)}: aux layers {list(parallel.aux_layer_ids)}", file=sys.stderr)
+        for k in parse_list(args.parallel_k):
+            make = parallel_mode(parallel, k)
+            make.k = k
+            extra_modes[f"P-EAGLE K={k}"] = make
+    elif args.parallel_draft not in (None, "none"):
+        raise SystemExit(f"--parallel-draft: no draft at {parallel_dir}")
     rows = []
     with quiet_watchdog():
         for name, prompts in sets.items():
@@ -176,7 +206,8 @@ def main(argv=None, extra_modes: dict | None = None) -> int:
                     for row in measure(pair, prompts, batch, temperature, ks, args.max_new_tokens, args.repeats,
                                        extra_modes):
                         rows.append(dict(row, prompts=name, num_prompts=len(prompts)))
-    headers = ["prompts", "B", "T", "mode", "tok/s", "× target-only", "× range", "τ", "identical", "warm / compiled",
+    headers = ["prompts", "B", "T", "mode", "tok/s", "× target-only", "× range", "τ", "round ms", "identical",
+               "warm / compiled",
                "auto: K (iterations per K)", "auto: predicted / measured ×"]
 
     def x(v):
@@ -190,6 +221,7 @@ def main(argv=None, extra_modes: dict | None = None) -> int:
             pm = f"{x(r['predicted_speedup'])} / {x(r['measured_speedup'])}"
         body.append([r["prompts"], r["batch"], f"{r['temperature']:g}", r["mode"], r["tok_s"], f"{r['speedup']:.3f}",
                      f"{min(r['speedup_runs']):.2f}–{max(r['speedup_runs']):.2f}", f"{r['tau']:.2f}",
+                     f"{r['round_ms']:.1f}",
                      f"{r['identical']}/{r['num_prompts']}" if "identical" in r else "-",
                      f"{r['warm_passes']} / {r['timed_passes_that_compiled']}", auto, pm])
     print(f"{machine()}, load average {load_average()}, {', '.join(f'{n}: {len(p)} prompts' for n, p in sets.items())}, "

@@ -97,9 +97,29 @@ def test_live_round_costs_outvote_the_probe():
     assert costs.cost(1) == pytest.approx(2.0)
     auto.observe(1, 5, 0.0, 5, 6, [1, 0])           # a run that compiled: teaches acceptance, not cost
     assert costs.cost(1) == pytest.approx(2.0) and acc.offered[0] == 1015
-    for _ in range(autodraft.LIVE_RUNS):            # K = 1 only, lately: K = 0's old runs age out
+    for _ in range(autodraft.LIVE_RUNS):            # K = 1's window holds its latest runs only
+        auto.observe(1, 10, 10.0, 10, 15, [5, 0])
+    assert costs.cost(1) == pytest.approx(1.0) and costs.cost(0) == pytest.approx(1.25)   # K = 0 keeps its own
+    for _ in range(autodraft.LIVE_AGE):             # K = 1 only, for long: K = 0's runs age out
         auto.observe(1, 10, 10.0, 10, 15, [5, 0])
     assert costs.live(0) is None and costs.cost(0) == pytest.approx(1.0 / 1.1)
+
+
+def test_a_doubtful_choice_retimes_target_only_live():
+    """A speculating choice that rests on the probe's c(0) and predicts a small gain runs target-only
+    at the next admission of a whole batch (where no row's draft state is lost), so c(0) is timed
+    live; a clear gain, or an admission into a batch with older rows, keeps the choice."""
+    acc = Acceptance(2)
+    acc.observe(2, 1000, [700, 490])                # tau(2) ~ 2.2
+    auto = AutoDraft(RoundCosts({0: 1.0, 1: 1.6, 2: 1.8}), 2, acc)
+    assert auto.choose() == 2 and auto.predicted(2) < 1.0 + autodraft.RETIME_BELOW
+    auto.observe(2, 16, 16 * 1.8, 16, 35, [11, 8])  # K = 2 runs live as probed: c(0) still the probe's
+    assert auto.next_k(all_new=False) == 2          # older rows would lose their draft state
+    assert auto.next_k(all_new=True) == 0           # a fresh batch: time target-only
+    auto.observe(0, 16, 16 * 0.6, 16, 16, [0, 0])   # it runs at 0.6 s, not the probe's 1.0: K = 2 loses
+    assert auto.costs.live(0) == pytest.approx(0.6) and auto.choose() == 0
+    clear = AutoDraft(RoundCosts({0: 1.0, 1: 1.1, 2: 1.2}), 2, acc)   # predicted 1.8x: no check
+    assert clear.predicted(2) > 1.0 + autodraft.RETIME_BELOW and clear.next_k(all_new=True) == 2
 
 
 def test_report_says_measured_only_for_costs_timed_here():
@@ -175,7 +195,7 @@ def test_acceptance_is_learned_only_from_rows_with_a_current_draft(tiny_target, 
     monkeypatch.setattr(session_mod, "probe_costs", flat_costs(3, 0.0))
     asked = []
 
-    def next_k(self, drafted_rows=True):   # target-only for the first run, K = 2 after
+    def next_k(self, drafted_rows=True, all_new=False):   # target-only for the first run, K = 2 after
         asked.append(drafted_rows)
         return 0 if len(asked) == 1 else 2
 

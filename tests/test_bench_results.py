@@ -124,6 +124,15 @@ def test_readme_table_comes_from_the_speedup_json(tmp_path):
     assert "old table" not in text
     assert not run_all.update_readme(tmp_path / "speedup.json", summary)   # no markers: left alone
 
+    # a P-EAGLE draft beside: its best fixed K gets a column (rows without one show "-")
+    rows += [{"prompts": "demo", "batch": 8, "temperature": 0.0, "mode": f"P-EAGLE K={k}", "tok_s": t, "speedup": x,
+              "identical": 16, "num_prompts": 16} for k, t, x in [(4, 600.0, 1.5), (8, 580.0, 1.45)]]
+    (tmp_path / "speedup.json").write_text(json.dumps(
+        {"name": "speedup", "tables": [], "machine": MACHINE, "data": {"rows": rows}}))
+    (greedy, sampled) = common.read_tables(run_all.speedup_summary(tmp_path))[0]["rows"]
+    assert greedy == ["demo", 8, 0, 400.0, "K=4: 1.40×", "1.35×", 4, "K=4: 1.50×", "15/16"]
+    assert sampled[7] == "-"
+
 
 def test_render_without_results(tmp_path):
     assert "No results yet" in run_all.render(tmp_path)

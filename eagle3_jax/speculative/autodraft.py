@@ -17,6 +17,12 @@ Ks between on the line a + b·K through 1 and K_max), scaled by how the Ks that 
 with their probe (the machine's load now against then). Nothing is cached on disk: a cost taken
 under another load, capacity or prompt length would price this run wrongly.
 
+Target-only's cost is re-timed live. A probe of a few rounds on a shared machine can misjudge the
+ratio c(K) / c(0) by half (measured: predicted 1.13x, ran 0.79x), and once speculation runs, c(0)
+would otherwise rest on that ratio forever. So when a K >= 1 choice predicts less than
+1 + RETIME_BELOW and c(0) has no live runs, the next run whose rows are all just admitted runs
+target-only instead (no row's draft state is lost by it: a K = 0 run leaves the draft behind).
+
 The speedup a report calls "measured" divides target-only's live round cost by K's, both from
 real runs in this process, with τ from the observed acceptance; anything resting on the probe is
 only "predicted" (a probe of a few rounds on a shared machine can be off by 2x).
@@ -51,10 +57,15 @@ MARGIN = 0.03
 # round (other load on the machine only ever adds time).
 PROBE_ROUNDS = 8
 PROBE_REPEATS = 3
-# Live costs: the latest LIVE_RUNS timed runs (all Ks together, so a K that stopped running ages
-# out); a run shorter than MIN_TIMED_ROUNDS rounds is not timed (its fixed costs would dominate).
-LIVE_RUNS = 16
+# Live costs: each K's latest LIVE_RUNS timed runs, none older than LIVE_AGE runs of any K (the
+# machine's load moves on); a run shorter than MIN_TIMED_ROUNDS rounds is not timed (its fixed
+# costs would dominate).
+LIVE_RUNS = 8
+LIVE_AGE = 256
 MIN_TIMED_ROUNDS = 4
+# A speculating choice predicted to gain less than this over target-only, with target-only's cost
+# not timed live, is checked by timing target-only live (the probe's ratio has been off by 45 %).
+RETIME_BELOW = 0.5
 
 
 @dataclass
@@ -97,14 +108,16 @@ class RoundCosts:
     def __init__(self, probe: dict[int, float], probe_seconds: float = 0.0):
         self.probe = dict(probe)            # K -> seconds per round, from the start-up probe
         self.probe_seconds = probe_seconds  # its wall time, compiles included
-        self.runs: deque = deque(maxlen=LIVE_RUNS)   # (K, seconds, rounds) of the latest timed runs
+        self.runs: dict[int, deque] = {}   # K -> (run number, seconds, rounds) of its latest timed runs
+        self.clock = 0                     # runs observed, timed or not
 
     def observe(self, k: int, seconds: float, rounds: int) -> None:
+        self.clock += 1
         if rounds >= MIN_TIMED_ROUNDS and seconds > 0:
-            self.runs.append((k, seconds, rounds))
+            self.runs.setdefault(k, deque(maxlen=LIVE_RUNS)).append((self.clock, seconds, rounds))
 
     def live(self, k: int) -> float | None:
-        mine = [(s, r) for j, s, r in self.runs if j == k]
+        mine = [(s, r) for t, s, r in self.runs.get(k, ()) if self.clock - t < LIVE_AGE]
         return sum(s for s, _ in mine) / sum(r for _, r in mine) if mine else None
 
     def base(self, k: int) -> float:
@@ -118,7 +131,7 @@ class RoundCosts:
         return c1 + (c2 - c1) * (k - k1) / (k2 - k1)
 
     def drift(self) -> float:
-        ratios = [c / self.base(k) for k in {j for j, _, _ in self.runs} if (c := self.live(k))]
+        ratios = [c / self.base(k) for k in self.runs if (c := self.live(k))]
         return float(np.median(ratios)) if ratios else 1.0
 
     def cost(self, k: int) -> float:
@@ -188,7 +201,7 @@ class FixedK:
     def __init__(self, k: int):
         self.k = k
 
-    def next_k(self, drafted_rows: bool = True) -> int:
+    def next_k(self, drafted_rows: bool = True, all_new: bool = False) -> int:
         return self.k
 
     def observe(self, *args) -> None:
@@ -223,12 +236,23 @@ class AutoDraft:
         best = max(range(1, self.max_draft_tokens + 1), key=lambda k: (self.rate(k, UCB_Z), -k))
         return best if self.rate(best, UCB_Z) >= (1.0 + MARGIN) * self.rate(0) else 0
 
-    def next_k(self, drafted_rows: bool = True) -> int:
+    def next_k(self, drafted_rows: bool = True, all_new: bool = False) -> int:
         """The K of the next run. ``drafted_rows``: whether some occupied row has a current draft
         state (admitted with the draft, and no target-only round since). Without one, speculating
-        would draft from stale states, so the run is target-only until an admission brings one."""
+        would draft from stale states, so the run is target-only until an admission brings one.
+        ``all_new``: every occupied row is being admitted for this run, so a target-only run
+        costs no row its draft state; it is then that a doubtful choice re-times c(0)."""
         self.runs += 1
-        return self.choose() if drafted_rows else 0
+        if not drafted_rows:
+            return 0
+        k = self.choose()
+        if k and all_new and self.costs.live(0) is None and self.predicted(k) < 1.0 + RETIME_BELOW:
+            return 0
+        return k
+
+    def predicted(self, k: int) -> float:
+        """τ(K) · c(0) / c(K) with the model's current costs and acceptance at its estimate."""
+        return self.acceptance.tau(k) * self.costs.cost(0) / self.costs.cost(k)
 
     def observe(self, k: int, iterations: int, seconds: float, row_rounds: int, round_tokens: int,
                 accepted_per_position) -> None:
@@ -254,7 +278,7 @@ class AutoDraft:
         plain, live_k = costs.live(0), costs.live(k)
         measured = 1.0 if k == 0 else tau * plain / live_k if (live_k and plain) else float("nan")
         return DraftChoice(
-            num_draft_tokens=k, predicted_speedup=tau * costs.cost(0) / costs.cost(k), measured_speedup=measured,
+            num_draft_tokens=k, predicted_speedup=self.predicted(k), measured_speedup=measured,
             tau=tau, rounds_per_k=dict(self.rounds_per_k), compiled_programs=len(costs.probe) if costs.probe_seconds else 0,
             calibration_seconds=costs.probe_seconds, target_round_seconds=costs.cost(0),
             round_seconds_per_k={j: c for j in range(self.max_draft_tokens + 1) if (c := costs.live(j)) is not None})

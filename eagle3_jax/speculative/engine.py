@@ -188,7 +188,8 @@ class Engine:
                 running = np.array([o is not None for o in occupant])
                 # K is chosen before admitting, so that rows admitted for a target-only run skip the
                 # draft's prefill: K = 0 then costs what having no draft costs.
-                k = policy.next_k(drafted_rows=bool(new) or bool((drafted_B & running).any()))
+                k = policy.next_k(drafted_rows=bool(new) or bool((drafted_B & running).any()),
+                                  all_new=bool(new) and int(running.sum()) == len(new))
                 if new:
                     admitted = list(new.items())
                     for i in range(0, len(admitted), self.max_admit_rows):
