@@ -6,7 +6,9 @@ target-only, then with the EAGLE-3 draft — in the same process on the same pro
 few completions and one table: tokens/s of both, their ratio, the K that ran, the mean acceptance
 length tau and the per-position acceptance. Greedy decoding is lossless, so at temperature 0 both
 runs must produce the same tokens; the demo checks that per batch size, and says why speculation
-was faster or slower from the live round costs.
+was faster or slower from the live round costs. With ``parallel_draft_tokens: K`` in demo.yaml the
+P-EAGLE draft in ``demo/peagle`` (all K draft tokens from one pass) runs as a third mode, checked
+and tabled the same way.
 
 Both modes run every prompt through the refill ``Engine`` on ``batch_size`` rows (a freed row
 takes the next prompt), as ``serve.py`` does. Each mode first runs once untimed: that compiles its
@@ -35,6 +37,7 @@ class DemoSettings:
     Every batch size runs at every temperature, target-only and EAGLE-3 side by side."""
 
     num_draft_tokens: int | str = "auto"   # or a fixed K
+    parallel_draft_tokens: int = 0         # K of the P-EAGLE draft in demo/peagle, run beside (0: not run)
     batch_sizes: tuple[int, ...] = (1, 8)
     num_prompts: tuple[int, ...] = (4, 16)     # prompts per batch size, in the same order
     temperatures: tuple[float, ...] = (0.0, 1.0)   # 0: greedy (its tokens are checked against target-only)
@@ -49,6 +52,9 @@ class DemoSettings:
         if any(b < 1 for b in self.batch_sizes) or any(n < 1 for n in self.num_prompts):
             raise ConfigError(f"demo.yaml: batch_sizes and num_prompts must be >= 1, found "
                               f"{list(self.batch_sizes)} and {list(self.num_prompts)}")
+        if self.parallel_draft_tokens < 0:
+            raise ConfigError(f"demo.yaml: parallel_draft_tokens must be >= 0 (0: no P-EAGLE run), found "
+                              f"{self.parallel_draft_tokens}")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise ConfigError(f"demo.yaml: temperatures must be one or more values >= 0, found {list(self.temperatures)}")
 
@@ -88,6 +94,7 @@ class DemoPair:
     tokenizer: object
     prompts: list[dict]       # {"id", "prompt"} records
     prompt_ids: list[list[int]]
+    parallel: object = None   # LoadedDraft of demo/peagle (P-EAGLE) when the settings run it
 
     @classmethod
     def load(cls, demo_dir: str, num_prompts: int | None = None) -> "DemoPair":
@@ -101,7 +108,16 @@ class DemoPair:
         tok = load_tokenizer(target_dir)
         target = e3.load_target(target_dir, dtype=settings.dtype)
         draft = e3.load_draft(draft_dir, target)
-        return cls(demo_dir, settings, target, draft, tok, prompts, [tok.encode(p["prompt"]) for p in prompts])
+        parallel_dir = os.path.join(demo_dir, "peagle")
+        parallel = None
+        if settings.parallel_draft_tokens:
+            if not os.path.isfile(os.path.join(parallel_dir, "config.json")):
+                raise ConfigError(f"demo.yaml asks for parallel_draft_tokens {settings.parallel_draft_tokens} but "
+                                  f"{parallel_dir} holds no P-EAGLE draft; set it to 0 or train one "
+                                  f"(configs/train/peagle_demo.yaml)")
+            parallel = e3.load_draft(parallel_dir, target)
+        return cls(demo_dir, settings, target, draft, tok, prompts, [tok.encode(p["prompt"]) for p in prompts],
+                   parallel)
 
     @property
     def eos(self) -> tuple[int, ...]:
@@ -117,7 +133,8 @@ class DemoPair:
     def capacity(self, max_new_tokens: int, k: int | str) -> int:
         from eagle3_jax.speculative.autodraft import DEFAULT_MAX_DRAFT_TOKENS
 
-        return self.prompt_len + max_new_tokens + (DEFAULT_MAX_DRAFT_TOKENS if k == "auto" else k) + 2
+        most = max(DEFAULT_MAX_DRAFT_TOKENS if k == "auto" else k, self.settings.parallel_draft_tokens)
+        return self.prompt_len + max_new_tokens + most + 2
 
     def generator(self, k: int | str, max_new_tokens: int, batch_size: int | None = None):
         """Target-only decoding when ``k`` is 0, else EAGLE-3 with ``k`` draft tokens per round
@@ -126,6 +143,14 @@ class DemoPair:
 
         return e3.Generator(self.target, self.draft if k else None, num_draft_tokens=k,
                             max_len=self.capacity(max_new_tokens, k), batch_size=batch_size)
+
+    def parallel_generator(self, max_new_tokens: int, batch_size: int | None = None):
+        """The P-EAGLE draft at the settings' fixed K (every mode shares one cache capacity)."""
+        import eagle3_jax as e3
+
+        return e3.Generator(self.target, self.parallel, num_draft_tokens=self.settings.parallel_draft_tokens,
+                            max_len=self.capacity(max_new_tokens, self.settings.num_draft_tokens),
+                            batch_size=batch_size)
 
     def generate(self, generator, batches: list[list[list[int]]], max_new_tokens: int, temperature: float = 0.0,
                  seed: int = 0):
@@ -190,6 +215,7 @@ class Case:
     temperature: float
     base: ModeRun
     spec: ModeRun
+    parallel: ModeRun | None = None   # the P-EAGLE draft at its fixed K, when the demo runs one
 
     @property
     def speedup(self) -> float:
@@ -199,8 +225,12 @@ class Case:
     def identical(self) -> int:
         return sum(a == b for a, b in zip(self.base.tokens, self.spec.tokens))
 
+    @property
+    def parallel_identical(self) -> int:
+        return sum(a == b for a, b in zip(self.base.tokens, self.parallel.tokens))
 
-def table(cases: list[Case], k: int | str) -> str:
+
+def table(cases: list[Case], k: int | str, parallel_k: int = 0) -> str:
     rows = [("batch", "T", "target-only tok/s", "EAGLE-3 tok/s", "speedup", "K", "tau", "acceptance by draft position",
              "compile (untimed)")]
     for c in cases:
@@ -210,6 +240,12 @@ def table(cases: list[Case], k: int | str) -> str:
                      f"{e.mean_accept_length:.2f}",
                      " ".join(f"{r:.2f}" for r in e.accept_rate_per_position) or "-",
                      f"{c.base.compile_seconds:.0f} s / {c.spec.compile_seconds:.0f} s"))
+        if c.parallel is not None:   # the P-EAGLE draft's row under the same case
+            p = c.parallel.stats
+            rows.append(("", "", "P-EAGLE:", f"{p.tokens_per_second:.1f}",
+                         f"{p.tokens_per_second / c.base.stats.tokens_per_second:.2f}x", f"K={parallel_k}",
+                         f"{p.mean_accept_length:.2f}", " ".join(f"{r:.2f}" for r in p.accept_rate_per_position) or "-",
+                         f"{c.parallel.compile_seconds:.0f} s"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  " + "  ".join(v.ljust(w) if i == 7 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
                      for r in rows)
@@ -251,22 +287,29 @@ def run(demo_dir: str) -> int:
         prompt_ids = pair.prompt_ids[:n]
         base_gen = pair.generator(0, s.max_new_tokens, batch_size)
         spec_gen = pair.generator(s.num_draft_tokens, s.max_new_tokens, batch_size)
+        par_gen = pair.parallel_generator(s.max_new_tokens, batch_size) if pair.parallel is not None else None
         for temperature in s.temperatures:
             base = run_mode(pair, base_gen, prompt_ids, temperature, s.seed)
             spec = run_mode(pair, spec_gen, prompt_ids, temperature, s.seed)
-            case = Case(batch_size, temperature, base, spec)
+            par = run_mode(pair, par_gen, prompt_ids, temperature, s.seed) if par_gen is not None else None
+            case = Case(batch_size, temperature, base, spec, par)
             cases.append(case)
+            also = "" if par is None else (f", P-EAGLE {par.stats.tokens_per_second:.1f} tok/s "
+                                           f"({par.stats.tokens_per_second / base.stats.tokens_per_second:.2f}x)")
             print(f"batch {batch_size:>2} ({n} prompts), T={temperature:g}: target-only "
                   f"{base.stats.tokens_per_second:.1f} tok/s, EAGLE-3 {spec.stats.tokens_per_second:.1f} tok/s "
-                  f"({case.speedup:.2f}x)", flush=True)
-            if temperature == 0 and case.identical != n:
-                print(f"error: batch {batch_size}, greedy: speculative decoding changed the output of "
-                      f"{n - case.identical} of {n} prompts; this is a bug, please report it")
+                  f"({case.speedup:.2f}x){also}", flush=True)
+            changed = [(name, n - same) for name, same in
+                       [("EAGLE-3", case.identical)] + ([("P-EAGLE", case.parallel_identical)] if par else [])
+                       if same != n]
+            if temperature == 0 and changed:
+                print(f"error: batch {batch_size}, greedy: speculative decoding ({changed[0][0]}) changed the output "
+                      f"of {changed[0][1]} of {n} prompts; this is a bug, please report it")
                 return 1
         # Each batch size compiles its own programs (one per K under auto, each serving greedy and
         # sampling); one process holding all of them runs out of memory mappings at Linux's default
         # vm.max_map_count (65530), so they are dropped before the next batch size compiles.
-        del base_gen, spec_gen
+        del base_gen, spec_gen, par_gen
         jax.clear_caches()
         gc.collect()
 
@@ -276,11 +319,12 @@ def run(demo_dir: str) -> int:
         print(f"[{p['id']}]")
         print(show_completion(pair.tokenizer, p["prompt"], toks, pair.eos))
         print()
-    print(table(cases, s.num_draft_tokens))
+    print(table(cases, s.num_draft_tokens, s.parallel_draft_tokens))
     for case in cases:
         if case.temperature == 0:
+            also = "" if case.parallel is None else f" (P-EAGLE: {case.parallel_identical}/{len(case.base.tokens)})"
             print(f"  identical tokens at batch {case.batch_size}, greedy (lossless): "
-                  f"{case.identical}/{len(case.base.tokens)} prompts")
+                  f"{case.identical}/{len(case.base.tokens)} prompts{also}")
     for case in cases:
         if (line := why_line(case)):
             print(line)

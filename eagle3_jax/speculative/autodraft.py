@@ -61,7 +61,7 @@ PROBE_REPEATS = 3
 # machine's load moves on); a run shorter than MIN_TIMED_ROUNDS rounds is not timed (its fixed
 # costs would dominate).
 LIVE_RUNS = 8
-LIVE_AGE = 256
+LIVE_AGE = 64
 MIN_TIMED_ROUNDS = 4
 # A speculating choice predicted to gain less than this over target-only, with target-only's cost
 # not timed live, is checked by timing target-only live (the probe's ratio has been off by 45 %).
