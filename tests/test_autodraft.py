@@ -118,6 +118,13 @@ def test_a_doubtful_choice_retimes_target_only_live():
     assert auto.next_k(all_new=True) == 0           # a fresh batch: time target-only
     auto.observe(0, 16, 16 * 0.6, 16, 16, [0, 0])   # it runs at 0.6 s, not the probe's 1.0: K = 2 loses
     assert auto.costs.live(0) == pytest.approx(0.6) and auto.choose() == 0
+    # a load that came and went: K = 2 pays again once target-only's time is old news, which is
+    # when a doubtful choice times target-only once more
+    auto.observe(0, 16, 16 * 1.2, 16, 16, [0, 0])
+    assert auto.choose() == 2 and auto.next_k(all_new=True) == 2   # c(0) timed just now
+    for _ in range(autodraft.RETIME_AFTER + 1):
+        auto.observe(2, 16, 16 * 1.8, 16, 35, [11, 8])
+    assert auto.next_k(all_new=True) == 0
     clear = AutoDraft(RoundCosts({0: 1.0, 1: 1.1, 2: 1.2}), 2, acc)   # predicted 1.8x: no check
     assert clear.predicted(2) > 1.0 + autodraft.RETIME_BELOW and clear.next_k(all_new=True) == 2
 

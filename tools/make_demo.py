@@ -11,9 +11,10 @@ Stages (each reads what the earlier ones left in --out and --work, so any suffix
                rerunning `--stages 3` with the same settings continues from it (other settings are
                refused; delete that file to start over)
   4 regenerate `serve.py --emit training`: the target's continuations of train-file prompts
-  5 draft      `train.py --config configs/train/demo.yaml` on that data
+  5 draft      `train.py --config configs/train/demo.yaml` on that data, then the P-EAGLE draft
+               (`configs/train/peagle_demo.yaml`) to OUT/peagle
   6 export     the target in Hugging Face layout (bf16) to OUT/target, checked against transformers;
-               the draft (when stage 5 has run) checked through the public loaders; OUT/README.md
+               the drafts (when stage 5 has run) checked through the public loaders; OUT/README.md
 Stage 6's target export runs before stage 4 when both are asked for, since stage 4 serves it.
 
 Everything is seeded (--seed). Intermediate files go to --work (default build/demo_work, ignored by git).
@@ -34,6 +35,7 @@ if REPO not in sys.path:
 from tools.demo import bpe, corpus, lm  # noqa: E402
 
 DEMO_TRAIN_CONFIG = "configs/train/demo.yaml"
+PEAGLE_TRAIN_CONFIG = "configs/train/peagle_demo.yaml"
 STAGE_NAMES = {1: "corpus", 2: "tokenizer", 3: "target", 4: "regenerate", 5: "draft", 6: "export"}
 
 
@@ -57,6 +59,8 @@ class Paths:
         self.target_state = os.path.join(work, "target_state.npz")
         self.regenerated = os.path.join(work, "regenerated.jsonl")
         self.draft_run = os.path.join(work, "draft_run")
+        self.peagle = os.path.join(out, "peagle")
+        self.peagle_run = os.path.join(work, "peagle_run")
         self.summary = os.path.join(work, "summary.json")
 
 
@@ -194,6 +198,8 @@ def stage_draft(p: Paths, args) -> None:
     require(p.regenerated, 4)
     draft.train_draft(DEMO_TRAIN_CONFIG, p.target, p.regenerated, p.draft_run, p.draft, say=say)
     update_summary(p, "draft", {"config": DEMO_TRAIN_CONFIG, "export_dir": p.draft})
+    draft.train_draft(PEAGLE_TRAIN_CONFIG, p.target, p.regenerated, p.peagle_run, p.peagle, say=say)
+    update_summary(p, "peagle", {"config": PEAGLE_TRAIN_CONFIG, "export_dir": p.peagle})
 
 
 def stage_export_draft(p: Paths, args) -> None:
@@ -207,7 +213,9 @@ def stage_export_draft(p: Paths, args) -> None:
     from eagle3_jax.serve import demo
     from tools.demo import draft
 
-    settings = demo.DemoSettings(num_draft_tokens=args.num_draft_tokens)
+    has_peagle = os.path.isfile(os.path.join(p.peagle, "config.json"))
+    settings = demo.DemoSettings(num_draft_tokens=args.num_draft_tokens,
+                                 parallel_draft_tokens=args.parallel_k if has_peagle else 0)
     with open(os.path.join(p.out, "demo.yaml"), "w") as f:
         f.write("# What `python serve.py` (no arguments) runs; written by tools/make_demo.py stage 6.\n")
         # tuples as YAML lists (safe_dump has no tuple)
@@ -221,6 +229,14 @@ def stage_export_draft(p: Paths, args) -> None:
     update_summary(p, "draft_training", draft.training_summary(p.draft_run))
     with open(os.path.join(REPO, DEMO_TRAIN_CONFIG)) as f:
         update_summary(p, "draft_config", yaml.safe_load(f))
+    if has_peagle:
+        heldout = draft.heldout_acceptance(p.out, args.parallel_k, parallel=True)
+        say(f"P-EAGLE draft at {p.peagle}: held-out tau at K={args.parallel_k} by temperature "
+            f"{ {t: v['tau'] for t, v in heldout['by_temperature'].items()} }")
+        update_summary(p, "peagle_heldout", heldout)
+        update_summary(p, "peagle_training", draft.training_summary(p.peagle_run))
+        with open(os.path.join(REPO, PEAGLE_TRAIN_CONFIG)) as f:
+            update_summary(p, "peagle_config", yaml.safe_load(f))
 
 
 # ====================================================================== README
@@ -306,6 +322,8 @@ def main(argv=None) -> int:
                     help="demo/demo.yaml's num_draft_tokens: auto (default) or a fixed K")
     ap.add_argument("--heldout-k", type=int, default=6,
                     help="the fixed K at which stage 6 measures held-out acceptance (greedy and T=1)")
+    ap.add_argument("--parallel-k", type=int, default=4,
+                    help="the P-EAGLE draft's fixed K in demo.yaml, and where stage 6 measures its acceptance")
     ap.add_argument("--verify-tokens", type=int, default=48, help="greedy tokens compared with transformers")
     args = ap.parse_args(argv)
     stages = parse_stages(args.stages)

@@ -19,9 +19,11 @@ under another load, capacity or prompt length would price this run wrongly.
 
 Target-only's cost is re-timed live. A probe of a few rounds on a shared machine can misjudge the
 ratio c(K) / c(0) by half (measured: predicted 1.13x, ran 0.79x), and once speculation runs, c(0)
-would otherwise rest on that ratio forever. So when a K >= 1 choice predicts less than
-1 + RETIME_BELOW and c(0) has no live runs, the next run whose rows are all just admitted runs
-target-only instead (no row's draft state is lost by it: a K = 0 run leaves the draft behind).
+would otherwise rest on that ratio forever; and on a shared machine a cost timed minutes ago was
+timed under another load. So when a K >= 1 choice predicts less than 1 + RETIME_BELOW and c(0)
+was last timed more than RETIME_AFTER runs ago (or never), the next run whose rows are all just
+admitted runs target-only instead (no row's draft state is lost by it: a K = 0 run leaves the
+draft behind).
 
 The speedup a report calls "measured" divides target-only's live round cost by K's, both from
 real runs in this process, with τ from the observed acceptance; anything resting on the probe is
@@ -66,6 +68,7 @@ MIN_TIMED_ROUNDS = 4
 # A speculating choice predicted to gain less than this over target-only, with target-only's cost
 # not timed live, is checked by timing target-only live (the probe's ratio has been off by 45 %).
 RETIME_BELOW = 0.5
+RETIME_AFTER = 32
 
 
 @dataclass
@@ -119,6 +122,11 @@ class RoundCosts:
     def live(self, k: int) -> float | None:
         mine = [(s, r) for t, s, r in self.runs.get(k, ()) if self.clock - t < LIVE_AGE]
         return sum(s for s, _ in mine) / sum(r for _, r in mine) if mine else None
+
+    def age(self, k: int) -> float:
+        """Runs since K's latest timed run (inf: none)."""
+        runs = self.runs.get(k)
+        return self.clock - runs[-1][0] if runs else float("inf")
 
     def base(self, k: int) -> float:
         """The probe's cost, Ks it did not time on the line through the Ks >= 1 it did."""
@@ -246,7 +254,7 @@ class AutoDraft:
         if not drafted_rows:
             return 0
         k = self.choose()
-        if k and all_new and self.costs.live(0) is None and self.predicted(k) < 1.0 + RETIME_BELOW:
+        if k and all_new and self.costs.age(0) > RETIME_AFTER and self.predicted(k) < 1.0 + RETIME_BELOW:
             return 0
         return k
 

@@ -98,6 +98,17 @@ def render(s: dict, out: str, demo_bytes: int) -> str:
     else:
         lines.append("5. **Draft** — `train.py --config configs/train/demo.yaml` (training-time test, draft vocab "
                      "~2k). **Pending.**")
+    pt, pc = s.get("peagle_training", {}), s.get("peagle_config", {})
+    if pt:
+        pp = pc.get("peagle", {})
+        evals = ", ".join(f"{e['tau']:.2f} (step {e['step']})" for e in pt.get("evals", []))
+        lines.append(
+            "   Then the **P-EAGLE draft** `peagle/` — `train.py --config configs/train/peagle_demo.yaml` "
+            f"({pp.get('num_hidden_layers')} decoder layers fusing target layers {pc.get('aux_layer_ids')}, all K "
+            f"draft tokens from one pass; COD-sampled depths 0..{(pp.get('num_depths') or 1) - 1}; draft vocab "
+            f"{pc.get('draft_vocab_size')}; batch {pc.get('batch_size')}, lr {pc.get('lr')}, seed {pc.get('seed')}; "
+            f"same regenerations): {pt.get('steps')} steps, final loss {_fmt(pt.get('final_loss'))}. Held-out greedy "
+            f"τ during training (K = {pc.get('eval_draft_tokens')}): {evals or 'n/a'}.")
     lines += [
         "6. **Export** — `target/` through `eagle3_jax.checkpoint.target_map` + the streaming safetensors writer; "
         "checked by loading it with `eagle3_jax.load_target` and with transformers' `DeepseekV3ForCausalLM`, "
@@ -116,6 +127,14 @@ def render(s: dict, out: str, demo_bytes: int) -> str:
             "|--:|--:|---|",
         ]
         for t, v in dh.get("by_temperature", {"0": dh}).items():
+            lines.append(f"| {t} | **{v['tau']:.2f}** | "
+                         + ", ".join(f"{i + 1}: {r:.2f}" for i, r in enumerate(v["accept_rate_per_position"])) + " |")
+        lines.append("")
+    ph = s.get("peagle_heldout", {})
+    if ph:
+        lines += [f"The P-EAGLE draft (`peagle/`) at K = {ph['num_draft_tokens']}, the same prompts:", "",
+                  "| T | τ | acceptance by draft position |", "|--:|--:|---|"]
+        for t, v in ph["by_temperature"].items():
             lines.append(f"| {t} | **{v['tau']:.2f}** | "
                          + ", ".join(f"{i + 1}: {r:.2f}" for i, r in enumerate(v["accept_rate_per_position"])) + " |")
         lines.append("")
