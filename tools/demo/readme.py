@@ -170,7 +170,7 @@ def render(s: dict, out: str, demo_bytes: int) -> str:
     if pending:
         lines += ["## Not done yet", "", *pending, ""]
     lines += [
-        f"Size of `{out}/` when this was written: {demo_bytes / 1e6:.1f} MB (limit 60 MB).",
+        f"Size of `{out}/` when this was written: {demo_bytes / 1e6:.1f} MB (limit 64 MB).",
         "",
         "Rebuild: `python tools/make_demo.py` (all stages) or e.g. `--stages 3,4,5,6`. Stage 3 resumes from "
         "its saved state when rerun with the same settings; its schedule follows steps, not wall time.",
