@@ -152,6 +152,22 @@ def measure(pair: DemoPair, prompts: list[list[int]], batch: int, temperature: f
     return rows
 
 
+MIN_MAP_COUNT = 262144
+
+
+def warn_map_count() -> None:
+    """XLA:CPU maps every compiled kernel separately and a cell holds every mode's programs at once:
+    with seven modes (auto's K programs among them) one run died mid-matrix at Linux's default
+    vm.max_map_count of 65530 (LLVM: "Cannot allocate memory"), with memory to spare."""
+    try:
+        limit = int(open("/proc/sys/vm/max_map_count").read())
+    except (OSError, ValueError):
+        return
+    if limit < MIN_MAP_COUNT:
+        print(f"warning: vm.max_map_count is {limit}; a matrix with many modes can run out of memory mappings "
+              f"(raise it: sudo sysctl -w vm.max_map_count={MIN_MAP_COUNT})", file=sys.stderr)
+
+
 def prompt_sets(pair: DemoPair, names: list[str], n: int | None) -> dict[str, list[list[int]]]:
     sets = {}
     for name in names:
@@ -181,6 +197,7 @@ def main(argv=None, extra_modes: dict | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     compile_cache.enable()   # as serve.py: a rerun reads its programs from disk
+    warn_map_count()
     pair = DemoPair.load(args.demo_dir, num_prompts=args.num_prompts)
     ks = parse_list(args.k)
     if any(not 1 <= k <= DEFAULT_MAX_DRAFT_TOKENS for k in ks):
