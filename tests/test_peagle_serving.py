@@ -158,3 +158,22 @@ def test_trained_peagle_on_8_device_mesh(tiny_target, tiny_target_dir, trained, 
     res = e3.Generator(target, sharded, num_draft_tokens=4, max_len=48).generate(prompts, 16)
     assert res.tokens == ref.tokens
     assert res.stats.mean_accept_length > 1.3
+
+
+def test_auto_prices_peagle_rounds_and_stays_lossless(tiny_target, trained, monkeypatch):
+    """``num_draft_tokens="auto"`` with a P-EAGLE draft: its round costs are probed with the P-EAGLE
+    round programs (one draft pass a round), and greedy output equals target-only's."""
+    from eagle3_jax.speculative import autodraft, session as session_mod
+
+    monkeypatch.setattr(autodraft, "PROBE_REPEATS", 1)
+    probed = []
+    real = session_mod.probe_costs
+    monkeypatch.setattr(session_mod, "probe_costs", lambda s, *a: probed.append(s.draft.model.kind) or real(s, *a))
+    draft, seqs = trained
+    prompts = [s[:6].tolist() for s in seqs[:4]]
+    expected = e3.Generator(tiny_target, None, max_len=40).generate(prompts, 16).tokens
+    gen = e3.Generator(tiny_target, draft, num_draft_tokens="auto", max_draft_tokens=3, max_len=40, batch_size=2)
+    assert gen.generate(prompts, 16).tokens == expected
+    assert probed == ["peagle"]
+    c = gen.draft_choice
+    assert c.num_draft_tokens in (0, 1, 2, 3) and c.calibration_seconds > 0 and sum(c.rounds_per_k.values()) > 0
