@@ -65,8 +65,9 @@ PROBE_REPEATS = 3
 LIVE_RUNS = 8
 LIVE_AGE = 64
 MIN_TIMED_ROUNDS = 4
-# A speculating choice predicted to gain less than this over target-only, with target-only's cost
-# not timed live, is checked by timing target-only live (the probe's ratio has been off by 45 %).
+# A speculating choice predicted to gain less than RETIME_BELOW over target-only, with target-only's
+# cost last timed more than RETIME_AFTER runs ago, is checked by timing target-only live (the probe's
+# ratio has been off by 45 %).
 RETIME_BELOW = 0.5
 RETIME_AFTER = 32
 
