@@ -24,6 +24,17 @@ if _CACHE.lower() != "off":
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+
+
+def suite_cache_env() -> dict:
+    """Environment that points a child process (the multi-host workers, train.py, serve.py) at the
+    suite's compilation cache, so a rerun of the suite does not recompile what its children compiled."""
+    if _CACHE.lower() == "off":
+        return {"EAGLE3_JAX_COMPILE_CACHE": "off", "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    return {"JAX_COMPILATION_CACHE_DIR": _CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "EAGLE3_JAX_COMPILE_CACHE": "off"}
+
+
 from tests import hf_fixtures  # noqa: E402
 
 

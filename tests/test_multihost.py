@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import eagle3_jax as e3
+from tests.conftest import suite_cache_env
 
 PROMPTS = [[3, 4, 5, 6, 7], [9, 8, 7], [100, 101, 102, 103, 104, 105, 106]]
 
@@ -31,7 +32,8 @@ def test_two_processes_match_one(tiny_target_dir, trained_draft_dir, tmp_path, m
     expected = e3.Generator(target, draft, num_draft_tokens=3, max_len=40).generate(PROMPTS, 16).tokens
 
     port, out = _free_port(), tmp_path / "out.json"
-    env = dict(os.environ, EAGLE3_TEST_PROMPTS=json.dumps(PROMPTS), PYTHONPATH=str(Path(__file__).parent.parent))
+    env = dict(os.environ, EAGLE3_TEST_PROMPTS=json.dumps(PROMPTS), PYTHONPATH=str(Path(__file__).parent.parent),
+               **suite_cache_env())
     env.pop("XLA_FLAGS", None)
     worker = Path(__file__).with_name("multihost_worker.py")
     procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i), str(tiny_target_dir),
@@ -59,7 +61,7 @@ def _run_processes(argv_for, n=2, timeout=600) -> list[str]:
     """Runs ``argv_for(port, i)`` as process i of n (4 CPU devices each, gloo); returns their logs."""
     port = _free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               JAX_DEFAULT_MATMUL_PRECISION="highest", PYTHONPATH=str(REPO), TQDM_DISABLE="1")
+               JAX_DEFAULT_MATMUL_PRECISION="highest", PYTHONPATH=str(REPO), TQDM_DISABLE="1", **suite_cache_env())
     procs = [subprocess.Popen([sys.executable, *argv_for(port, i)], env=env, cwd=str(REPO),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(n)]
     logs = []
