@@ -37,6 +37,29 @@ def test_choice_follows_costs_and_acceptance():
     assert AutoDraft(RoundCosts({0: 1.0, 1: 2.5, 4: 5.5}), 4, acc).choose() == 0
 
 
+def test_the_last_wave_is_priced_by_its_slowest_row():
+    """Once no prompt waits, the batch runs until its slowest row is done: a K whose mean acceptance
+    pays but whose worst row accepts little deep down loses to a shorter K there; rows alike, the
+    wave prices as the mean does."""
+    costs = RoundCosts({0: 1.0, 1: 1.2, 4: 1.8})    # K = 2: 1.4
+    acc = Acceptance(4)
+    acc.observe(4, 1000, [800, 640, 512, 410])      # a_j = 0.8 pooled: tau(4) 3.36 / 1.8 beats tau(2) 2.44 / 1.4
+    auto = AutoDraft(costs, 4, acc)
+    assert auto.choose() == 4
+    # row 0 accepts every position; row 1 accepts 0.8, 0.5, 0.1, 0.1 of what reaches each position
+    offered = np.array([[1000, 1000, 1000, 1000], [1000, 800, 400, 40]])
+    accepted = np.array([[1000, 1000, 1000, 1000], [800, 400, 40, 4]])
+    wave = autodraft.Wave(np.array([60, 60]), accepted, offered)
+    # row 1's tau(4) is ~2.24, tau(2) ~2.2: the wave lasts 60 / 2.24 rounds at K = 4, 60 / 2.2 at K = 2
+    assert wave.tau(4, acc.conditional()) == pytest.approx(2.24, abs=0.02)
+    assert auto.choose(wave) == 2 and auto.next_k(wave=wave) == 2
+    # a row with little left does not hold the wave: row 1 has 2 tokens to go, row 0 sixty
+    assert auto.choose(autodraft.Wave(np.array([60, 2]), accepted, offered)) == 4
+    # no row data yet: each row is the pool, the same rate as without the wave
+    blank = autodraft.Wave(np.array([60, 60]), np.zeros((2, 4)), np.zeros((2, 4)))
+    assert auto.rate(3, 0.0, blank) == pytest.approx(auto.rate(3))
+
+
 def test_unreached_positions_are_priced_from_the_one_before():
     """Rounds at K = 3 never offer positions 4..6: their prior is the estimate of position 3, not a
     fixed 0.7 (measured case, demo pair, batch 1, greedy: 87 % per position; a fixed prior held
@@ -160,7 +183,7 @@ def test_forced_switches_stay_lossless(tiny_target, draft, monkeypatch):
     equals target-only decoding of each prompt alone."""
     monkeypatch.setattr(session_mod, "probe_costs", flat_costs(4))
     schedule = itertools.cycle([3, 0, 1, 2, 0, 0, 3, 1])
-    monkeypatch.setattr(AutoDraft, "choose", lambda self: next(schedule))
+    monkeypatch.setattr(AutoDraft, "choose", lambda self, wave=None: next(schedule))
     # the draft was trained on the first rows of this corpus (long accepted runs), the last is unseen
     trained = np.random.default_rng(0).integers(2, tiny_target.config.vocab_size, size=(48, 6)).tolist()
     prompts = trained[:4] + [np.random.default_rng(3).integers(2, 256, size=7).tolist()]
@@ -196,13 +219,34 @@ def test_generator_auto_probes_once_per_shape_and_matches_target_only(tiny_targe
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_last_wave_reaches_the_policy_with_each_rows_own_counts(tiny_target, draft, monkeypatch):
+    """A static batch is one wave: after its first run the policy is handed each running row's
+    acceptance since admission and what it has left; their sums are the pooled counts."""
+    monkeypatch.setattr(session_mod, "probe_costs", flat_costs(3, 0.0))
+    waves, choose = [], AutoDraft.choose
+    monkeypatch.setattr(AutoDraft, "choose", lambda self, wave=None: waves.append(wave) or choose(self, wave))
+    prompts = np.random.default_rng(1).integers(2, 256, size=(3, 5)).tolist()
+    expected = e3.Generator(tiny_target, None, max_len=40).generate(prompts, 18).tokens
+    eng = Engine(tiny_target, draft, num_draft_tokens="auto", max_draft_tokens=2, max_len=40, batch_size=4,
+                 max_new_tokens=18, rounds_per_sync=3)
+    done = {f.key: f for f in eng.run([Request(str(i), p) for i, p in enumerate(prompts)])}
+    assert [done[str(i)].tokens for i in range(3)] == expected
+    given = [w for w in waves if w is not None]
+    assert waves[1] is None and given            # the construction's choice and the first run price the mean
+    for w in given:
+        assert np.all(w.accepted_BK <= w.offered_BK) and np.all((0 <= w.remaining_B) & (w.remaining_B < 18))
+    last = given[-1]
+    acc = eng.policy.acceptance
+    assert last.offered_BK.sum(0)[0] <= acc.offered[0] and last.offered_BK.sum() > 0
+
+
 def test_acceptance_is_learned_only_from_rows_with_a_current_draft(tiny_target, draft, monkeypatch):
     """A prompt admitted for a target-only run and speculated later drafts from a stale state: its
     rounds emit the right tokens but teach auto nothing; a prompt admitted with the draft does."""
     monkeypatch.setattr(session_mod, "probe_costs", flat_costs(3, 0.0))
     asked = []
 
-    def next_k(self, drafted_rows=True, all_new=False):   # target-only for the first run, K = 2 after
+    def next_k(self, drafted_rows=True, all_new=False, wave=None):   # target-only for the first run, K = 2 after
         asked.append(drafted_rows)
         return 0 if len(asked) == 1 else 2
 

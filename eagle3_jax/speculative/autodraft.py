@@ -10,24 +10,24 @@ show that it does not. No other exploration exists.
 τ(K) = 1 + Σ_{i≤K} Π_{j≤i} a_j, with a_j the probability that draft position j is accepted given
 that position j-1 was (``Acceptance``).
 
-c(K) (``RoundCosts``) is seconds per round of this program (batch size, cache capacity, greedy or
-sampled) timed in this process: a K that ran lately by its own latest runs; one that did not by a
-start-up probe (a few rounds of K = 0, 1 and K_max on a scratch state: ``probe_costs``, with the
-Ks between on the line a + b·K through 1 and K_max), scaled by how the Ks that did run compare
-with their probe (the machine's load now against then). Nothing is cached on disk: a cost taken
-under another load, capacity or prompt length would price this run wrongly.
+c(K) (``RoundCosts``) is seconds per round of this program (batch size, capacity, greedy or
+sampled) timed in this process: by a K's own latest runs, else by a start-up probe (K = 0, 1 and
+K_max on a scratch state, the Ks between on the line through 1 and K_max) scaled by how the Ks that
+ran compare with their probe. Nothing is cached on disk: a cost taken under another load, capacity
+or prompt length would price this run wrongly.
 
-Target-only's cost is re-timed live. A probe of a few rounds on a shared machine can misjudge the
-ratio c(K) / c(0) by half (measured: predicted 1.13x, ran 0.79x), and once speculation runs, c(0)
-would otherwise rest on that ratio forever; and on a shared machine a cost timed minutes ago was
-timed under another load. So when a K >= 1 choice predicts less than 1 + RETIME_BELOW and c(0)
-was last timed more than RETIME_AFTER runs ago (or never), the next run whose rows are all just
-admitted runs target-only instead (no row's draft state is lost by it: a K = 0 run leaves the
-draft behind).
+Target-only's cost is re-timed live: a probe on a shared machine can misjudge c(K) / c(0) by half
+(predicted 1.13x, ran 0.79x). When a K >= 1 choice predicts less than 1 + RETIME_BELOW and c(0) was
+last timed more than RETIME_AFTER runs ago, the next run whose rows are all just admitted runs
+target-only (no row loses its draft state by it).
 
-The speedup a report calls "measured" divides target-only's live round cost by K's, both from
-real runs in this process, with τ from the observed acceptance; anything resting on the probe is
-only "predicted" (a probe of a few rounds on a shared machine can be off by 2x).
+The last wave. Once no prompt waits, the batch runs until its slowest row is done while rows that
+finished sit idle: the rate is then Σ R_b / (n · max_b R_b / τ_b(K)) per running row, with R_b what
+row b has left to emit and τ_b its own acceptance (``Wave``). The mean alone ran K = 5-6 at batch 8
+on 8 prompts (one wave) predicting 1.8x and got 1.1x, where K = 2 gave 1.3x.
+
+A "measured" speedup divides target-only's live round cost by K's, both from runs in this process;
+anything resting on the probe is only "predicted".
 """
 
 from __future__ import annotations
@@ -51,23 +51,19 @@ PRIOR_ACCEPT = 0.7
 PRIOR_ROUNDS = 8
 # Upper confidence bound: each a_j this many standard errors above its estimate.
 UCB_Z = 1.0
-# Speculation is chosen only if its optimistic rate beats target-only's by this much: what the
-# round model leaves out (the draft's share of admissions, rows finishing out of step) is small
-# but not zero, and a loss within the noise of a shared machine is still a loss.
+# Speculation must beat target-only's rate by this much: what the model leaves out (the draft's
+# share of admissions) is small but not zero.
 MARGIN = 0.03
 # The probe: PROBE_REPEATS interleaved runs of PROBE_ROUNDS rounds per probed K, the fastest per
 # round (other load on the machine only ever adds time).
 PROBE_ROUNDS = 8
 PROBE_REPEATS = 3
-# Live costs: each K's latest LIVE_RUNS timed runs, none older than LIVE_AGE runs of any K (the
-# machine's load moves on); a run shorter than MIN_TIMED_ROUNDS rounds is not timed (its fixed
-# costs would dominate).
+# Live costs: each K's latest LIVE_RUNS timed runs, none older than LIVE_AGE runs of any K; runs
+# shorter than MIN_TIMED_ROUNDS rounds are not timed (fixed costs would dominate).
 LIVE_RUNS = 8
 LIVE_AGE = 64
 MIN_TIMED_ROUNDS = 4
-# A speculating choice predicted to gain less than RETIME_BELOW over target-only, with target-only's
-# cost last timed more than RETIME_AFTER runs ago, is checked by timing target-only live (the probe's
-# ratio has been off by 45 %).
+# Re-timing target-only (module docstring): below a predicted 1 + RETIME_BELOW, after RETIME_AFTER runs.
 RETIME_BELOW = 0.5
 RETIME_AFTER = 32
 
@@ -104,6 +100,23 @@ class Acceptance:
 
     def tau(self, k: int, z: float = 0.0) -> float:
         return 1.0 + float(np.cumprod(self.conditional(z)[:k]).sum())
+
+
+@dataclass
+class Wave:
+    """The running rows of the last wave, each with its own acceptance since admission."""
+
+    remaining_B: np.ndarray    # tokens each row has left to emit
+    accepted_BK: np.ndarray    # rounds in which the row's draft position j was accepted
+    offered_BK: np.ndarray     # rounds in which it drafted position j with j-1 accepted
+
+    def tau(self, k: int, pooled: np.ndarray) -> float:
+        """Tokens per row per iteration at K over the rest of the wave; each row's a_j from its own
+        counts with the pooled estimate as a prior worth PRIOR_ROUNDS rounds."""
+        R_B = np.maximum(self.remaining_B.astype(float), 1.0)
+        a_BK = (self.accepted_BK[:, :k] + pooled[:k] * PRIOR_ROUNDS) / (self.offered_BK[:, :k] + PRIOR_ROUNDS)
+        tau_B = 1.0 + np.cumprod(a_BK, axis=1).sum(axis=1)
+        return float(R_B.sum() / (len(R_B) * np.max(R_B / tau_B)))
 
 
 class RoundCosts:
@@ -150,9 +163,8 @@ class RoundCosts:
 
 def probe_costs(session, program, sp, ks) -> RoundCosts:
     """Times ``ks`` on a scratch state of ``program``: one untimed run each (it compiles), then
-    PROBE_REPEATS interleaved runs of PROBE_ROUNDS rounds, the fewest seconds per executed round.
-    The rows hold random prompts: a MoE round costs what the number of distinct experts its tokens
-    reach makes it cost, so identical dummy rows would time it too cheap."""
+    PROBE_REPEATS interleaved runs of PROBE_ROUNDS rounds, the fewest seconds per round. Random
+    prompts: a MoE round costs what its distinct experts cost; identical rows would be too cheap."""
     from eagle3_jax.speculative.generate import admit_rows, blank_state, run_rounds
 
     start = time.perf_counter()
@@ -185,10 +197,6 @@ def probe_costs(session, program, sp, ks) -> RoundCosts:
     return RoundCosts({k: min(v) for k, v in samples.items()}, time.perf_counter() - start)
 
 
-def probed_ks(max_draft_tokens: int) -> list[int]:
-    return sorted({0, 1, max_draft_tokens})
-
-
 @dataclass
 class DraftChoice:
     """What the K policy decided and how it went: for metrics and progress lines."""
@@ -210,14 +218,13 @@ class FixedK:
     def __init__(self, k: int):
         self.k = k
 
-    def next_k(self, drafted_rows: bool = True, all_new: bool = False) -> int:
+    def next_k(self, drafted_rows: bool = True, all_new: bool = False, wave=None) -> int:
         return self.k
 
-    def observe(self, *args) -> None:
+    def observe(self, *args) -> None:   # a fixed K learns nothing
         pass
 
-    def report(self) -> None:
-        return None
+    report = observe
 
 
 class AutoDraft:
@@ -233,28 +240,28 @@ class AutoDraft:
         self.spec_row_rounds = 0   # rounds with K >= 1 summed over taught rows, and their tokens
         self.spec_round_tokens = 0
 
-    def rate(self, k: int, z: float = 0.0) -> float:
-        """Tokens per second per row at K (acceptance ``z`` standard errors above its estimate)."""
-        return self.acceptance.tau(k, z) / self.costs.cost(k)
+    def rate(self, k: int, z: float = 0.0, wave: Wave | None = None) -> float:
+        """Tokens per second per row at K (acceptance ``z`` standard errors above its estimate);
+        in the last ``wave``, per row still running, until its slowest row is done."""
+        tau = wave.tau(k, self.acceptance.conditional(z)) if wave is not None else self.acceptance.tau(k, z)
+        return tau / self.costs.cost(k)
 
-    def choose(self) -> int:
+    def choose(self, wave: Wave | None = None) -> int:
         """The K >= 1 of the highest optimistic rate (ties to the smaller K) if it beats
         target-only by MARGIN, else 0."""
         if self.max_draft_tokens == 0:
             return 0
-        best = max(range(1, self.max_draft_tokens + 1), key=lambda k: (self.rate(k, UCB_Z), -k))
-        return best if self.rate(best, UCB_Z) >= (1.0 + MARGIN) * self.rate(0) else 0
+        best = max(range(1, self.max_draft_tokens + 1), key=lambda k: (self.rate(k, UCB_Z, wave), -k))
+        return best if self.rate(best, UCB_Z, wave) >= (1.0 + MARGIN) * self.rate(0, 0.0, wave) else 0
 
-    def next_k(self, drafted_rows: bool = True, all_new: bool = False) -> int:
-        """The K of the next run. ``drafted_rows``: whether some occupied row has a current draft
-        state (admitted with the draft, and no target-only round since). Without one, speculating
-        would draft from stale states, so the run is target-only until an admission brings one.
-        ``all_new``: every occupied row is being admitted for this run, so a target-only run
-        costs no row its draft state; it is then that a doubtful choice re-times c(0)."""
+    def next_k(self, drafted_rows: bool = True, all_new: bool = False, wave: Wave | None = None) -> int:
+        """The K of the next run: target-only while no occupied row has a current draft state
+        (``drafted_rows``: one would draft from stale states); a doubtful choice re-times c(0) when
+        every row is just admitted (``all_new``: no draft state is lost); ``wave``: the last wave."""
         self.runs += 1
         if not drafted_rows:
             return 0
-        k = self.choose()
+        k = self.choose(wave)
         if k and all_new and self.costs.age(0) > RETIME_AFTER and self.predicted(k) < 1.0 + RETIME_BELOW:
             return 0
         return k

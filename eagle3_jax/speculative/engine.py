@@ -25,7 +25,7 @@ import numpy as np
 from eagle3_jax.distributed import fetch_all
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import GenerationStats, check_acceptance, compile_log
-from eagle3_jax.speculative.autodraft import AutoDraft, DraftChoice
+from eagle3_jax.speculative.autodraft import AutoDraft, DraftChoice, Wave
 from eagle3_jax.speculative.generate import RUNNING, admit_rows, blank_state, run_rounds
 from eagle3_jax.speculative.session import DecodeSession, SamplingSettings
 
@@ -165,6 +165,10 @@ class Engine:
         seen_rounds_B = np.zeros(self.batch_size, np.int64)
         seen_acc_BK = np.zeros((self.batch_size, max(self.max_draft_tokens, 1)), np.int64)
         seen_tokens_B = np.zeros(self.batch_size, np.int64)
+        # Each row's own acceptance since admission and what it has left to emit: the last wave's
+        # pricing (autodraft.Wave).
+        row_acc_BK, row_off_BK = np.zeros_like(seen_acc_BK), np.zeros_like(seen_acc_BK)
+        left_B = np.zeros(self.batch_size, np.int64)
         # Rows whose draft state is current: admitted with the draft and not advanced by a
         # target-only run since. Only they teach acceptance, and only they can speculate usefully.
         drafted_B = np.zeros(self.batch_size, bool)
@@ -188,14 +192,16 @@ class Engine:
                 running = np.array([o is not None for o in occupant])
                 # K is chosen before admitting, so that rows admitted for a target-only run skip the
                 # draft's prefill: K = 0 then costs what having no draft costs.
+                wave = (Wave(left_B[running], row_acc_BK[running], row_off_BK[running])
+                        if auto and exhausted and not new else None)
                 k = policy.next_k(drafted_rows=bool(new) or bool((drafted_B & running).any()),
-                                  all_new=bool(new) and int(running.sum()) == len(new))
+                                  all_new=bool(new) and int(running.sum()) == len(new), wave=wave)
                 if new:
                     admitted = list(new.items())
                     for i in range(0, len(admitted), self.max_admit_rows):
                         state = self._admit(models if k else target_models, state,
                                             dict(admitted[i:i + self.max_admit_rows]), sp)
-                    for arr in (seen_rounds_B, seen_tokens_B, seen_acc_BK):
+                    for arr in (seen_rounds_B, seen_tokens_B, seen_acc_BK, row_acc_BK, row_off_BK):
                         arr[list(new)] = 0
                     drafted_B[list(new)] = k > 0
                     if auto:
@@ -211,13 +217,20 @@ class Engine:
                 # host scalars, not jnp ones: an eager jnp.int32 is a dispatch of its own (~0.25 ms)
                 state = self._call(run_rounds, *(models if k else target_models), state, np.int32(max_rounds),
                                    np.int32(stop_free), sp, program=program.with_draft_tokens(k))
-                finish, rounds_B, tokens_B, acc_BK = (np.asarray(x, np.int64) for x in fetch_all(
-                    state.finish_B, state.rounds_B, state.round_tokens_B, state.accepted_BK))
+                finish, rounds_B, tokens_B, acc_BK, n_out_B, budget_B = (np.asarray(x, np.int64) for x in fetch_all(
+                    state.finish_B, state.rounds_B, state.round_tokens_B, state.accepted_BK, state.n_out_B,
+                    state.budget_B))
+                left_B = budget_B - n_out_B
                 seconds = time.perf_counter() - t if compiles == len(self.compile_intervals) else 0.0
                 taught_B = drafted_B & running if k else running
                 d_rounds_B = rounds_B - seen_rounds_B
                 policy.observe(k, int(d_rounds_B.max()), seconds, int(d_rounds_B[taught_B].sum()),
                                int((tokens_B - seen_tokens_B)[taught_B].sum()), (acc_BK - seen_acc_BK)[taught_B].sum(0))
+                if k:   # position j was offered in the rounds that accepted j-1 (j = 0: every round)
+                    d_acc_BK = np.where(taught_B[:, None], acc_BK - seen_acc_BK, 0)[:, :k]
+                    row_acc_BK[:, :k] += d_acc_BK
+                    row_off_BK[:, :k] += np.concatenate([np.where(taught_B, d_rounds_B, 0)[:, None],
+                                                         d_acc_BK[:, :-1]], axis=1)
                 seen_rounds_B, seen_tokens_B, seen_acc_BK = rounds_B, tokens_B, acc_BK
                 if k == 0:
                     drafted_B[running] = False   # their target-only rounds did not reach the draft

@@ -22,7 +22,7 @@ from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import GenerationStats
 from eagle3_jax.sharding import data_parallel_size, mesh_context
 from eagle3_jax.speculative.autodraft import (AUTO, DEFAULT_MAX_DRAFT_TOKENS, Acceptance, AutoDraft, FixedK,
-                                              RoundCosts, probe_costs, probed_ks)
+                                              RoundCosts, probe_costs)
 from eagle3_jax.speculative.generate import FINISH_NAMES, DecodeProgram, LoopState, Sampling, StaticGraph
 
 # Prompts are right-padded to a bucket, so nearby lengths share one compiled program. Buckets grow
@@ -158,7 +158,7 @@ class DecodeSession:
         setting = (sampling.temperature, sampling.top_p, sampling.top_k)
         if (shape, setting) not in self._auto:
             if shape not in self._costs:
-                self._costs[shape] = probe_costs(self, program, sp, probed_ks(self.max_draft_tokens))
+                self._costs[shape] = probe_costs(self, program, sp, sorted({0, 1, self.max_draft_tokens}))
             acceptance = self._acceptance.setdefault(setting, Acceptance(max(self.max_draft_tokens, 1)))
             self._auto[shape, setting] = AutoDraft(self._costs[shape], self.max_draft_tokens, acceptance)
         return self._auto[shape, setting]
