@@ -202,7 +202,7 @@ def test_forced_switches_stay_lossless(tiny_target, draft, monkeypatch):
 def test_generator_auto_probes_once_per_shape_and_matches_target_only(tiny_target, draft, monkeypatch, tmp_path):
     """Greedy auto gives target-only's tokens; the round costs are probed in this process, once per
     batch shape, and nothing is written to disk."""
-    monkeypatch.setattr(autodraft, "PROBE_REPEATS", 1)
+    monkeypatch.setattr(session_mod, "PROBE_REPEATS", 1)
     monkeypatch.setenv("HOME", str(tmp_path))
     probes = []
     real = session_mod.probe_costs
@@ -220,8 +220,8 @@ def test_generator_auto_probes_once_per_shape_and_matches_target_only(tiny_targe
 
 
 def test_the_last_wave_reaches_the_policy_with_each_rows_own_counts(tiny_target, draft, monkeypatch):
-    """A static batch is one wave: after its first run the policy is handed each running row's
-    acceptance since admission and what it has left; their sums are the pooled counts."""
+    """A static batch is one wave: the policy is handed each running row's acceptance since
+    admission and what it has left; finished rows' counts are kept for the next wave's new rows."""
     monkeypatch.setattr(session_mod, "probe_costs", flat_costs(3, 0.0))
     waves, choose = [], AutoDraft.choose
     monkeypatch.setattr(AutoDraft, "choose", lambda self, wave=None: waves.append(wave) or choose(self, wave))
@@ -232,12 +232,18 @@ def test_the_last_wave_reaches_the_policy_with_each_rows_own_counts(tiny_target,
     done = {f.key: f for f in eng.run([Request(str(i), p) for i, p in enumerate(prompts)])}
     assert [done[str(i)].tokens for i in range(3)] == expected
     given = [w for w in waves if w is not None]
-    assert waves[1] is None and given            # the construction's choice and the first run price the mean
-    for w in given:
+    # the construction's choice prices the mean; the admission of the wave hands over its new rows
+    assert waves[0] is None and waves[1] is given[0]
+    assert given[0].remaining_B.tolist() == [18] * 3 and not given[0].offered_BK.any()
+    for w in given[1:]:
         assert np.all(w.accepted_BK <= w.offered_BK) and np.all((0 <= w.remaining_B) & (w.remaining_B < 18))
     last = given[-1]
     acc = eng.policy.acceptance
     assert last.offered_BK.sum(0)[0] <= acc.offered[0] and last.offered_BK.sum() > 0
+    # the finished rows' own counts are kept: the next wave's new rows borrow them
+    past = eng.policy.past_rows
+    assert len(past) == 3 and sum(o[0] for _, o in past) == acc.offered[0]
+    assert eng.policy._with_past(given[0]).offered_BK[:, 0].tolist() == [o[0] for _, o in reversed(past)]
 
 
 def test_acceptance_is_learned_only_from_rows_with_a_current_draft(tiny_target, draft, monkeypatch):

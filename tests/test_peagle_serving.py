@@ -163,9 +163,9 @@ def test_trained_peagle_on_8_device_mesh(tiny_target, tiny_target_dir, trained, 
 def test_auto_prices_peagle_rounds_and_stays_lossless(tiny_target, trained, monkeypatch):
     """``num_draft_tokens="auto"`` with a P-EAGLE draft: its round costs are probed with the P-EAGLE
     round programs (one draft pass a round), and greedy output equals target-only's."""
-    from eagle3_jax.speculative import autodraft, session as session_mod
+    from eagle3_jax.speculative import session as session_mod
 
-    monkeypatch.setattr(autodraft, "PROBE_REPEATS", 1)
+    monkeypatch.setattr(session_mod, "PROBE_REPEATS", 1)
     probed = []
     real = session_mod.probe_costs
     monkeypatch.setattr(session_mod, "probe_costs", lambda s, *a: probed.append(s.draft.model.kind) or real(s, *a))

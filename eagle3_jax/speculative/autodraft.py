@@ -11,20 +11,24 @@ show that it does not. No other exploration exists.
 that position j-1 was (``Acceptance``).
 
 c(K) (``RoundCosts``) is seconds per round of this program (batch size, capacity, greedy or
-sampled) timed in this process: by a K's own latest runs, else by a start-up probe (K = 0, 1 and
-K_max on a scratch state, the Ks between on the line through 1 and K_max) scaled by how the Ks that
+sampled) timed in this process: by a K's own latest runs, else by a start-up probe
+(``session.probe_costs``: K = 0, 1 and K_max on a scratch state, the Ks between on the line through
+1 and K_max) scaled by how the Ks that
 ran compare with their probe. Nothing is cached on disk: a cost taken under another load, capacity
 or prompt length would price this run wrongly.
 
 Target-only's cost is re-timed live: a probe on a shared machine can misjudge c(K) / c(0) by half
 (predicted 1.13x, ran 0.79x). When a K >= 1 choice predicts less than 1 + RETIME_BELOW and c(0) was
 last timed more than RETIME_AFTER runs ago, the next run whose rows are all just admitted runs
-target-only (no row loses its draft state by it).
+target-only (no row loses its draft state by it), unless that is the last wave: its rows would
+then stay target-only to the end.
 
 The last wave. Once no prompt waits, the batch runs until its slowest row is done while rows that
 finished sit idle: the rate is then Σ R_b / (n · max_b R_b / τ_b(K)) per running row, with R_b what
-row b has left to emit and τ_b its own acceptance (``Wave``). The mean alone ran K = 5-6 at batch 8
-on 8 prompts (one wave) predicting 1.8x and got 1.1x, where K = 2 gave 1.3x.
+row b has left to emit and τ_b its own acceptance (``Wave``); a row without counts yet borrows
+those of a recently finished row, since how far the slowest row lags is only known from rows. The
+mean alone ran K = 5-6 at batch 8 on 8 prompts (one wave) predicting 1.8x and got 1.1x, where
+K = 2 gave 1.3x: the slowest row (τ 2.7 at K = 6, 2.2 at K = 2) set the wave's length.
 
 A "measured" speedup divides target-only's live round cost by K's, both from runs in this process;
 anything resting on the probe is only "predicted".
@@ -32,14 +36,11 @@ anything resting on the probe is only "predicted".
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import jax
 import numpy as np
 
-from eagle3_jax.distributed import fetch
 from eagle3_jax.metrics import GenerationStats
 
 AUTO = "auto"
@@ -54,10 +55,6 @@ UCB_Z = 1.0
 # Speculation must beat target-only's rate by this much: what the model leaves out (the draft's
 # share of admissions) is small but not zero.
 MARGIN = 0.03
-# The probe: PROBE_REPEATS interleaved runs of PROBE_ROUNDS rounds per probed K, the fastest per
-# round (other load on the machine only ever adds time).
-PROBE_ROUNDS = 8
-PROBE_REPEATS = 3
 # Live costs: each K's latest LIVE_RUNS timed runs, none older than LIVE_AGE runs of any K; runs
 # shorter than MIN_TIMED_ROUNDS rounds are not timed (fixed costs would dominate).
 LIVE_RUNS = 8
@@ -66,6 +63,7 @@ MIN_TIMED_ROUNDS = 4
 # Re-timing target-only (module docstring): below a predicted 1 + RETIME_BELOW, after RETIME_AFTER runs.
 RETIME_BELOW = 0.5
 RETIME_AFTER = 32
+PAST_ROWS = 64   # finished rows whose acceptance stands in for a new wave's rows
 
 
 @dataclass
@@ -111,10 +109,15 @@ class Wave:
     offered_BK: np.ndarray     # rounds in which it drafted position j with j-1 accepted
 
     def tau(self, k: int, pooled: np.ndarray) -> float:
-        """Tokens per row per iteration at K over the rest of the wave; each row's a_j from its own
-        counts with the pooled estimate as a prior worth PRIOR_ROUNDS rounds."""
+        """Tokens per row per iteration at K over the rest of the wave. A row's a_j: its own counts
+        with a prior worth PRIOR_ROUNDS rounds, the pooled a_j scaled by how the row's a_{j-1}
+        compares with the pool's (a row that accepts little early is not priced as the pool deeper)."""
         R_B = np.maximum(self.remaining_B.astype(float), 1.0)
-        a_BK = (self.accepted_BK[:, :k] + pooled[:k] * PRIOR_ROUNDS) / (self.offered_BK[:, :k] + PRIOR_ROUNDS)
+        a_BK, scale_B = np.zeros((len(R_B), k)), np.ones(len(R_B))
+        for j in range(k):
+            prior_B = np.minimum(pooled[j] * scale_B, 1.0)
+            a_BK[:, j] = (self.accepted_BK[:, j] + prior_B * PRIOR_ROUNDS) / (self.offered_BK[:, j] + PRIOR_ROUNDS)
+            scale_B = a_BK[:, j] / pooled[j]
         tau_B = 1.0 + np.cumprod(a_BK, axis=1).sum(axis=1)
         return float(R_B.sum() / (len(R_B) * np.max(R_B / tau_B)))
 
@@ -161,42 +164,6 @@ class RoundCosts:
         return live if live is not None else self.base(k) * self.drift()
 
 
-def probe_costs(session, program, sp, ks) -> RoundCosts:
-    """Times ``ks`` on a scratch state of ``program``: one untimed run each (it compiles), then
-    PROBE_REPEATS interleaved runs of PROBE_ROUNDS rounds, the fewest seconds per round. Random
-    prompts: a MoE round costs what its distinct experts cost; identical rows would be too cheap."""
-    from eagle3_jax.speculative.generate import admit_rows, blank_state, run_rounds
-
-    start = time.perf_counter()
-    models = session.models()
-    B = program.batch_size
-    rng = np.random.default_rng(0)
-    T = min(16, session.max_len - 1)
-    prompts = {b: rng.integers(0, session.target.config.vocab_size, T).tolist() for b in range(B)}
-    ids, lengths, _ = session.pack_prompts(prompts, B)
-    rows = np.arange(B, dtype=np.int32)
-
-    def timed(k: int) -> float:
-        run_models = models if k else models[:2] + (None, None)   # as the Engine runs K = 0
-        state = blank_state(*models, jax.random.key(0), sp, program=program)
-        state = admit_rows(*models, state, rows, ids, lengths, sp, program=program)
-        before = fetch(state.rounds_B).max()
-        t = time.perf_counter()
-        state = run_rounds(*run_models, state, np.int32(PROBE_ROUNDS), np.int32(B + 1), sp,
-                           program=program.with_draft_tokens(k))
-        executed = fetch(state.rounds_B).max() - before   # the fetch waits for the run
-        return (time.perf_counter() - t) / max(int(executed), 1)
-
-    with session.activate():
-        for k in ks:
-            timed(k)
-        samples = {k: [] for k in ks}
-        for _ in range(PROBE_REPEATS):
-            for k in ks:
-                samples[k].append(timed(k))
-    return RoundCosts({k: min(v) for k, v in samples.items()}, time.perf_counter() - start)
-
-
 @dataclass
 class DraftChoice:
     """What the K policy decided and how it went: for metrics and progress lines."""
@@ -239,6 +206,20 @@ class AutoDraft:
         self.last_k = self.choose()
         self.spec_row_rounds = 0   # rounds with K >= 1 summed over taught rows, and their tokens
         self.spec_round_tokens = 0
+        self.past_rows: deque = deque(maxlen=PAST_ROWS)   # (accepted_K, offered_K) of rows that finished
+
+    def rows_finished(self, accepted_BK, offered_BK) -> None:
+        self.past_rows.extend((a, o) for a, o in zip(accepted_BK, offered_BK) if o[0] > 0)
+
+    def _with_past(self, wave: Wave | None) -> Wave | None:
+        """A row of the wave without counts of its own yet borrows those of a recent finished row:
+        how unlike each other rows are (and so how slow the slowest is) is known only from rows."""
+        if wave is None or not self.past_rows:
+            return wave
+        acc, off, past = wave.accepted_BK.copy(), wave.offered_BK.copy(), list(self.past_rows)[::-1]
+        for i, b in enumerate(np.flatnonzero(off[:, 0] == 0)):
+            acc[b], off[b] = past[i % len(past)]
+        return Wave(wave.remaining_B, acc, off)
 
     def rate(self, k: int, z: float = 0.0, wave: Wave | None = None) -> float:
         """Tokens per second per row at K (acceptance ``z`` standard errors above its estimate);
@@ -261,8 +242,9 @@ class AutoDraft:
         self.runs += 1
         if not drafted_rows:
             return 0
-        k = self.choose(wave)
-        if k and all_new and self.costs.age(0) > RETIME_AFTER and self.predicted(k) < 1.0 + RETIME_BELOW:
+        k = self.choose(self._with_past(wave))
+        # not in the last wave: its rows would then stay target-only to the end (no draft state)
+        if k and all_new and wave is None and self.costs.age(0) > RETIME_AFTER and self.predicted(k) < 1.0 + RETIME_BELOW:
             return 0
         return k
 

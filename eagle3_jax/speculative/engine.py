@@ -192,8 +192,11 @@ class Engine:
                 running = np.array([o is not None for o in occupant])
                 # K is chosen before admitting, so that rows admitted for a target-only run skip the
                 # draft's prefill: K = 0 then costs what having no draft costs.
-                wave = (Wave(left_B[running], row_acc_BK[running], row_off_BK[running])
-                        if auto and exhausted and not new else None)
+                if new:   # a new row has its whole budget (at most) ahead and no counts yet
+                    left_B[list(new)] = program.max_new_tokens
+                    for arr in (row_acc_BK, row_off_BK):
+                        arr[list(new)] = 0
+                wave = Wave(left_B[running], row_acc_BK[running], row_off_BK[running]) if auto and exhausted else None
                 k = policy.next_k(drafted_rows=bool(new) or bool((drafted_B & running).any()),
                                   all_new=bool(new) and int(running.sum()) == len(new), wave=wave)
                 if new:
@@ -201,7 +204,7 @@ class Engine:
                     for i in range(0, len(admitted), self.max_admit_rows):
                         state = self._admit(models if k else target_models, state,
                                             dict(admitted[i:i + self.max_admit_rows]), sp)
-                    for arr in (seen_rounds_B, seen_tokens_B, seen_acc_BK, row_acc_BK, row_off_BK):
+                    for arr in (seen_rounds_B, seen_tokens_B, seen_acc_BK):
                         arr[list(new)] = 0
                     drafted_B[list(new)] = k > 0
                     if auto:
@@ -235,6 +238,8 @@ class Engine:
                 if k == 0:
                     drafted_B[running] = False   # their target-only rounds did not reach the draft
                 done = [b for b, req in enumerate(occupant) if req is not None and finish[b] != RUNNING]
+                if auto:
+                    policy.rows_finished(row_acc_BK[done], row_off_BK[done])
                 for b, (tokens, reason, stats) in zip(done, session.row_results(state, done,
                                                                                program.max_draft_tokens)):
                     fin = Finished(key=occupant[b].key, tokens=tokens, finish_reason=reason, stats=stats)

@@ -11,9 +11,11 @@ program; the jitted functions in ``generate.py`` take it as their single static 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -21,14 +23,17 @@ from eagle3_jax.distributed import fetch
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import GenerationStats
 from eagle3_jax.sharding import data_parallel_size, mesh_context
-from eagle3_jax.speculative.autodraft import (AUTO, DEFAULT_MAX_DRAFT_TOKENS, Acceptance, AutoDraft, FixedK,
-                                              RoundCosts, probe_costs)
+from eagle3_jax.speculative.autodraft import AUTO, DEFAULT_MAX_DRAFT_TOKENS, Acceptance, AutoDraft, FixedK, RoundCosts
 from eagle3_jax.speculative.generate import FINISH_NAMES, DecodeProgram, LoopState, Sampling, StaticGraph
 
 # Prompts are right-padded to a bucket, so nearby lengths share one compiled program. Buckets grow
 # geometrically from PROMPT_BUCKET (16, 24, 32, 48, 64, 96, ...: powers of two and 1.5x them), so a
 # long-running serve compiles at most ~2 log2(max_len / 16) + 1 of them and pads a prompt by < 50 %.
 PROMPT_BUCKET = 16
+# Under auto, a new program's round costs are probed at start-up (``probe_costs``): PROBE_REPEATS
+# interleaved runs of PROBE_ROUNDS rounds per probed K.
+PROBE_ROUNDS = 8
+PROBE_REPEATS = 3
 
 
 @dataclass(frozen=True)
@@ -221,3 +226,40 @@ class DecodeSession:
     def record(self, stats: GenerationStats) -> None:
         """Adds one finished piece of work to the session's totals."""
         self.stats = GenerationStats.combine([self.stats, stats])
+
+
+def probe_costs(session, program, sp, ks) -> RoundCosts:
+    """Times ``ks`` on a scratch state of ``program``: one untimed run each (it compiles), then
+    PROBE_REPEATS interleaved runs of PROBE_ROUNDS rounds, the fewest seconds per round (other load
+    on the machine only ever adds time). Random prompts: a MoE round costs what its distinct
+    experts cost; identical rows would be too cheap."""
+    from eagle3_jax.speculative.generate import admit_rows, blank_state, run_rounds
+
+    start = time.perf_counter()
+    models = session.models()
+    B = program.batch_size
+    rng = np.random.default_rng(0)
+    T = min(16, session.max_len - 1)
+    prompts = {b: rng.integers(0, session.target.config.vocab_size, T).tolist() for b in range(B)}
+    ids, lengths, _ = session.pack_prompts(prompts, B)
+    rows = np.arange(B, dtype=np.int32)
+
+    def timed(k: int) -> float:
+        run_models = models if k else models[:2] + (None, None)   # as the Engine runs K = 0
+        state = blank_state(*models, jax.random.key(0), sp, program=program)
+        state = admit_rows(*models, state, rows, ids, lengths, sp, program=program)
+        before = fetch(state.rounds_B).max()
+        t = time.perf_counter()
+        state = run_rounds(*run_models, state, np.int32(PROBE_ROUNDS), np.int32(B + 1), sp,
+                           program=program.with_draft_tokens(k))
+        executed = fetch(state.rounds_B).max() - before   # the fetch waits for the run
+        return (time.perf_counter() - t) / max(int(executed), 1)
+
+    with session.activate():
+        for k in ks:
+            timed(k)
+        samples = {k: [] for k in ks}
+        for _ in range(PROBE_REPEATS):
+            for k in ks:
+                samples[k].append(timed(k))
+    return RoundCosts({k: min(v) for k, v in samples.items()}, time.perf_counter() - start)
