@@ -190,12 +190,12 @@ class Engine:
                 if all(o is None for o in occupant):
                     break
                 running = np.array([o is not None for o in occupant])
-                # K is chosen before admitting, so that rows admitted for a target-only run skip the
-                # draft's prefill: K = 0 then costs what having no draft costs.
                 if new:   # a new row has its whole budget (at most) ahead and no counts yet
                     left_B[list(new)] = program.max_new_tokens
                     for arr in (row_acc_BK, row_off_BK):
                         arr[list(new)] = 0
+                # K is chosen before admitting, so that rows admitted for a target-only run skip the
+                # draft's prefill: K = 0 then costs what having no draft costs.
                 wave = Wave(left_B[running], row_acc_BK[running], row_off_BK[running]) if auto and exhausted else None
                 k = policy.next_k(drafted_rows=bool(new) or bool((drafted_B & running).any()),
                                   all_new=bool(new) and int(running.sum()) == len(new), wave=wave)
