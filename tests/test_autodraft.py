@@ -55,6 +55,13 @@ def test_the_last_wave_is_priced_by_its_slowest_row():
     assert auto.choose(wave) == 2 and auto.next_k(wave=wave) == 2
     # a row with little left does not hold the wave: row 1 has 2 tokens to go, row 0 sixty
     assert auto.choose(autodraft.Wave(np.array([60, 2]), accepted, offered)) == 4
+    # a row seen only at position 1, where it accepts half of what the pool does, is priced at half
+    # the pool's rate deeper too (before its own counts there pull it back)
+    pooled = acc.conditional()
+    few = autodraft.Wave(np.array([60]), np.array([[400, 0, 0, 0]]), np.array([[1000, 0, 0, 0]]))
+    a1 = (400 + pooled[0] * autodraft.PRIOR_ROUNDS) / (1000 + autodraft.PRIOR_ROUNDS)
+    a2 = pooled[1] * a1 / pooled[0]
+    assert few.tau(2, pooled) == pytest.approx(1 + a1 + a1 * a2)
     # no row data yet: each row is the pool, the same rate as without the wave
     blank = autodraft.Wave(np.array([60, 60]), np.zeros((2, 4)), np.zeros((2, 4)))
     assert auto.rate(3, 0.0, blank) == pytest.approx(auto.rate(3))

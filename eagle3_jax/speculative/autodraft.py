@@ -13,9 +13,8 @@ that position j-1 was (``Acceptance``).
 c(K) (``RoundCosts``) is seconds per round of this program (batch size, capacity, greedy or
 sampled) timed in this process: by a K's own latest runs, else by a start-up probe
 (``session.probe_costs``: K = 0, 1 and K_max on a scratch state, the Ks between on the line through
-1 and K_max) scaled by how the Ks that
-ran compare with their probe. Nothing is cached on disk: a cost taken under another load, capacity
-or prompt length would price this run wrongly.
+1 and K_max) scaled by how the Ks that ran compare with their probe. Nothing is cached on disk: a
+cost taken under another load, capacity or prompt length would price this run wrongly.
 
 Target-only's cost is re-timed live: a probe on a shared machine can misjudge c(K) / c(0) by half
 (predicted 1.13x, ran 0.79x). When a K >= 1 choice predicts less than 1 + RETIME_BELOW and c(0) was
