@@ -44,15 +44,15 @@ def experts_dense(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, fi
 KERNELS = {"blocked": experts_blocked, "ragged": experts_ragged, "dense": experts_dense}
 
 
-def make_inputs(M, E, K, D, F, seed=0):
+def make_inputs(M, E, K, D, F, seed=0, dtype=jnp.float32):
     kx, ks, kg, ku, kd = jax.random.split(jax.random.key(seed), 5)
-    x_MD = jax.random.normal(kx, (M, D), jnp.float32)
+    x_MD = jax.random.normal(kx, (M, D), dtype)
     scores_ME = jax.random.normal(ks, (M, E), jnp.float32)
     top_MK, idx_MK = jax.lax.top_k(scores_ME, K)
     weights_MK = jax.nn.softmax(top_MK, axis=-1) * 2.5
-    w_gate = jax.random.normal(kg, (E, D, F), jnp.float32) / np.sqrt(D)
-    w_up = jax.random.normal(ku, (E, D, F), jnp.float32) / np.sqrt(D)
-    w_down = jax.random.normal(kd, (E, F, D), jnp.float32) / np.sqrt(F)
+    w_gate = (jax.random.normal(kg, (E, D, F), jnp.float32) / np.sqrt(D)).astype(dtype)
+    w_up = (jax.random.normal(ku, (E, D, F), jnp.float32) / np.sqrt(D)).astype(dtype)
+    w_down = (jax.random.normal(kd, (E, F, D), jnp.float32) / np.sqrt(F)).astype(dtype)
     return x_MD, idx_MK.astype(jnp.int32), weights_MK, w_gate, w_up, w_down
 
 
@@ -86,19 +86,20 @@ def main():
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--ffn", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--slow-s", type=float, default=3.0, help="one timed call only when a call takes longer")
     args = ap.parse_args()
     K, D, F = args.topk, args.hidden, args.ffn
     t_start = time.perf_counter()
     print(f"# moe_dispatch  machine: {machine()}, jax {jax.__version__} ({jax.default_backend()}); "
           f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print(f"# top-{K}, D={D}, F={F}, float32; times are ms per call (routing sort + 3 expert matmuls + combine)")
+    print(f"# top-{K}, D={D}, F={F}, {args.dtype}; times are ms per call (routing sort + 3 expert matmuls + combine)")
 
     rows = []
     for M in (int(m) for m in args.rows.split(",")):
         base = {}
         for E in (int(e) for e in args.experts.split(",")):
-            inputs = make_inputs(M, E, K, D, F)
+            inputs = make_inputs(M, E, K, D, F, dtype=jnp.dtype(args.dtype))
             ms, outs = {}, {}
             for name, fn in KERNELS.items():
                 compiled = jax.jit(fn, static_argnums=(6,)).lower(*inputs, 0).compile()
@@ -107,15 +108,17 @@ def main():
             base.setdefault("blocked", ms["blocked"])
             base.setdefault("ragged", ms["ragged"])
             hit, trips, b = blocked_trips(np.asarray(inputs[1]), E)
-            ref = outs["dense"]
+            ref = outs["dense"].astype(np.float32)
             scale = float(np.abs(ref).max())
-            d_blk = float(np.abs(outs["blocked"] - ref).max())
-            d_rag = float(np.abs(outs["ragged"] - ref).max())
+            d_blk = float(np.abs(outs["blocked"].astype(np.float32) - ref).max())
+            d_rag = float(np.abs(outs["ragged"].astype(np.float32) - ref).max())
             rows.append([M, E, hit, f"{trips} x {b}", ms["blocked"], ms["ragged"], ms["dense"],
                          ms["blocked"] / base["blocked"], ms["ragged"] / base["ragged"],
                          ms["ragged"] / ms["blocked"], ms["dense"] / ms["blocked"],
                          f"{d_blk:.1e} / {d_rag:.1e}", f"{max(d_blk, d_rag) / scale:.1e}"])
-            print(f"  M={M} E={E} done ({time.perf_counter() - t_start:.0f} s)", flush=True)
+            # the numbers as they come too: a run cut short (a lease, a timeout) keeps what it measured
+            print(f"  M={M} E={E} done ({time.perf_counter() - t_start:.0f} s): blocked {ms['blocked']:.3f} ms, "
+                  f"ragged {ms['ragged']:.3f} ms, dense {ms['dense']:.3f} ms", flush=True)
             del inputs, outs
 
     print()

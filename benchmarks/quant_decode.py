@@ -29,9 +29,10 @@ from eagle3_jax.config import TargetConfig
 from eagle3_jax.models.quantized import Int4Stack, QuantLayout
 
 
-def twins(cfg: TargetConfig, seed: int = 0):
-    """(int4 target, bf16 target with the int4 experts dequantized and everything else equal)."""
-    q = e3.build_target(cfg, dtype="bfloat16", seed=seed, quant=QuantLayout(experts="int4"))
+def twins(cfg: TargetConfig, seed: int = 0, int4_kernel: str | None = None):
+    """(int4 target, bf16 target with the int4 experts dequantized and everything else equal).
+    ``int4_kernel``: the quantized expert kernel (default: the platform's)."""
+    q = e3.build_target(cfg, dtype="bfloat16", seed=seed, quant=QuantLayout(experts="int4"), moe_kernel=int4_kernel)
     f = e3.build_target(cfg, dtype="bfloat16", seed=seed)
     qflat = {tuple(p): v for p, v in nnx.to_flat_state(q.state)}
     fflat = {tuple(p): v for p, v in nnx.to_flat_state(f.state)}
@@ -56,11 +57,19 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--int4-kernels", default="",
+                    help="comma-separated quantized expert kernels to run side by side (blocked, grouped); "
+                         "default: the platform's own")
     args = ap.parse_args()
     cfg = TargetConfig.from_hf_dict(BENCH_TARGET_CONFIG)
-    q, f = twins(cfg)
+    names = [k.strip() for k in args.int4_kernels.split(",") if k.strip()] or [None]
+    kinds = {}
+    for name in names:
+        q, f = twins(cfg, int4_kernel=name)
+        kinds["int4 experts" + (f" ({name})" if name else "")] = q
+    kinds["bfloat16"] = f
+    int4_kinds = [k for k in kinds if k != "bfloat16"]
     N = args.new_tokens
-    kinds = {"int4 experts": q, "bfloat16": f}
     bytes_ = {k: t.param_bytes_by_kind() for k, t in kinds.items()}
     rows = []
     for B in (int(b) for b in args.batches.split(",")):
@@ -78,16 +87,21 @@ def main():
                     g.generate(prompts, n)
                     samples[k][what].append(time.perf_counter() - t0)
         decode = {k: statistics.median(s["full"]) - statistics.median(s["prefill"]) for k, s in samples.items()}
-        agree = np.mean([a == b for ra, rb in zip(tokens["int4 experts"], tokens["bfloat16"]) for a, b in zip(ra, rb)])
         for k in gens:
+            # agreement of each int4 kernel's tokens with the first int4 kernel's and with bf16's
+            agree = np.mean([a == b for ra, rb in zip(tokens[k], tokens["bfloat16"]) for a, b in zip(ra, rb)])
+            same = np.mean([a == b for ra, rb in zip(tokens[k], tokens[int4_kinds[0]]) for a, b in zip(ra, rb)])
+            print(f"  batch {B} {k}: decode {decode[k] * 1e3:.1f} ms, {B * (N - 1) / decode[k]:.1f} tok/s, "
+                  f"agreement with bf16 {agree:.3f}", flush=True)
             rows.append([B, k, f"{bytes_[k]['routed experts (int4)' if k != 'bfloat16' else 'routed experts (bfloat16)'] / 1e6:.2f}",
                          f"{decode[k] * 1e3:.1f}", f"{B * (N - 1) / decode[k]:.1f}",
-                         f"{decode['bfloat16'] / decode[k]:.2f}x", f"{agree:.3f}"])
+                         f"{decode['bfloat16'] / decode[k]:.2f}x", f"{agree:.3f}", f"{same:.3f}"])
     print(f"# quant_decode: {machine()}, jax {jax.__version__} on {jax.default_backend()}; "
           f"{cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts x [{cfg.hidden_size} x "
           f"{cfg.moe_intermediate_size}] top-{cfg.num_experts_per_tok}; {N} new tokens after {args.prompt_len}; "
           f"median of {args.repeats} interleaved runs, compile excluded")
-    print(table(["batch", "experts", "expert MB", "decode ms", "tok/s", "speed vs bf16", "token agreement"], rows))
+    print(table(["batch", "experts", "expert MB", "decode ms", "tok/s", "speed vs bf16", "token agreement with bf16",
+                 f"with {int4_kinds[0]}"], rows))
 
 
 if __name__ == "__main__":
