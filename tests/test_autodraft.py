@@ -67,6 +67,25 @@ def test_the_last_wave_is_priced_by_its_slowest_row():
     assert auto.rate(3, 0.0, blank) == pytest.approx(auto.rate(3))
 
 
+def test_a_one_row_wave_is_priced_by_the_pool_not_a_borrowed_row():
+    """A new row of a wave borrows a finished row's counts so that a batch's slowest row can be
+    found; with one row there is none to find, and a lucky borrowed row would only pick a K the
+    pool says loses (batch 1, T = 1)."""
+    costs = RoundCosts({0: 1.0, 1: 1.7, 4: 3.0})   # K = 2: 2.13
+    acc = Acceptance(4)
+    acc.observe(4, 4000, [2200, 1300, 700, 400])     # a_1 = 0.55: no K pays
+    auto = AutoDraft(costs, 4, acc)
+    lucky = (np.array([95, 90, 85, 80]), np.array([100, 95, 90, 85]))   # one past row accepting ~0.95
+    auto.rows_finished([lucky[0]], [lucky[1]])
+    fresh = lambda n: autodraft.Wave(np.full(n, 60), np.zeros((n, 4)), np.zeros((n, 4)))
+    assert auto.choose() == 0 and auto.choose(fresh(1)) == 0
+    assert auto.next_k(wave=fresh(1)) == 0
+    assert auto._with_past(fresh(1)).offered_BK.sum() == 0   # the row keeps its own (no) counts
+    # two fresh rows both borrow the lucky row: then the wave looks like it, and speculation pays
+    assert auto._with_past(fresh(2)).offered_BK[:, 0].tolist() == [100, 100]
+    assert auto.choose(auto._with_past(fresh(2))) > 0
+
+
 def test_unreached_positions_are_priced_from_the_one_before():
     """Rounds at K = 3 never offer positions 4..6: their prior is the estimate of position 3, not a
     fixed 0.7 (measured case, demo pair, batch 1, greedy: 87 % per position; a fixed prior held

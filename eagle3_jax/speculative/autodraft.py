@@ -212,8 +212,10 @@ class AutoDraft:
 
     def _with_past(self, wave: Wave | None) -> Wave | None:
         """A row of the wave without counts of its own yet borrows those of a recent finished row:
-        how unlike each other rows are (and so how slow the slowest is) is known only from rows."""
-        if wave is None or not self.past_rows:
+        how unlike each other rows are (and so how slow the slowest is) is known only from rows. A
+        wave of one row has no slowest row to find: another row's counts would only add that row's
+        luck (batch 1, T = 1: one lucky borrowed row ran K = 2 at 0.87x where target-only was best)."""
+        if wave is None or not self.past_rows or len(wave.remaining_B) < 2:
             return wave
         acc, off, past = wave.accepted_BK.copy(), wave.offered_BK.copy(), list(self.past_rows)[::-1]
         for i, b in enumerate(np.flatnonzero(off[:, 0] == 0)):
