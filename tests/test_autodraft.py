@@ -154,6 +154,24 @@ def test_live_round_costs_outvote_the_probe():
     assert costs.live(0) is None and costs.cost(0) == pytest.approx(1.0 / 1.1)
 
 
+def test_a_k_whose_runs_aged_out_keeps_its_measured_ratio_to_target_only():
+    """The probe put K = 2 at 1.8 target steps; timed beside target-only it cost 2.4. Once its own
+    runs age out it is priced at 2.4 times the current c(0), not re-explored on the probe's 1.8."""
+    costs = RoundCosts({0: 1.0, 1: 1.4, 2: 1.8})
+    acc = Acceptance(2)
+    acc.observe(2, 1000, [600, 420])                # tau(2) ~2.0: pays 1.8 steps, not 2.4
+    auto = AutoDraft(costs, 2, acc)
+    auto.observe(0, 16, 16.0, 16, 16, [0, 0])       # c(0) = 1.0 live
+    auto.observe(2, 16, 38.4, 16, 32, [10, 7])      # c(2) = 2.4 live
+    assert costs.ratio[2] == pytest.approx(2.4)
+    for _ in range(autodraft.LIVE_AGE):             # target-only only, on a machine 10 % slower
+        auto.observe(0, 16, 17.6, 16, 16, [0, 0])
+    assert costs.live(2) is None and costs.cost(0) == pytest.approx(1.1)
+    assert costs.cost(2) == pytest.approx(2.4 * 1.1)
+    assert costs.cost(1) == pytest.approx(1.4 * 1.1)   # never timed: the probe, scaled by the drift
+    assert auto.rate(2, autodraft.UCB_Z) < auto.rate(0) and auto.choose() != 2
+
+
 def test_a_doubtful_choice_retimes_target_only_live():
     """A speculating choice that rests on the probe's c(0) and predicts a small gain runs target-only
     at the next admission of a whole batch (where no row's draft state is lost), so c(0) is timed

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -28,6 +29,7 @@ sys.path[:0] = [REPO, os.path.join(REPO, "benchmarks")]
 import eagle3_jax as e3  # noqa: E402
 import speedup  # noqa: E402
 from eagle3_jax.speculative.autodraft import AutoDraft  # noqa: E402
+from eagle3_jax.speculative.session import probe_costs as session_probe_costs  # noqa: E402
 
 
 def load_chooser(commit: str):
@@ -47,13 +49,16 @@ def load_chooser(commit: str):
 def earlier_mode(old, max_draft_tokens: int = 6):
     class Earlier(old.AutoDraft, AutoDraft):   # an AutoDraft to the Engine, the old one's methods first
         def next_k(self, drafted_rows=True, all_new=False, wave=None):
-            try:
+            params = inspect.signature(old.AutoDraft.next_k).parameters
+            if "wave" in params:   # a chooser that prices the last wave
+                return old.AutoDraft.next_k(self, drafted_rows, all_new, wave)
+            if "all_new" in params:
                 return old.AutoDraft.next_k(self, drafted_rows, all_new)
-            except TypeError:   # a chooser from before the all_new argument
-                return old.AutoDraft.next_k(self, drafted_rows)
+            return old.AutoDraft.next_k(self, drafted_rows)
 
         def rows_finished(self, *rows):
-            pass
+            if hasattr(old.AutoDraft, "rows_finished"):
+                old.AutoDraft.rows_finished(self, *rows)
 
     def make(pair, batch, capacity):
         gen = e3.Generator(pair.target, pair.draft, num_draft_tokens="auto", max_len=capacity, batch_size=batch,
@@ -63,7 +68,9 @@ def earlier_mode(old, max_draft_tokens: int = 6):
         def policy(program, sp, sampling):
             key = (dataclasses.replace(program, max_new_tokens=0), sampling.greedy, sampling.temperature)
             if key not in policies:
-                costs = old.probe_costs(session, program, sp, sorted({0, 1, max_draft_tokens}))
+                # the probe moved from autodraft into the session; either way its own commit's
+                probe = getattr(old, "probe_costs", None) or session_probe_costs
+                costs = probe(session, program, sp, sorted({0, 1, max_draft_tokens}))
                 policies[key] = Earlier(costs, max_draft_tokens, old.Acceptance(max_draft_tokens))
             return policies[key]
 

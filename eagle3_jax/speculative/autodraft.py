@@ -24,8 +24,9 @@ then stay target-only to the end.
 
 The last wave. Once no prompt waits, the batch runs until its slowest row is done while rows that
 finished sit idle: the rate is then Σ R_b / (n · max_b R_b / τ_b(K)) per running row, with R_b what
-row b has left to emit and τ_b its own acceptance (``Wave``); a row without counts yet borrows
-those of a recently finished row, since how far the slowest row lags is only known from rows. The
+row b has left to emit and τ_b its own acceptance (``Wave``); in a wave of two rows or more, a row
+without counts yet borrows those of a recently finished row, since how far the slowest row lags is
+only known from rows. The
 mean alone ran K = 5-6 at batch 8 on 8 prompts (one wave) predicting 1.8x and got 1.1x, where
 K = 2 gave 1.3x: the slowest row (τ 2.7 at K = 6, 2.2 at K = 2) set the wave's length.
 
@@ -129,11 +130,14 @@ class RoundCosts:
         self.probe_seconds = probe_seconds  # its wall time, compiles included
         self.runs: dict[int, deque] = {}   # K -> (run number, seconds, rounds) of its latest timed runs
         self.clock = 0                     # runs observed, timed or not
+        self.ratio: dict[int, float] = {}  # K >= 1 -> c(K) / c(0) at K's latest timed run, c(0) live
 
     def observe(self, k: int, seconds: float, rounds: int) -> None:
         self.clock += 1
         if rounds >= MIN_TIMED_ROUNDS and seconds > 0:
             self.runs.setdefault(k, deque(maxlen=LIVE_RUNS)).append((self.clock, seconds, rounds))
+            if k and (c0 := self.live(0)):   # taken as K runs: later c(0)s are another load's
+                self.ratio[k] = self.live(k) / c0
 
     def live(self, k: int) -> float | None:
         mine = [(s, r) for t, s, r in self.runs.get(k, ()) if self.clock - t < LIVE_AGE]
@@ -159,8 +163,15 @@ class RoundCosts:
         return float(np.median(ratios)) if ratios else 1.0
 
     def cost(self, k: int) -> float:
+        """Live; else, for a K once timed beside target-only, its ratio to c(0) then (a ratio
+        outlasts a change of load; the probe's can be off by a fifth, and a K whose own runs aged
+        out was re-explored on it: batch 1, T = 1); else the probe, scaled by the drift."""
         live = self.live(k)
-        return live if live is not None else self.base(k) * self.drift()
+        if live is not None:
+            return live
+        if k in self.ratio:
+            return self.ratio[k] * self.cost(0)
+        return self.base(k) * self.drift()
 
 
 @dataclass
