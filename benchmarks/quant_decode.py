@@ -1,4 +1,4 @@
-"""CPU decode speed of a target holding INT4 routed experts vs the same target in bfloat16.
+"""Decode speed of a target holding INT4 routed experts vs the same target in bfloat16.
 
 One random DeepSeek-V3-shaped target (benchmarks/_common.BENCH_TARGET_CONFIG) is built with INT4
 experts (packed words + bf16 group scales, as ``load_target(weights="native")`` holds Kimi-K2.5),
@@ -9,6 +9,7 @@ tokens) - generate(1 new token) (the prefill), each a median over the repeats af
 call (compile excluded); tok/s = batch * (N - 1) / decode time.
 
     .venv/bin/python benchmarks/quant_decode.py [--batches 1,8] [--new-tokens 32] [--repeats 5]
+        [--int4-kernels grouped,blocked]   # INT4 expert kernels side by side (default: the platform's)
 """
 
 from __future__ import annotations
@@ -63,10 +64,12 @@ def main():
     args = ap.parse_args()
     cfg = TargetConfig.from_hf_dict(BENCH_TARGET_CONFIG)
     names = [k.strip() for k in args.int4_kernels.split(",") if k.strip()] or [None]
-    kinds = {}
-    for name in names:
-        q, f = twins(cfg, int4_kernel=name)
-        kinds["int4 experts" + (f" ({name})" if name else "")] = q
+    q, f = twins(cfg, int4_kernel=names[0])
+    label = lambda name: "int4 experts" + (f" ({name})" if name else "")
+    kinds = {label(names[0]): q}
+    for name in names[1:]:   # the same seed: the same packed experts, another kernel over them
+        kinds[label(name)] = e3.build_target(cfg, dtype="bfloat16", seed=0, quant=QuantLayout(experts="int4"),
+                                             moe_kernel=name)
     kinds["bfloat16"] = f
     int4_kinds = [k for k in kinds if k != "bfloat16"]
     N = args.new_tokens

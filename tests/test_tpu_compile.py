@@ -2,8 +2,7 @@
 slices on this CPU-only host (libtpu, deviceless ahead-of-time compilation; nothing runs on a TPU).
 
 Programs: the decode loop at K >= 1 and K = 0 (target-only rounds), admission with chunked prefill,
-and the draft training step with online and offline hidden states (``test_tpu_compile_train.py``,
-a file of its own so that the suite's two workers share the tier); for the tiny configs (float and
+and the draft training step with online and offline hidden states; for the tiny configs (float and
 native INT4 / FP8 experts) and the demo target, on v5p:2x2x2 and v6e:2x4. The per-layer test
 compiles Kimi-K2.5 (INT4 experts) and DeepSeek-V3 (FP8) at full width, cut to two and three layers
 (one and two MoE layers), and asserts per-chip memory grows by at most what the added layer holds:
@@ -86,6 +85,14 @@ def test_tiny_decode_and_chunked_prefill_compile(tiny_configs, topology, weights
     # arguments as the TPU compiler counts them hold the planned parameters and loop state, in bf16
     # (and the padding of small arrays to its (8, 128) tiles, which dominates at this size)
     assert p.programs["decode"].argument >= p.param_bytes() + p.state_bytes()
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("source", ["online", "offline"])
+def test_tiny_train_step_compiles(tiny_configs, topology, source):
+    p = small_plan(tiny_configs["float"], topology, programs=(), train=True, train_batch=2, train_len=16,
+                   ttt_steps=2, hidden_source=source, train_dtype="bfloat16")
+    assert p.train.program.platform == "tpu" and p.train.program.fits and p.train.program.temp is not None
 
 
 # The demo on v5p in `make test` (43-61 s on 2 cores); on v6e too under `make test-tpu-full` (62-95 s):

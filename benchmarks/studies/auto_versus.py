@@ -47,9 +47,10 @@ def load_chooser(commit: str):
 
 
 def earlier_mode(old, max_draft_tokens: int = 6):
+    params = inspect.signature(old.AutoDraft.next_k).parameters   # what that commit's next_k takes
+
     class Earlier(old.AutoDraft, AutoDraft):   # an AutoDraft to the Engine, the old one's methods first
         def next_k(self, drafted_rows=True, all_new=False, wave=None):
-            params = inspect.signature(old.AutoDraft.next_k).parameters
             if "wave" in params:   # a chooser that prices the last wave
                 return old.AutoDraft.next_k(self, drafted_rows, all_new, wave)
             if "all_new" in params:

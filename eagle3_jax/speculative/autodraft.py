@@ -11,9 +11,10 @@ show that it does not. No other exploration exists.
 that position j-1 was (``Acceptance``).
 
 c(K) (``RoundCosts``) is seconds per round of this program (batch size, capacity, greedy or
-sampled) timed in this process: by a K's own latest runs, else by a start-up probe
-(``session.probe_costs``: K = 0, 1 and K_max on a scratch state, the Ks between on the line through
-1 and K_max) scaled by how the Ks that ran compare with their probe. Nothing is cached on disk: a
+sampled) timed in this process: by a K's own latest runs; else, for a K once timed beside live
+target-only rounds, by its ratio to c(0) then; else by a start-up probe (``session.probe_costs``:
+K = 0, 1 and K_max on a scratch state, the Ks between on the line through 1 and K_max) scaled by
+how the Ks that ran compare with their probe. Nothing is cached on disk: a
 cost taken under another load, capacity or prompt length would price this run wrongly.
 
 Target-only's cost is re-timed live: a probe on a shared machine can misjudge c(K) / c(0) by half
@@ -26,8 +27,7 @@ The last wave. Once no prompt waits, the batch runs until its slowest row is don
 finished sit idle: the rate is then Σ R_b / (n · max_b R_b / τ_b(K)) per running row, with R_b what
 row b has left to emit and τ_b its own acceptance (``Wave``); in a wave of two rows or more, a row
 without counts yet borrows those of a recently finished row, since how far the slowest row lags is
-only known from rows. The
-mean alone ran K = 5-6 at batch 8 on 8 prompts (one wave) predicting 1.8x and got 1.1x, where
+only known from rows. The mean alone ran K = 5-6 at batch 8 on 8 prompts (one wave) predicting 1.8x and got 1.1x, where
 K = 2 gave 1.3x: the slowest row (τ 2.7 at K = 6, 2.2 at K = 2) set the wave's length.
 
 A "measured" speedup divides target-only's live round cost by K's, both from runs in this process;
@@ -163,9 +163,8 @@ class RoundCosts:
         return float(np.median(ratios)) if ratios else 1.0
 
     def cost(self, k: int) -> float:
-        """Live; else, for a K once timed beside target-only, its ratio to c(0) then (a ratio
-        outlasts a change of load; the probe's can be off by a fifth, and a K whose own runs aged
-        out was re-explored on it: batch 1, T = 1); else the probe, scaled by the drift."""
+        """As the module docstring orders it. A ratio outlasts a change of load; the probe's ratio
+        can be off by a fifth, and a K whose own runs aged out was re-explored on it (batch 1, T = 1)."""
         live = self.live(k)
         if live is not None:
             return live
