@@ -53,19 +53,27 @@ def expand_values(out_lat_BTNC: jax.Array, kv_b, nope: int, tile: int = TILE_COL
 
 
 KEY_BLOCK = 128
+# The most scores one row's block step holds, T x N x kb (float32: 16 MiB a row). Decode blocks are
+# far below it; it bounds prefill chunks, whose T x N asks for whole-capacity blocks (Kimi-K2.5,
+# 32 rows x 256 positions x 64 heads over 1024 slots: 2 GiB a score array per chip, several live).
+MAX_BLOCK_SCORES = 1 << 22
 
 
 def key_block(capacity: int, tokens: int, heads: int, block: int = KEY_BLOCK) -> int:
     """Slots per step of ``attend_filled``'s loop: at least ``block`` and at least 4 * T * N (a
-    power of two), at most the whole cache (one step then, taken without a loop).
+    power of two), at most the whole cache (one step then, taken without a loop), and no more than
+    ``MAX_BLOCK_SCORES`` scores a row.
 
     A step reads its keys, about 2 * kb * C bytes a row (bf16), and reads and writes the running
     float32 sums, 8 * T * N * C bytes a row, which a compiled loop keeps in memory between steps:
     blocks of 4 * T * N slots or more keep that traffic no larger than the keys'. (Compiled for a
     TPU v5p at Kimi's shapes, 32 rows x 64 heads verifying 5 tokens: 128-slot steps moved 220 MB
-    each, 4.7 MB of them keys.)"""
+    each, 4.7 MB of them keys.) Where the score cap binds (prefill chunks, T in the hundreds), a
+    step does 4 * T * N * kb * C flops against those 8 * T * N * C bytes, kb / 2 flops a byte:
+    compute-bound at the cap's blocks of 256 slots and more."""
     need = 1 << max(0, (4 * tokens * heads - 1).bit_length())
-    return min(capacity, max(block, need))
+    cap = 1 << max(0, (MAX_BLOCK_SCORES // max(1, tokens * heads)).bit_length() - 1)
+    return min(capacity, max(block, min(need, cap)))
 
 
 def online_softmax_over_slots(scores_fn, weighted_fn, positions_BT, capacity: int, kb: int, out_dtype):

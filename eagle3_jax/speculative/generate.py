@@ -149,13 +149,24 @@ def _emit(state: LoopState, new_BJ, n_new_B, eos_E):
     return tokens_BN, n_out_B, finish_B.astype(jnp.int32), n_B
 
 
-def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program: DecodeProgram) -> LoopState:
-    """Runs the prompts through the target (and the draft) and emits each row's first token."""
+def prompt_capacity(T: int, program: DecodeProgram) -> int:
+    """Cache slots a prefill of a T-token prompt block writes: T rounded up to whole chunks (chunk
+    padding writes slots past T), at most the capacity."""
+    chunk = program.prefill_chunk
+    padded = T if chunk is None or chunk >= T else -(-T // chunk) * chunk
+    return min(padded, program.max_len)
+
+
+def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program: DecodeProgram,
+             capacity: int | None = None) -> LoopState:
+    """Runs the prompts through the target (and the draft) and emits each row's first token.
+    ``capacity``: slots of the caches it builds (default the program's ``max_len``; an admission
+    builds only the prompt block's, see ``admit_rows``)."""
     K = program.max_draft_tokens   # the layout's width, also when the draft is left out (admit_rows)
     max_len, max_new_tokens = program.max_len, program.max_new_tokens
     B, T = prompt_BT.shape
     rows_B = jnp.arange(B)
-    tcache = target.init_cache(B, max_len)
+    tcache = target.init_cache(B, capacity or max_len)
     tcache = MLACache(constrain(tcache.latent_LBSC, (None, "batch", "cache_seq", "kv_lora")),
                       constrain(tcache.rope_LBSP, (None, "batch", "cache_seq", None)))
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -188,7 +199,7 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
         # with the target's first new token at each row's end).
         shifted_BT = jnp.concatenate([prompt_BT[:, 1:], jnp.zeros((B, 1), prompt_BT.dtype)], axis=1)
         shifted_BT = shifted_BT.at[rows_B, prompt_len_B - 1].set(first_B)
-        dcache = draft.init_cache(B, max_len)
+        dcache = draft.init_cache(B, capacity or max_len)
         if chunk is None or chunk >= T:
             dstep = draft(shifted_BT, draft.fuse(aux_BTX), positions_BT, target.embed_tokens[...], dcache,
                           with_logits=False)
@@ -336,10 +347,17 @@ def admit_rows(tgraph, tstate, dgraph, dstate, state: LoopState, rows_A, prompt_
     admits without the draft: only the target prefills (no aux states, no draft pass), and the
     rows' draft state is left as it was, stale, as after any target-only round. Rows that will
     only run target-only rounds need no draft state: this keeps K = 0 under auto as cheap as
-    having no draft (the Engine's choice)."""
+    having no draft (the Engine's choice).
+
+    The new rows' caches span only the prompt block's slots, which are then written over the
+    rows' first slots in the state; the slots past them keep what an earlier occupant left there,
+    masked by position like any stale slot until decoding overwrites them. A full-capacity cache
+    per admission was a second copy of the state's caches at whole-batch admissions (Kimi-K2.5,
+    32 rows x 8192 slots: 17 GiB per chip on a v5p slice with ``data=1``)."""
     target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
     key, k_new = jax.random.split(state.key)
-    fresh = _prefill(target, draft, prompt_AT, prompt_len_A, k_new, sp, program)
+    fresh = _prefill(target, draft, prompt_AT, prompt_len_A, k_new, sp, program,
+                     capacity=prompt_capacity(prompt_AT.shape[1], program))
     return _scatter_rows(rows_A, fresh, dataclasses.replace(state, key=key))
 
 
@@ -349,11 +367,14 @@ _DRAFT_FIELDS = ("dcache", "dhidden_BD", "dlogits_BW")
 def _scatter_rows(rows_A, new: LoopState, old: LoopState) -> LoopState:
     """old[rows_A] = new, row by row (out-of-range rows dropped); the key stays old's, and so does
     the draft state where ``new`` has none. The target cache keeps layers first and batch second;
-    everything else is batch-first."""
+    everything else is batch-first. ``new``'s caches may hold fewer slots than ``old``'s: they fill
+    the rows' first slots."""
 
     def put(axis):
         def scatter(o, n):
-            return o.at[(slice(None),) * axis + (rows_A,)].set(n.astype(o.dtype), mode="drop")
+            # Leading slices cover new's extent on every axis after the rows (fewer cache slots).
+            tail = tuple(slice(0, d) for d in n.shape[axis + 1:])
+            return o.at[(slice(None),) * axis + (rows_A,) + tail].set(n.astype(o.dtype), mode="drop")
         return scatter
 
     kept = dict(tcache=None, key=None)
