@@ -87,6 +87,19 @@ def test_tiny_decode_and_chunked_prefill_compile(tiny_configs, topology, weights
     assert p.programs["decode"].argument >= p.param_bytes() + p.state_bytes()
 
 
+def test_admission_holds_no_second_full_capacity_cache():
+    """An admission prefills into caches of the prompt block's slots, not of the rows' capacity: a
+    whole-batch admission of Kimi-K2.5 at 32 rows x 8192 slots otherwise holds a second copy of the
+    target and draft caches (and its attention scores span the capacity), and prefill did not fit
+    on the v5p slice where decode does."""
+    p = small_plan(str(TINY), TOPOLOGIES[0], max_len=8192, batch=8, programs=("prefill",))
+    mem = p.programs["prefill"]
+    assert mem.fits, mem.error
+    caches = p.state_bytes("tcache") + p.state_bytes("dcache")
+    assert caches > 4 * MIB  # capacity dominates: 16-slot prompts in 8192-slot rows
+    assert mem.temp < caches, f"prefill temporaries {mem.temp / MIB:.1f} MiB, caches {caches / MIB:.1f} MiB"
+
+
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("source", ["online", "offline"])
 def test_tiny_train_step_compiles(tiny_configs, topology, source):
