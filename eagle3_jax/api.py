@@ -16,6 +16,7 @@ from eagle3_jax.checkpoint.hf_loader import load_state
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 from eagle3_jax.checkpoint.target_map import is_ignored_key, target_rules
 from eagle3_jax.config import DraftConfig, TargetConfig, resolve_dtype
+from eagle3_jax.draft_handle import DraftOutput, LoadedDraft, check_and_wire
 from eagle3_jax.errors import CheckpointError, ConfigError
 from eagle3_jax.metrics import GenerationStats
 from eagle3_jax.models.cache import MLACache
@@ -167,47 +168,6 @@ def load_target(path: str | os.PathLike, dtype="float32", mesh=None, moe_kernel:
 
 
 # ====================================================================== draft
-@dataclass
-class DraftOutput:
-    logits: jax.Array   # [B, T, draft_vocab] float32
-    hidden: jax.Array   # [B, T, D]
-
-
-def _draft_call(graphdef, state, ids_BT, aux_BTX, embed_VD):
-    draft = nnx.merge(graphdef, state)
-    B, T = ids_BT.shape
-    positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    step = draft(ids_BT, draft.fuse(aux_BTX), positions_BT, embed_VD, None)
-    return step.logits_BTW, step.hidden_BTD
-
-
-class LoadedDraft:
-    """An EAGLE-3 draft checked against, and wired to, its target."""
-
-    def __init__(self, model: Draft, target: LoadedTarget, aux_layer_ids: tuple[int, ...]):
-        self.model = model
-        self.config: DraftConfig = model.cfg
-        self.target = target
-        self.aux_layer_ids = aux_layer_ids
-        self.graphdef, self.state = nnx.split(model)
-        self._call = jax.jit(_draft_call, static_argnums=(0,))
-
-    def forward(self, ids, aux_hidden) -> DraftOutput:
-        """One causal pass (TTT step 0). ``ids[:, t]`` is the token after position t of ``aux_hidden``."""
-        with mesh_context(self.target.mesh):
-            logits, hidden = self._call(self.graphdef, self.state, jnp.asarray(ids, jnp.int32),
-                                        jnp.asarray(aux_hidden), self.target.model.embed_tokens.value)
-        return DraftOutput(logits=logits, hidden=hidden)
-
-
-def _check_and_wire(cfg: DraftConfig, target: LoadedTarget, fc_in: int, d2t, own_embedding_width):
-    from eagle3_jax.contracts import check_pairing, resolve_aux_ids
-
-    ids = resolve_aux_ids(cfg, target.config)
-    check_pairing(cfg, target.config, fc_in, len(ids), d2t, own_embedding_width)
-    return ids
-
-
 def build_draft(cfg: DraftConfig, target: LoadedTarget, dtype=None, seed: int = 0) -> LoadedDraft:
     """A randomly initialized draft for ``target`` (tests, training from scratch)."""
     from eagle3_jax.contracts import resolve_aux_ids
@@ -215,7 +175,7 @@ def build_draft(cfg: DraftConfig, target: LoadedTarget, dtype=None, seed: int = 
     dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
     ids = resolve_aux_ids(cfg, target.config)
     model = Draft(cfg, len(ids), dtype, nnx.Rngs(seed))
-    _check_and_wire(cfg, target, model.fc.value.shape[0], None, None)
+    check_and_wire(cfg, target, model.fc.value.shape[0], None, None)
     if target.mesh is not None:
         graphdef, state = nnx.split(model)
         model = nnx.merge(graphdef, shard_state(state, target.mesh))
@@ -245,7 +205,7 @@ def load_draft(path: str | os.PathLike, target: LoadedTarget, dtype=None) -> Loa
     reader = None if store.is_jax_checkpoint(path) else CheckpointReader(path)
     layout = read_draft_layout(path, reader)
     own_embedding, maps, d2t = layout.own_embedding, layout.vocab_maps, layout.d2t()
-    ids = _check_and_wire(cfg, target, layout.fc_in, d2t, layout.embed_width)
+    ids = check_and_wire(cfg, target, layout.fc_in, d2t, layout.embed_width)
     if "d2t" not in maps and cfg.draft_vocab_size != cfg.vocab_size:
         raise CheckpointError(
             f"{path}: draft_vocab_size={cfg.draft_vocab_size} < vocab_size={cfg.vocab_size} but the checkpoint has no "

@@ -105,7 +105,7 @@ def write_peagle(path: str | os.PathLike, cfg: PEagleConfig, flat: Mapping[tuple
 
 def build_peagle_draft(cfg: PEagleConfig, target, dtype=None, seed: int = 0):
     """A randomly initialised P-EAGLE draft wired to ``target`` (an ``api.LoadedTarget``)."""
-    from eagle3_jax.api import LoadedDraft, _check_and_wire
+    from eagle3_jax.draft_handle import LoadedDraft, check_and_wire
     from eagle3_jax.config import resolve_dtype
     from eagle3_jax.contracts import resolve_aux_ids
     from eagle3_jax.models.peagle import PEagleDraft
@@ -114,7 +114,7 @@ def build_peagle_draft(cfg: PEagleConfig, target, dtype=None, seed: int = 0):
     dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
     ids = resolve_aux_ids(cfg, target.config)
     model = PEagleDraft(cfg, len(ids), dtype, nnx.Rngs(seed))
-    _check_and_wire(cfg, target, model.fc[...].shape[0], None, cfg.hidden_size)
+    check_and_wire(cfg, target, model.fc[...].shape[0], None, cfg.hidden_size)
     if target.mesh is not None:
         graphdef, state = nnx.split(model)
         model = nnx.merge(graphdef, shard_state(state, target.mesh))
@@ -124,7 +124,7 @@ def build_peagle_draft(cfg: PEagleConfig, target, dtype=None, seed: int = 0):
 def load_peagle_draft(path: str | os.PathLike, target, dtype=None, mask_token_id: int | None = None):
     """A SpecForge-layout P-EAGLE draft directory, checked against and wired to ``target``: aux ids
     exist, fc's width is n_aux x target hidden, vocabularies and d2t agree, before any weight is read."""
-    from eagle3_jax.api import LoadedDraft, _check_and_wire
+    from eagle3_jax.draft_handle import LoadedDraft, check_and_wire
     from eagle3_jax.config import resolve_dtype
     from eagle3_jax.models.peagle import PEagleDraft
 
@@ -142,7 +142,7 @@ def load_peagle_draft(path: str | os.PathLike, target, dtype=None, mask_token_id
         d2t = store.restore_arrays(path, ["d2t"])["d2t"]
     else:   # a missing d2t is reported with every other missing tensor when the weights are read
         d2t = reader.read("d2t") if "d2t" in reader else None
-    ids = _check_and_wire(cfg, target, n_aux * cfg.target_hidden_size, d2t, cfg.hidden_size)
+    ids = check_and_wire(cfg, target, n_aux * cfg.target_hidden_size, d2t, cfg.hidden_size)
     if len(ids) != n_aux:
         raise CheckpointError(f"{where}: fc fuses {n_aux} aux states but the config names {len(ids)} layer ids {ids}")
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: PEagleDraft(cfg, n_aux, dtype, None)))

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from eagle3_jax.models.cache import KVCache, MLACache
 from eagle3_jax.sharding import constrain
 from eagle3_jax.speculative.accept import first_argmax, greedy_accept, rejection_accept, sample_from_probs, target_probs
 from eagle3_jax.speculative.prefill import chunked_draft, chunked_target
 from eagle3_jax.speculative.parallel import propose_parallel
+from eagle3_jax.speculative.static_graph import merge_models
 
 RUNNING, FINISH_EOS, FINISH_LENGTH, FINISH_CAPACITY = 0, 1, 2, 3
 FINISH_NAMES = {FINISH_EOS: "eos", FINISH_LENGTH: "length", FINISH_CAPACITY: "max_len"}
@@ -296,32 +296,6 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
     return spec_round if draft is not None and program.num_draft_tokens > 0 else target_round
 
 
-class StaticGraph:
-    """A model graphdef as a static jit argument, hashed once. jit hashes its static arguments on
-    every call, and a graphdef's own hash walks the whole module graph (0.6 ms for the demo
-    target, as much as a decode round at batch 1), so each bounded run would pay it."""
-
-    __slots__ = ("graphdef", "_hash")
-
-    def __init__(self, graphdef):
-        self.graphdef = graphdef
-        self._hash = hash(graphdef)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, StaticGraph) and (other.graphdef is self.graphdef or other.graphdef == self.graphdef)
-
-
-def _graph(g):
-    return g.graphdef if isinstance(g, StaticGraph) else g
-
-
-def _merge_models(tgraph, tstate, dgraph, dstate):
-    return nnx.merge(_graph(tgraph), tstate), (nnx.merge(_graph(dgraph), dstate) if dgraph is not None else None)
-
-
 _STATIC = ("tgraph", "dgraph", "program")
 
 
@@ -329,7 +303,7 @@ _STATIC = ("tgraph", "dgraph", "program")
 def generate_loop(tgraph, tstate, dgraph, dstate, prompt_BT, prompt_len_B, key, sp: Sampling, *,
                   program: DecodeProgram) -> LoopState:
     """Prefill + rounds until every row is done, in one program."""
-    target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
+    target, draft = merge_models(tgraph, tstate, dgraph, dstate)
     state = _prefill(target, draft, prompt_BT, prompt_len_B, key, sp, program)
     body = _round_fn(target, draft, sp, program)
     return jax.lax.while_loop(lambda s: jnp.any(s.finish_B == RUNNING), body, state)
@@ -354,7 +328,7 @@ def admit_rows(tgraph, tstate, dgraph, dstate, state: LoopState, rows_A, prompt_
     masked by position like any stale slot until decoding overwrites them. A full-capacity cache
     per admission was a second copy of the state's caches at whole-batch admissions (Kimi-K2.5,
     32 rows x 8192 slots: 17 GiB per chip on a v5p slice with ``data=1``)."""
-    target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
+    target, draft = merge_models(tgraph, tstate, dgraph, dstate)
     key, k_new = jax.random.split(state.key)
     fresh = _prefill(target, draft, prompt_AT, prompt_len_A, k_new, sp, program,
                      capacity=prompt_capacity(prompt_AT.shape[1], program))
@@ -393,7 +367,7 @@ def run_rounds(tgraph, tstate, dgraph, dstate, state: LoopState, max_rounds, sto
     instead of letting them idle to the end of the run (pass batch_size + 1 to never stop early).
     Target-only rounds (K = 0) may be run without the draft (``dgraph``, ``dstate`` None) on a
     state that has draft fields: they pass through untouched, and no draft weights are handed in."""
-    target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
+    target, draft = merge_models(tgraph, tstate, dgraph, dstate)
     body = _round_fn(target, draft, sp, program)
 
     def cond(c):
@@ -412,7 +386,7 @@ FINISH_IDLE = 4  # an empty row of a continuous batch
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def blank_state(tgraph, tstate, dgraph, dstate, key, sp: Sampling, *, program: DecodeProgram) -> LoopState:
     """A loop state with every row idle, ready for ``admit_rows``."""
-    target, draft = _merge_models(tgraph, tstate, dgraph, dstate)
+    target, draft = merge_models(tgraph, tstate, dgraph, dstate)
     B = program.batch_size
     # Its contents never matter (idle rows do not advance and admission overwrites a row whole);
     # a one-token prefill is simply the cheapest way to build the layout.

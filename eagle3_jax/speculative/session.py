@@ -24,7 +24,8 @@ from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import GenerationStats
 from eagle3_jax.sharding import data_parallel_size, mesh_context
 from eagle3_jax.speculative.autodraft import AUTO, DEFAULT_MAX_DRAFT_TOKENS, Acceptance, AutoDraft, FixedK, RoundCosts
-from eagle3_jax.speculative.generate import FINISH_NAMES, DecodeProgram, LoopState, Sampling, StaticGraph
+from eagle3_jax.speculative.generate import FINISH_NAMES, DecodeProgram, LoopState, Sampling
+from eagle3_jax.speculative.static_graph import StaticGraph
 
 # Prompts are right-padded to a bucket, so nearby lengths share one compiled program. Buckets grow
 # geometrically from PROMPT_BUCKET (16, 24, 32, 48, 64, 96, ...: powers of two and 1.5x them), so a

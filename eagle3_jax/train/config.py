@@ -16,6 +16,7 @@ from eagle3_jax import settings_io
 from eagle3_jax.config import DraftConfig, MeshConfig, TargetConfig
 from eagle3_jax.errors import ConfigError, SettingsError
 from eagle3_jax.settings_io import Layer
+from eagle3_jax.train.shapes import DraftShape, PEagleShape
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 MODES = ("train", "prepare")
@@ -32,33 +33,6 @@ HOW_TO_MAKE_DATA = (
     "Make training data from the target's own answers with `python serve.py --target TARGET --input "
     "PROMPTS.jsonl --output DATA.jsonl --emit training` (lines of {\"messages\": ...}); for the demo, "
     "stage 4 of `python tools/make_demo.py` (regenerate) writes build/demo_work/regenerated.jsonl")
-
-
-@dataclass(frozen=True)
-class DraftShape:
-    """The draft's layer sizes; a field left as None takes the target's value."""
-
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rope_theta: float = 10000.0
-    rms_norm_eps: float | None = None
-    max_position_embeddings: int | None = None
-
-
-@dataclass(frozen=True)
-class PEagleShape:
-    """``draft_kind: peagle``: the draft's decoder layers (None: 4, SpecForge's recipe, or the
-    draft_config_file's), the MASK token fed at guessed positions (None: draft_kind.py's rule), and
-    COD depth sampling (SpecForge's defaults)."""
-
-    num_hidden_layers: int | None = None
-    mask_token_id: int | None = None
-    num_depths: int = 8
-    down_sample_ratio: float = 0.7
-    down_sample_ratio_min: float = 0.2
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from eagle3_jax.config import DraftConfig, TargetConfig
 from eagle3_jax.config.draft import DRAFT_ARCHITECTURES
 from eagle3_jax.config.peagle import PEAGLE_ARCHITECTURES, PEagleConfig, is_peagle_config
 from eagle3_jax.errors import ConfigError, SettingsError
+from eagle3_jax.train.shapes import DraftShape, PEagleShape
 
 DRAFT_KINDS = ("eagle3", "peagle")
 DEFAULT_PEAGLE_LAYERS = 4   # SpecForge's P-EAGLE recipe (configs/qwen3-8b-peagle.json)
@@ -80,8 +81,6 @@ def file_aux_ids(cfg) -> tuple[int, ...] | None:
 def check_draft_settings(cfg, tcfg: TargetConfig) -> None:
     """The draft-kind settings against each other and the target (the sizes are checked when
     ``build_draft_config`` parses the result)."""
-    from eagle3_jax.train.config import DraftShape, PEagleShape
-
     kind = resolve_kind(cfg)
     d = read_draft_file(cfg)
     s = cfg.peagle

@@ -1,0 +1,34 @@
+"""The draft's sizes as a training config gives them: ``DraftShape`` (an EAGLE-3 draft's layer)
+and ``PEagleShape`` (a P-EAGLE draft's depth, MASK token and COD sampling). A leaf, so that
+``config.py`` and ``draft_kind.py`` both read them without importing each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """The draft's layer sizes; a field left as None takes the target's value."""
+
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rms_norm_eps: float | None = None
+    max_position_embeddings: int | None = None
+
+
+@dataclass(frozen=True)
+class PEagleShape:
+    """``draft_kind: peagle``: the draft's decoder layers (None: 4, SpecForge's recipe, or the
+    draft_config_file's), the MASK token fed at guessed positions (None: draft_kind.py's rule), and
+    COD depth sampling (SpecForge's defaults)."""
+
+    num_hidden_layers: int | None = None
+    mask_token_id: int | None = None
+    num_depths: int = 8
+    down_sample_ratio: float = 0.7
+    down_sample_ratio_min: float = 0.2
