@@ -170,11 +170,19 @@ def compile_stats(fn, args: Sequence[Any], kwargs: dict | None = None, name: str
         name, _platform(args), t1 - t0, t2 - t1, hbm is None or peak <= hbm, arg, out, alias, temp,
         int(mem.generated_code_size_in_bytes), peak, hbm,
         flops=_num(cost.get("flops")), bytes_accessed=_num(cost.get("bytes accessed")),
-        estimated_seconds=_num(cost.get("optimal_seconds")))
+        estimated_seconds=_duration(cost.get("optimal_seconds")))
 
 
 def _num(v) -> float | None:
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+
+def _duration(v) -> float | None:
+    """The cost model's time estimate, or None where it gives none. For some programs it returns a
+    negative figure, a sentinel and not a time: the tiny config's chunked prefill -7.0 s, the demo
+    target's decode loop, Kimi-K2.5's full 61-layer decode and prefill about -120 s each."""
+    v = _num(v)
+    return v if v is not None and v > 0 else None
 
 
 def _platform(args) -> str:

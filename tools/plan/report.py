@@ -140,6 +140,9 @@ def format_costs(plan: Plan) -> list[str]:
              f"{m.estimated_seconds * 1e3:,.2f}" if m.estimated_seconds is not None else "-"]
             for n, m in list(plan.programs.items()) + ([("decode K=0", plan.rounds[0])] if 0 in plan.rounds else [])]
     lines += _table(["program", "TFLOP", "GB accessed", "estimated ms"], rows)
+    if any(r[3] == "-" for r in rows):
+        lines.append("# '-': the cost model gave no time for that program (a non-positive figure, as it does for "
+                     "full-depth Kimi-K2.5); no speedup is predicted from it")
     if plan.rounds:
         source = "given" if plan.settings.tau else "the demo pair's measured greedy acceptance"
         lines += [f"# predicted speedup = tau * t(K=0 round) / t(K round), tau {source} (a compiler estimate, "
