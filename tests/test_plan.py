@@ -145,3 +145,7 @@ def test_train_step_plan_offline():
     assert 2 * weights <= t.optimizer <= 2 * weights + 64
     assert t.program.alias == weights + t.optimizer
     assert t.program.temp > 0 and t.totals(p.temp_ratio)[0] > t.draft_params + t.optimizer
+    # --json carries the same step (a row-length sweep is a loop over --train-len reading it).
+    j = report.json_train(p, hbm=10**9)
+    assert (j["train_len"], j["hidden_source"], j["optimizer_bytes"]) == (16, "offline", t.optimizer)
+    assert j["peak_bytes"] == t.totals(1.0)[0] and j["fits"] is True

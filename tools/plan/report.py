@@ -206,7 +206,23 @@ def json_mesh(plan: Plan, hbm: int | None = None) -> dict:
            "platform": plan.settings.platform, "topology": plan.settings.topology, "rows": rows}
     if plan.rounds:
         out["rounds"] = round_estimates(plan)
+    if plan.train is not None:
+        out["train"] = json_train(plan, hbm)
     return out
+
+
+def json_train(plan: Plan, hbm: int | None) -> dict:
+    """The draft training step: what each device holds, its temporaries, and the peak (upper and
+    lower, as the table prints them) against ``hbm``."""
+    s, t = plan.settings, plan.train
+    size = lambda name: jnp.dtype(resolve_dtype(name)).itemsize  # noqa: E731
+    hi, lo = t.totals(min(1.0, size(s.train_dtype) / size(s.compile_dtype)))
+    return {"hidden_source": s.hidden_source, "train_batch": s.train_batch, "train_len": s.train_len,
+            "ttt_steps": s.ttt_steps, "train_dtype": s.train_dtype, "platform": s.platform,
+            "topology": s.topology, "frozen_target_bytes": t.frozen_target, "head_bytes": t.head,
+            "draft_param_bytes": t.draft_params, "optimizer_bytes": t.optimizer, "batch_bytes": t.batch,
+            "temp_bytes": t.program.temp, "peak_bytes": int(hi), "peak_bytes_lower": int(lo),
+            "fits": (hi <= hbm) if hbm else None, "compile_seconds": round(t.program.lower_s + t.program.compile_s, 1)}
 
 
 def round_estimates(plan: Plan) -> list[dict]:
