@@ -216,7 +216,7 @@ def json_train(plan: Plan, hbm: int | None) -> dict:
     lower, as the table prints them) against ``hbm``."""
     s, t = plan.settings, plan.train
     size = lambda name: jnp.dtype(resolve_dtype(name)).itemsize  # noqa: E731
-    hi, lo = t.totals(min(1.0, size(s.train_dtype) / size(s.compile_dtype)))
+    hi, lo = t.totals(1.0 if s.platform == "tpu" else min(1.0, size(s.train_dtype) / size(s.compile_dtype)))
     return {"hidden_source": s.hidden_source, "train_batch": s.train_batch, "train_len": s.train_len,
             "ttt_steps": s.ttt_steps, "train_dtype": s.train_dtype, "platform": s.platform,
             "topology": s.topology, "frozen_target_bytes": t.frozen_target, "head_bytes": t.head,
@@ -243,7 +243,8 @@ def format_train(plan: Plan, hbm: int | None) -> list[str]:
     # The draft trains in train_dtype: with float32 weights its TTT activations are float32 too,
     # so only a narrower train dtype makes the float32 compile an overestimate.
     size = lambda name: jnp.dtype(resolve_dtype(name)).itemsize  # noqa: E731
-    ratio = min(1.0, size(s.train_dtype) / size(s.compile_dtype))
+    # On TPU the step compiles in its own dtypes: nothing to scale.
+    ratio = 1.0 if s.platform == "tpu" else min(1.0, size(s.train_dtype) / size(s.compile_dtype))
     hi, lo = t.totals(ratio)
     unit, scale = _unit(hi)
     _gb = lambda n: f"{n / scale:,.1f}"  # noqa: E731
@@ -252,14 +253,19 @@ def format_train(plan: Plan, hbm: int | None) -> list[str]:
              f"{s.train_dtype}; lowered {t.program.lower_s:.0f} s, compiled {t.program.compile_s:.0f} s; {unit}"]
     head = ["frozen target", "target head", "draft params", "AdamW state", "batch", "temp", "peak"]
     row = [_gb(t.frozen_target), _gb(t.head), _gb(t.draft_params), _gb(t.optimizer), _gb(t.batch)]
-    if ratio < 1:
+    if t.program.temp is None:   # the TPU compiler refused it: peak is its figure of what it needs
+        row += ["-", _gb(hi)]
+    elif ratio < 1:
         row += [f"{_gb(t.program.temp)} / {_gb(t.program.temp * ratio)}", f"{_gb(hi)} / {_gb(lo)}"]
     else:
         row += [_gb(t.program.temp), _gb(hi)]
     if hbm:
         head.append("fits")
         row.append("yes" if hi <= hbm else "if bf16 temps" if lo <= hbm else "no")
-    return lines + _table(head, [row])
+    lines += _table(head, [row])
+    if t.program.temp is None:
+        lines.append(f"# the TPU compiler refused the step for HBM: {t.program.error}")
+    return lines
 
 
 def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:

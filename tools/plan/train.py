@@ -31,7 +31,9 @@ class TrainMemory:
     program: ProgramMemory
 
     def totals(self, temp_ratio: float) -> tuple[int, int]:
-        if self.program.temp is None:  # the TPU compiler refused it for HBM: its own figure is all there is
+        if self.program.temp is None or self.program.platform == "tpu":
+            # The TPU compiler's own peak: exact in the planned dtypes, tile padding counted; when it
+            # refused the step for HBM, its figure of what the step needs is all there is.
             return self.program.peak, self.program.peak
         resident = self.frozen_target + self.head + self.draft_params + self.optimizer + self.batch
         extra = max(0, self.program.output - self.program.alias)
