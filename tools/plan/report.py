@@ -215,8 +215,7 @@ def json_train(plan: Plan, hbm: int | None) -> dict:
     """The draft training step: what each device holds, its temporaries, and the peak (upper and
     lower, as the table prints them) against ``hbm``."""
     s, t = plan.settings, plan.train
-    size = lambda name: jnp.dtype(resolve_dtype(name)).itemsize  # noqa: E731
-    hi, lo = t.totals(1.0 if s.platform == "tpu" else min(1.0, size(s.train_dtype) / size(s.compile_dtype)))
+    hi, lo = t.totals(train_temp_ratio(s))
     return {"hidden_source": s.hidden_source, "train_batch": s.train_batch, "train_len": s.train_len,
             "ttt_steps": s.ttt_steps, "train_dtype": s.train_dtype, "platform": s.platform,
             "topology": s.topology, "frozen_target_bytes": t.frozen_target, "head_bytes": t.head,
@@ -238,13 +237,18 @@ def format_plan(plan: Plan, hbm: int | None = None) -> str:
     return "\n".join(format_header(plan) + [""] + format_mesh(plan, hbm) + [""] + format_notes(plan))
 
 
+def train_temp_ratio(s) -> float:
+    """How the training step's compiled temporaries scale to the planned dtype. The draft trains in
+    train_dtype: with float32 weights its TTT activations are float32 too, so only a narrower train
+    dtype makes the float32 CPU compile an overestimate. On TPU the step compiles in its own
+    dtypes: nothing to scale."""
+    size = lambda name: jnp.dtype(resolve_dtype(name)).itemsize  # noqa: E731
+    return 1.0 if s.platform == "tpu" else min(1.0, size(s.train_dtype) / size(s.compile_dtype))
+
+
 def format_train(plan: Plan, hbm: int | None) -> list[str]:
     s, t = plan.settings, plan.train
-    # The draft trains in train_dtype: with float32 weights its TTT activations are float32 too,
-    # so only a narrower train dtype makes the float32 compile an overestimate.
-    size = lambda name: jnp.dtype(resolve_dtype(name)).itemsize  # noqa: E731
-    # On TPU the step compiles in its own dtypes: nothing to scale.
-    ratio = 1.0 if s.platform == "tpu" else min(1.0, size(s.train_dtype) / size(s.compile_dtype))
+    ratio = train_temp_ratio(s)
     hi, lo = t.totals(ratio)
     unit, scale = _unit(hi)
     _gb = lambda n: f"{n / scale:,.1f}"  # noqa: E731
