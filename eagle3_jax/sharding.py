@@ -42,7 +42,16 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "moe_mlp": TENSOR_AXIS, # routed expert width
     "aux": None,            # concatenated aux hidden states
     "draft_vocab": TENSOR_AXIS,
+    # training only: the token positions of the draft's TTT activations and loss (sequence
+    # parallelism: one long row split over the devices that hold different experts of the frozen target)
+    "draft_seq": EXPERT_AXIS,
 }
+
+# Training only: each trainable draft parameter (and with it its gradient and AdamW moments) is split
+# further over these mesh axes where the table above leaves them unused for it (ZeRO-3 / FSDP: the
+# step gathers a weight where it is used). Replicated instead, the draft's float32 weights, gradients
+# and moments would be whole on every device: 2.4 GB a copy for a Kimi-K2.5 draft, 3 copies.
+TRAIN_SPLIT_AXES = (DATA_AXIS, EXPERT_AXIS)
 
 
 def mesh_axis(logical: str) -> str | None:
@@ -154,6 +163,37 @@ def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:
     return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def train_param_sharding(mesh: jax.sharding.Mesh, axes: Sequence[str | None] | None,
+                         shape: Sequence[int]) -> NamedSharding:
+    """``sharding_for`` plus ``TRAIN_SPLIT_AXES``: the largest dimension the table leaves replicated
+    is split over those of the axes the parameter does not use (all of them together where they
+    divide it, else the largest single one that does); a parameter nothing divides stays as it was."""
+    mesh_shape = dict(mesh.shape)
+    spec = list(_fits(mesh_shape, logical_to_spec(axes), shape, axes))
+    spec += [None] * (len(shape) - len(spec))
+    used = {m for s in spec if s is not None for m in (s if isinstance(s, tuple) else (s,))}
+    free = [m for m in TRAIN_SPLIT_AXES if m not in used and mesh_shape[m] > 1]
+    for group in ([tuple(free)] if len(free) > 1 else []) + [(m,) for m in sorted(free, key=lambda m: -mesh_shape[m])]:
+        n = int(np.prod([mesh_shape[m] for m in group]))
+        dims = [i for i, d in enumerate(shape) if spec[i] is None and d % n == 0]
+        if dims:
+            i = max(dims, key=lambda i: shape[i])
+            spec[i] = group if len(group) > 1 else group[0]
+            break
+    return NamedSharding(mesh, P(*spec))
+
+
+def train_param_shardings(state: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:
+    """``state_shardings`` for the trainable draft parameters of a training step (``train_param_sharding``)."""
+
+    def one(v):
+        if isinstance(v, nnx.Variable):
+            return v.replace(train_param_sharding(mesh, getattr(v, "axes", None), v.value.shape))
+        return v
+
+    return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def shard_state(state: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:
     shardings = state_shardings(state, mesh)
     return jax.device_put(state, shardings)
@@ -166,6 +206,23 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
         return x
     spec = _fits(dict(mesh.shape), logical_to_spec(axes), x.shape, axes)
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def constrain_leading(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """``constrain`` of the leading ``len(axes)`` dimensions; XLA chooses the others."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return x
+    lead = tuple(_fits(dict(mesh.shape), logical_to_spec(axes), x.shape[:len(axes)], axes))
+    return jax.lax.with_sharding_constraint(x, P(*lead, *(P.UNCONSTRAINED,) * (x.ndim - len(axes))))
+
+
+def current_axis_size(logical: str) -> int:
+    """``axis_size`` on the mesh being traced under (``jax.set_mesh``); 1 outside one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or mesh_axis(logical) is None:
+        return 1
+    return int(dict(mesh.shape)[mesh_axis(logical)])
 
 
 def resolve_mesh(mesh):

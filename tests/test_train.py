@@ -215,6 +215,21 @@ def test_data_parallel_step_on_a_mesh_matches_one_device(predictable_target_dir,
     for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(mesh.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
     assert any(x.sharding.spec != () for x in jax.tree.leaves(mesh.params))  # lm_head/heads split on tensor
+    # Trainable weights and their AdamW moments are split over the data axis too, not replicated
+    # (sharding.TRAIN_SPLIT_AXES): every parameter with a dimension the data axis divides, that the
+    # table leaves replicated, holds 1/2 of it per device.
+    moments = [s for s in jax.tree.leaves(mesh.opt_state, is_leaf=lambda x: isinstance(x, dict))
+               if isinstance(s, dict) and jax.tree.structure(s) == jax.tree.structure(mesh.params)]
+    assert moments, "AdamW's moments not found in the optimizer state"
+    split = 0
+    for x, *ms in zip(jax.tree.leaves(mesh.params), *(jax.tree.leaves(m) for m in moments)):
+        spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+        if any(s is None and d % 2 == 0 for s, d in zip(spec, x.shape)) or "data" in spec:
+            assert "data" in spec, (x.shape, spec)
+            split += 1
+        for m in ms:
+            assert m.sharding.is_equivalent_to(x.sharding, x.ndim), (m.sharding, x.sharding)
+    assert split >= len(jax.tree.leaves(mesh.params)) // 2
 
 
 # ---------------------------------------------------------------------- records and the pipeline

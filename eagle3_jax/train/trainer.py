@@ -35,7 +35,7 @@ from eagle3_jax.config import resolve_dtype
 from eagle3_jax.contracts import check_pairing
 from eagle3_jax.errors import ConfigError, SettingsError
 from eagle3_jax.models.draft import Draft
-from eagle3_jax.sharding import DATA_AXIS, make_mesh, mesh_context, shard_state
+from eagle3_jax.sharding import DATA_AXIS, make_mesh, mesh_context, shard_state, train_param_shardings
 from eagle3_jax.train import data as data_lib, offline as offline_lib, pipeline as pipeline_lib
 from eagle3_jax.train.config import TrainConfig
 from eagle3_jax.train.progress import StepReport, info as _info
@@ -111,12 +111,23 @@ class Trainer:
             graphdef, state = nnx.split(model)
             model = nnx.merge(graphdef, shard_state(state, self.mesh))
         self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        if self.mesh is not None:   # trainable weights split over the mesh, not replicated (sharding.py)
+            params = jax.device_put(params, train_param_shardings(params, self.mesh))
         self.params = nnx.to_pure_dict(params)
         self.rest = nnx.to_pure_dict(rest)
         self.opt_spec = OptimizerSpec.from_config(cfg)
         self.schedule = lr_schedule(cfg)
-        with mesh_context(self.mesh):  # optimizer moments placed like their parameters
+        with mesh_context(self.mesh):
             self.opt_state = jax.jit(self.opt_spec.build().init)(self.params)
+        # AdamW's moments placed like their parameters (XLA lays fresh zeros out as it likes:
+        # replicated, where the parameters are split)
+        ptree, placement = jax.tree.structure(self.params), jax.tree.map(lambda p: p.sharding, self.params)
+
+        def like_params(x) -> bool:
+            return jax.tree.structure(x) == ptree
+
+        self.opt_state = jax.tree.map(lambda x: jax.device_put(x, placement) if like_params(x) else x,
+                                      self.opt_state, is_leaf=like_params)
         # Committed to explicit shardings, here and after a restore: the same placement means the
         # same compiled step (a restored run must not recompile, nor run a different program).
         self._shardings = jax.tree.map(lambda x: x.sharding, (self.params, self.opt_state))

@@ -46,6 +46,7 @@ import numpy as np
 
 from eagle3_jax.models.attention import masked_softmax
 from eagle3_jax.models.draft import Draft
+from eagle3_jax.sharding import constrain, constrain_leading, current_axis_size
 from eagle3_jax.train import blockwise
 
 CONVENTIONS = ("ours", "specforge")
@@ -124,14 +125,42 @@ def target_signal_from_hidden(hidden_BTD: jax.Array, lm_head_DV: jax.Array, loss
     B, T, D = hidden_BTD.shape
     if convention == "specforge":
         hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, 1), (0, 0)))   # lm_head(0) = the zero row
-    P = hidden_BTD.shape[1]
-    C = min(chunk or P, P)
-    n = -(-P // C)
-    h_NBCD = jnp.moveaxis(jnp.pad(hidden_BTD, ((0, 0), (0, n * C - P), (0, 0))).reshape(B, n, C, D), 1, 0)
-    fields = jax.lax.map(lambda h: _signal_fields(target_logits(h, lm_head_DV), d2t_W, t2d_V), h_NBCD)
-    probs, on_draft, in_draft = (jnp.moveaxis(x, 0, 1).reshape((B, n * C) + x.shape[3:])[:, :P] for x in fields)
+    Tp = hidden_BTD.shape[1]
+    S, n, C = _seq_chunks(Tp, chunk)
+    # chunk c of every shard's positions at once: [n, B*S, C, D]
+    h_NRCD = jnp.moveaxis(_seq_rows(hidden_BTD, S, n * C).reshape(B, S, n, C, D), 2, 0).reshape(n, B * S, C, D)
+    fields = jax.lax.map(lambda h: _signal_fields(target_logits(h, lm_head_DV), d2t_W, t2d_V), h_NRCD)
+    probs, on_draft, in_draft = (
+        _seq_join(jnp.moveaxis(x.reshape((n, B, S, C) + x.shape[3:]), 0, 2).reshape((B, S, n * C) + x.shape[3:]), Tp)
+        for x in fields)
     usable, loss = _masks(in_draft, loss_mask_BT.astype(bool), convention)
     return TargetSignal(probs, on_draft, usable, loss)
+
+
+# ---------------------------------------------------------------------- sequence parallelism
+# On a mesh whose ``draft_seq`` axis (sharding.py) has S > 1 devices, a row's positions are split
+# into S contiguous shards, and every chunked computation over positions (the target's head, the
+# draft's head and loss) runs chunk c of all shards at once, each device on its own positions:
+# [B, T] is viewed as [B, S, L] with S on the mesh. S = 1 is the same computation unsplit.
+def _seq_chunks(T: int, chunk: int | None) -> tuple[int, int, int]:
+    """(S shards, n chunks per shard, C positions per chunk) covering T positions."""
+    S = current_axis_size("draft_seq")
+    L = -(-T // S)
+    C = min(chunk or L, L)
+    return S, -(-L // C), C
+
+
+def _seq_rows(x_BT_, S: int, L: int):
+    """[B, T, ...] zero-padded to S * L positions -> [B, S, L, ...], S on the ``draft_seq`` axis."""
+    B, T = x_BT_.shape[:2]
+    x = jnp.pad(x_BT_, ((0, 0), (0, S * L - T)) + ((0, 0),) * (x_BT_.ndim - 2))
+    return constrain_leading(x.reshape((B, S, L) + x_BT_.shape[2:]), ("batch", "draft_seq"))
+
+
+def _seq_join(x_BSL_, T: int):
+    """``_seq_rows`` undone: [B, S, L, ...] -> [B, T, ...]."""
+    B, S, L = x_BSL_.shape[:3]
+    return constrain_leading(x_BSL_.reshape((B, S * L) + x_BSL_.shape[3:])[:, :T], ("batch", "draft_seq"))
 
 
 def target_logits(hidden_BTD: jax.Array, lm_head_DV: jax.Array) -> jax.Array:
@@ -250,12 +279,14 @@ def ttt_outputs(draft: Draft, aux_BTX: jax.Array, ids_BT: jax.Array, embed_VD: j
     attend_fn = _attend_fn(spec)
     B, T = ids_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    hidden_BTD = draft.fuse(aux_BTX)
+    seq = ("batch", "draft_seq", "embed")   # positions split over the mesh (sequence parallelism)
+    hidden_BTD = constrain(draft.fuse(constrain(aux_BTX, ("batch", "draft_seq", "aux"))), seq)
     state = None
+
     def layer(i, hidden_BTD, state):
         step = draft(_shift(ids_BT, i + 1, 0), hidden_BTD, positions_BT + i, embed_VD,
                      attend=functools.partial(attend_fn, state), with_logits=False)
-        return step.hidden_BTD, step.cache
+        return constrain(step.hidden_BTD, seq), step.cache
 
     if spec.remat:   # keep only each step's input for the backward pass, not its activations
         layer = jax.checkpoint(layer, static_argnums=(0,))
@@ -289,21 +320,22 @@ def _chunk_sums(draft: Draft, out_BCD, probs_BCW, on_draft_BCW, usable_BC, loss_
             "log_accept": jnp.sum(jnp.where(usable_BC, log_a_BC, zero))}
 
 
-def _step_sums(draft: Draft, out_BTD, signal: TargetSignal, k: int, chunk: int) -> dict:
-    """Sums of step i (signal offset k = i + 1) over T positions, ``chunk`` at a time. ``signal``
-    is padded so every window [c + k, c + k + chunk) lies inside it."""
+def _step_sums(draft: Draft, out_BTD, signal: TargetSignal, k: int, chunk: int | None) -> dict:
+    """Sums of step i (signal offset k = i + 1) over T positions, ``chunk`` at a time on each
+    sequence shard. ``signal`` is padded so the window [k, k + T) lies inside it."""
     B, T, _ = out_BTD.shape
-    fields = (signal.probs_BTW, signal.on_draft_BTW, signal.usable_BT, signal.loss_BT)
-    if chunk >= T:
-        return _chunk_sums(draft, out_BTD, *(jax.lax.slice_in_dim(x, k, k + T, axis=1) for x in fields))
-    n = -(-T // chunk)
-    out_BTD = jnp.pad(out_BTD, ((0, 0), (0, n * chunk - T), (0, 0)))
+    fields = [jax.lax.slice_in_dim(x, k, k + T, axis=1)
+              for x in (signal.probs_BTW, signal.on_draft_BTW, signal.usable_BT, signal.loss_BT)]
+    S, n, C = _seq_chunks(T, chunk)
+    if S == 1 and n == 1:
+        return _chunk_sums(draft, out_BTD, *fields)
+    # padded positions are neither usable nor loss tokens: they add nothing
+    out_BSLD, *fields = (_seq_rows(x, S, n * C) for x in [out_BTD] + fields)
 
     @jax.checkpoint   # the backward pass recomputes a chunk's logits instead of keeping them
     def body(carry, c):
-        start = c * chunk
-        sums = _chunk_sums(draft, jax.lax.dynamic_slice_in_dim(out_BTD, start, chunk, axis=1),
-                           *(jax.lax.dynamic_slice_in_dim(x, start + k, chunk, axis=1) for x in fields))
+        rows = [jax.lax.dynamic_slice_in_dim(x, c * C, C, axis=2) for x in [out_BSLD] + fields]
+        sums = _chunk_sums(draft, *(x.reshape((B * S, C) + x.shape[3:]) for x in rows))
         return jax.tree.map(jnp.add, carry, sums), None
 
     sums, _ = jax.lax.scan(body, {name: jnp.zeros((), jnp.float32) for name in SUMS}, jnp.arange(n))
@@ -331,15 +363,13 @@ def ttt_loss(draft: Draft, aux_BTX: jax.Array, ids_BT: jax.Array, signal: Target
     (expected acceptance sum min(p, q) over usable positions) and ``count`` [steps]."""
     _check_convention(spec.convention)
     B, T = ids_BT.shape
-    chunk = min(spec.loss_chunk or T, T)
-    n = -(-T // chunk)
-    # room for every step's window: positions up to n*chunk + steps
-    pad = n * chunk + spec.steps + 1 - signal.usable_BT.shape[1]
+    # room for every step's window: positions up to T + steps
+    pad = T + spec.steps + 1 - signal.usable_BT.shape[1]
     signal = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)), signal)
     total = jnp.zeros((), jnp.float32)
     rows = {name: [] for name in ("loss", "acc", "acc_all", "accept", "count")}
     for i, out_BTD in enumerate(ttt_outputs(draft, aux_BTX, ids_BT, embed_VD, spec)):
-        sums = _step_sums(draft, out_BTD, signal, i + 1, chunk)
+        sums = _step_sums(draft, out_BTD, signal, i + 1, spec.loss_chunk)
         loss_i, accept_i = _step_loss(sums, B, T, spec)
         total = total + (spec.decay ** i) * loss_i
         rows["loss"].append(loss_i)

@@ -15,7 +15,7 @@ from eagle3_jax.config import resolve_dtype
 from eagle3_jax.config import DraftConfig, TargetConfig
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.draft import Draft
-from eagle3_jax.sharding import DATA_AXIS, data_parallel_size, state_shardings
+from eagle3_jax.sharding import DATA_AXIS, data_parallel_size, state_shardings, train_param_shardings
 from tools.plan.common import PlanSettings, ProgramMemory, compile_program, itemsize
 
 
@@ -40,9 +40,10 @@ class TrainMemory:
         return resident + extra + self.program.temp, resident + extra + int(self.program.temp * temp_ratio)
 
 
-def _pure_abstract(state, mesh):
-    """An nnx.State of abstract values -> a plain dict of ShapeDtypeStructs with the table's shardings."""
-    shardings = nnx.to_pure_dict(state_shardings(state, mesh))
+def _pure_abstract(state, mesh, shardings_of=state_shardings):
+    """An nnx.State of abstract values -> a plain dict of ShapeDtypeStructs with the table's shardings
+    (``shardings_of``: the trainable parameters take the Trainer's, ``train_param_shardings``)."""
+    shardings = nnx.to_pure_dict(shardings_of(state, mesh))
     return jax.tree.map(lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh),
                         nnx.to_pure_dict(state), shardings)
 
@@ -54,7 +55,7 @@ def _device_bytes(tree) -> int:
 def plan_train(s: PlanSettings, cfg: TargetConfig, dcfg: DraftConfig, aux_ids, mesh, target_models, planned,
                compiled, log) -> TrainMemory:
     """Lowers and compiles eagle3_jax.train.trainer.train_step on abstract arguments laid out as the
-    Trainer lays them out (rows on the data axis, the draft by the table, the head replicated offline)."""
+    Trainer lays them out (rows on the data axis, the draft split for training, the head replicated offline)."""
 
     from eagle3_jax.train import trainer
     from eagle3_jax.train.config import TrainConfig
@@ -66,7 +67,7 @@ def plan_train(s: PlanSettings, cfg: TargetConfig, dcfg: DraftConfig, aux_ids, m
         raise ConfigError(f"train batch {s.train_batch} does not split over data={data}; use a multiple of it")
     dtype = jnp.dtype(resolve_dtype(s.train_dtype))
     graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: Draft(dcfg, len(aux_ids), dtype, None)), nnx.Param, ...)
-    params, rest = _pure_abstract(params, mesh), _pure_abstract(rest, mesh)
+    params, rest = _pure_abstract(params, mesh, train_param_shardings), _pure_abstract(rest, mesh)
     defaults = TrainConfig(target=s.model)
     opt_spec = trainer.OptimizerSpec.from_config(defaults)
     opt = opt_spec.build()
