@@ -133,6 +133,23 @@ def test_cli_accounting_only():
     assert np.sum([line.startswith("|") for line in out.stdout.splitlines()]) == 4
 
 
+def _train_split_bytes(leaf) -> int:
+    """Per-device bytes of a draft weight under training's split, derived here from the serving
+    table's spec on this test's mesh (every axis 2): the largest dimension the table leaves whole is
+    split 4 ways over data and expert where 4 divides it, else 2 ways where 2 does."""
+    spec = tuple(leaf.spec) + (None,) * (len(leaf.shape) - len(leaf.spec))
+    used = {a for s in spec if s for a in (s if isinstance(s, tuple) else (s,))}
+    free = [a for a in ("data", "expert") if a not in used]
+    shard = list(leaf.shard_shape)
+    for n in ([2 ** len(free)] if len(free) > 1 else []) + ([2] if free else []):
+        whole = [i for i, s in enumerate(spec) if s is None and leaf.shape[i] % n == 0]
+        if whole:
+            i = max(whole, key=lambda i: leaf.shape[i])
+            shard[i] //= n
+            break
+    return math.prod(shard) * leaf.itemsize
+
+
 def test_train_step_plan_offline():
     """The Trainer's jitted step, planned from disk-fed states: AdamW holds two moments per draft
     parameter, and the donated parameters and moments come back in place."""
@@ -140,7 +157,10 @@ def test_train_step_plan_offline():
                                     compile_dtype="float32", programs=(), train=True, train_batch=2, train_len=16,
                                     ttt_steps=2, hidden_source="offline"))
     t = p.train
-    weights = sum(leaf.device_bytes for leaf in p.draft_params if leaf.path not in ("draft.d2t", "draft.t2d"))
+    trainable = [leaf for leaf in p.draft_params if leaf.path not in ("draft.d2t", "draft.t2d")]
+    weights = sum(_train_split_bytes(leaf) for leaf in trainable)
+    # split further than serving's table: data and expert (2 x 2 here) take a dimension it leaves whole
+    assert weights < sum(leaf.device_bytes for leaf in trainable)
     assert t.frozen_target == 0 and t.head == 2 * p.target.vocab_size * p.target.hidden_size * 4
     assert 2 * weights <= t.optimizer <= 2 * weights + 64
     assert t.program.alias == weights + t.optimizer
