@@ -111,3 +111,18 @@ def test_a_second_trainer_on_the_same_state_is_refused(tmp_path):
                 pass
     with lm.training_lock(state):  # released again
         pass
+
+
+def test_rebuilt_readme_keeps_the_hand_measured_block():
+    """Stage 6 rewrites demo/README.md from its summary; a block between the kept markers (results
+    measured outside make_demo) is carried over verbatim, and nothing is invented without one."""
+    from tools.demo import readme
+
+    summary = {"draft_heldout": {"num_draft_tokens": 6, "prompts": 2, "max_new_tokens": 8,
+                                 "by_temperature": {"0": {"tau": 3.0, "accept_rate_per_position": [0.5]}}}}
+    first = readme.render(summary, out="demo", demo_bytes=0)
+    assert readme.KEPT_START not in first
+    block = f"{readme.KEPT_START}\n| draft | tau |\n| x | 1.23 |\n{readme.KEPT_END}"
+    again = readme.render(summary, out="demo", demo_bytes=0, old_text=first + "\n" + block + "\n")
+    assert block in again and again.count(readme.KEPT_START) == 1
+    assert again.index("## Acceptance on the held-out prompts") < again.index(block)

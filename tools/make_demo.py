@@ -250,7 +250,8 @@ def dir_size(path: str) -> int:
 def write_readme(p: Paths, args) -> None:
     from tools.demo import readme
 
-    text = readme.render(load_summary(p), out=p.out, demo_bytes=dir_size(p.out))
+    old = open(p.readme).read() if os.path.isfile(p.readme) else None
+    text = readme.render(load_summary(p), out=p.out, demo_bytes=dir_size(p.out), old_text=old)
     with open(p.readme, "w") as f:
         f.write(text)
     say(f"wrote {p.readme}; {p.out}/ is {dir_size(p.out) / 1e6:.1f} MB")

@@ -39,6 +39,19 @@ class OptimizerSpec:
         return optax.chain(*parts)
 
 
+def init_optimizer(opt_spec: OptimizerSpec, params):
+    """The optimizer state of ``params``, its moments placed like their parameters (XLA lays fresh
+    zeros out as it likes: replicated, where the parameters are split)."""
+    opt_state = jax.jit(opt_spec.build().init)(params)
+    ptree, placement = jax.tree.structure(params), jax.tree.map(lambda p: p.sharding, params)
+
+    def like_params(x) -> bool:
+        return jax.tree.structure(x) == ptree
+
+    return jax.tree.map(lambda x: jax.device_put(x, placement) if like_params(x) else x, opt_state,
+                        is_leaf=like_params)
+
+
 def loss_spec(cfg: TrainConfig) -> LossSpec:
     return LossSpec(steps=cfg.ttt_steps, decay=cfg.loss_decay, convention=cfg.loss_convention,
                     lk_loss_type=cfg.lk_loss_type, kl_scale=cfg.kl_scale, kl_decay=cfg.kl_decay,

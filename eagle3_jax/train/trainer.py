@@ -39,7 +39,7 @@ from eagle3_jax.sharding import DATA_AXIS, make_mesh, mesh_context, shard_state,
 from eagle3_jax.train import data as data_lib, offline as offline_lib, pipeline as pipeline_lib
 from eagle3_jax.train.config import TrainConfig
 from eagle3_jax.train.progress import StepReport, info as _info
-from eagle3_jax.train.step import OptimizerSpec, compiled_step, loss_spec, lr_schedule  # noqa: F401 (re-exported)
+from eagle3_jax.train.step import OptimizerSpec, compiled_step, init_optimizer, loss_spec, lr_schedule  # noqa: F401 (re-exported)
 from eagle3_jax.train.ttt import simulated_acc_len
 from eagle3_jax.train.vocab import VocabMap, build_vocab_map, load_or_build, token_counts
 
@@ -118,16 +118,7 @@ class Trainer:
         self.opt_spec = OptimizerSpec.from_config(cfg)
         self.schedule = lr_schedule(cfg)
         with mesh_context(self.mesh):
-            self.opt_state = jax.jit(self.opt_spec.build().init)(self.params)
-        # AdamW's moments placed like their parameters (XLA lays fresh zeros out as it likes:
-        # replicated, where the parameters are split)
-        ptree, placement = jax.tree.structure(self.params), jax.tree.map(lambda p: p.sharding, self.params)
-
-        def like_params(x) -> bool:
-            return jax.tree.structure(x) == ptree
-
-        self.opt_state = jax.tree.map(lambda x: jax.device_put(x, placement) if like_params(x) else x,
-                                      self.opt_state, is_leaf=like_params)
+            self.opt_state = init_optimizer(self.opt_spec, self.params)
         # Committed to explicit shardings, here and after a restore: the same placement means the
         # same compiled step (a restored run must not recompile, nor run a different program).
         self._shardings = jax.tree.map(lambda x: x.sharding, (self.params, self.opt_state))

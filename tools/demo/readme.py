@@ -12,7 +12,19 @@ def _fmt(x, nd=3):
     return "n/a" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
 
-def render(s: dict, out: str, demo_bytes: int) -> str:
+KEPT_START, KEPT_END = "<!-- kept: measured outside make_demo; a rebuild keeps it -->", "<!-- /kept -->"
+
+
+def kept_block(old_text: str | None) -> list[str]:
+    """The block between the KEPT markers of the previous README (comparisons run by hand, such as
+    the training objectives), carried into the rebuilt one; [] when there is none."""
+    if not old_text or KEPT_START not in old_text or KEPT_END not in old_text:
+        return []
+    start = old_text.index(KEPT_START)
+    return old_text[start:old_text.index(KEPT_END, start) + len(KEPT_END)].splitlines() + [""]
+
+
+def render(s: dict, out: str, demo_bytes: int, old_text: str | None = None) -> str:
     c, tk, tg, ex = s.get("corpus", {}), s.get("tokenizer", {}), s.get("target", {}), s.get("export_target", {})
     st = tg.get("settings", {})
     shape = tg.get("config", TARGET_SHAPE)
@@ -130,6 +142,7 @@ def render(s: dict, out: str, demo_bytes: int) -> str:
             lines.append(f"| {t} | **{v['tau']:.2f}** | "
                          + ", ".join(f"{i + 1}: {r:.2f}" for i, r in enumerate(v["accept_rate_per_position"])) + " |")
         lines.append("")
+    lines += kept_block(old_text)
     ph = s.get("peagle_heldout", {})
     if ph:
         lines += [f"The P-EAGLE draft (`peagle/`) at K = {ph['num_draft_tokens']}, the same prompts:", "",
