@@ -152,12 +152,13 @@ def sharding_for(mesh: jax.sharding.Mesh, axes: Sequence[str | None] | None, sha
     return NamedSharding(mesh, _fits(dict(mesh.shape), logical_to_spec(axes), shape, axes))
 
 
-def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:
-    """The NamedSharding of every Variable in an nnx.State, from its ``axes`` metadata."""
+def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh, rule=sharding_for) -> nnx.State:
+    """The NamedSharding of every Variable in an nnx.State, from its ``axes`` metadata by ``rule``
+    (``sharding_for``, or ``train_param_sharding`` for the parameters a training step updates)."""
 
     def one(v):
         if isinstance(v, nnx.Variable):
-            return v.replace(sharding_for(mesh, getattr(v, "axes", None), v.value.shape))
+            return v.replace(rule(mesh, getattr(v, "axes", None), v.value.shape))
         return v
 
     return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -181,17 +182,6 @@ def train_param_sharding(mesh: jax.sharding.Mesh, axes: Sequence[str | None] | N
             spec[i] = group if len(group) > 1 else group[0]
             break
     return NamedSharding(mesh, P(*spec))
-
-
-def train_param_shardings(state: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:
-    """``state_shardings`` for the trainable draft parameters of a training step (``train_param_sharding``)."""
-
-    def one(v):
-        if isinstance(v, nnx.Variable):
-            return v.replace(train_param_sharding(mesh, getattr(v, "axes", None), v.value.shape))
-        return v
-
-    return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def shard_state(state: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:

@@ -151,18 +151,24 @@ def test_blockwise_attention_equals_dense_in_loss_and_gradients(case, results):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))
 
 
-def test_target_signal_in_chunks_equals_whole(case):
+def _assert_signal_in_chunks_equals_whole(case, chunk: int):
+    """``target_signal_from_hidden`` in chunks (jitted: under a mesh, as the train step runs it)
+    equals the signal of the whole row's logits, in both conventions."""
     draft = case["draft"]
     rng = np.random.default_rng(7)
     hidden = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
     head = jnp.asarray(rng.normal(size=(D, V)) * 0.3, jnp.float32)
+    chunked_fn = jax.jit(ttt.target_signal_from_hidden, static_argnums=(5, 6))
     for convention in ttt.CONVENTIONS:
         whole = ttt.target_signal(ttt.target_logits(hidden, head), case["loss_mask"], draft.d2t[...],
                                   draft.t2d[...], convention)
-        chunked = ttt.target_signal_from_hidden(hidden, head, case["loss_mask"], draft.d2t[...], draft.t2d[...],
-                                                convention, chunk=5)
+        chunked = chunked_fn(hidden, head, case["loss_mask"], draft.d2t[...], draft.t2d[...], convention, chunk)
         for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(whole)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_target_signal_in_chunks_equals_whole(case):
+    _assert_signal_in_chunks_equals_whole(case, 5)
 
 
 def test_sequence_parallel_loss_gradients_and_memory(case, results):
@@ -184,16 +190,7 @@ def test_sequence_parallel_loss_gradients_and_memory(case, results):
     with jax.set_mesh(mesh):
         assert ttt._seq_chunks(T, 2) == (4, 2, 2)
         (loss_s, m_s), g_s = step(params, case["aux"], case["ids"], signal)
-        rng = np.random.default_rng(7)
-        hidden = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
-        head = jnp.asarray(rng.normal(size=(D, V)) * 0.3, jnp.float32)
-        for convention in ttt.CONVENTIONS:
-            whole = ttt.target_signal(ttt.target_logits(hidden, head), case["loss_mask"], draft.d2t[...],
-                                      draft.t2d[...], convention)
-            split = jax.jit(ttt.target_signal_from_hidden, static_argnums=(5, 6))(
-                hidden, head, case["loss_mask"], draft.d2t[...], draft.t2d[...], convention, 2)
-            for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(whole)):
-                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        _assert_signal_in_chunks_equals_whole(case, 2)
     (loss_e, m_e), g_e = results["efficient"]
     np.testing.assert_allclose(loss_s, loss_e, rtol=1e-5)
     np.testing.assert_allclose(m_s["loss"], m_e["loss"], rtol=1e-5)

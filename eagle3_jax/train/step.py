@@ -39,17 +39,23 @@ class OptimizerSpec:
         return optax.chain(*parts)
 
 
-def init_optimizer(opt_spec: OptimizerSpec, params):
-    """The optimizer state of ``params``, its moments placed like their parameters (XLA lays fresh
-    zeros out as it likes: replicated, where the parameters are split)."""
-    opt_state = jax.jit(opt_spec.build().init)(params)
-    ptree, placement = jax.tree.structure(params), jax.tree.map(lambda p: p.sharding, params)
+def map_moments(opt_state, params, moment, other=lambda x: x):
+    """``moment(subtree)`` on every subtree of the optimizer state shaped like ``params`` (AdamW's
+    moments), ``other(leaf)`` on the rest (step counts). Matched by tree structure, so it works on
+    abstract values too (optax.tree_map_params would run the optimizer's init)."""
+    ptree = jax.tree.structure(params)
 
     def like_params(x) -> bool:
         return jax.tree.structure(x) == ptree
 
-    return jax.tree.map(lambda x: jax.device_put(x, placement) if like_params(x) else x, opt_state,
-                        is_leaf=like_params)
+    return jax.tree.map(lambda x: moment(x) if like_params(x) else other(x), opt_state, is_leaf=like_params)
+
+
+def init_optimizer(opt_spec: OptimizerSpec, params):
+    """The optimizer state of ``params``, its moments placed like their parameters (XLA lays fresh
+    zeros out as it likes: replicated, where the parameters are split)."""
+    placement = jax.tree.map(lambda p: p.sharding, params)
+    return map_moments(jax.jit(opt_spec.build().init)(params), params, lambda m: jax.device_put(m, placement))
 
 
 def loss_spec(cfg: TrainConfig) -> LossSpec:

@@ -35,7 +35,7 @@ from eagle3_jax.config import resolve_dtype
 from eagle3_jax.contracts import check_pairing
 from eagle3_jax.errors import ConfigError, SettingsError
 from eagle3_jax.models.draft import Draft
-from eagle3_jax.sharding import DATA_AXIS, make_mesh, mesh_context, shard_state, train_param_shardings
+from eagle3_jax.sharding import DATA_AXIS, make_mesh, mesh_context, shard_state, state_shardings, train_param_sharding
 from eagle3_jax.train import data as data_lib, offline as offline_lib, pipeline as pipeline_lib
 from eagle3_jax.train.config import TrainConfig
 from eagle3_jax.train.progress import StepReport, info as _info
@@ -112,7 +112,7 @@ class Trainer:
             model = nnx.merge(graphdef, shard_state(state, self.mesh))
         self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if self.mesh is not None:   # trainable weights split over the mesh, not replicated (sharding.py)
-            params = jax.device_put(params, train_param_shardings(params, self.mesh))
+            params = jax.device_put(params, state_shardings(params, self.mesh, train_param_sharding))
         self.params = nnx.to_pure_dict(params)
         self.rest = nnx.to_pure_dict(rest)
         self.opt_spec = OptimizerSpec.from_config(cfg)

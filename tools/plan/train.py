@@ -15,7 +15,7 @@ from eagle3_jax.config import resolve_dtype
 from eagle3_jax.config import DraftConfig, TargetConfig
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.draft import Draft
-from eagle3_jax.sharding import DATA_AXIS, data_parallel_size, state_shardings, train_param_shardings
+from eagle3_jax.sharding import DATA_AXIS, data_parallel_size, sharding_for, state_shardings, train_param_sharding
 from tools.plan.common import PlanSettings, ProgramMemory, compile_program, itemsize
 
 
@@ -40,10 +40,10 @@ class TrainMemory:
         return resident + extra + self.program.temp, resident + extra + int(self.program.temp * temp_ratio)
 
 
-def _pure_abstract(state, mesh, shardings_of=state_shardings):
+def _pure_abstract(state, mesh, rule=sharding_for):
     """An nnx.State of abstract values -> a plain dict of ShapeDtypeStructs with the table's shardings
-    (``shardings_of``: the trainable parameters take the Trainer's, ``train_param_shardings``)."""
-    shardings = nnx.to_pure_dict(shardings_of(state, mesh))
+    (``rule``: the trainable parameters take the Trainer's, ``train_param_sharding``)."""
+    shardings = nnx.to_pure_dict(state_shardings(state, mesh, rule))
     return jax.tree.map(lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh),
                         nnx.to_pure_dict(state), shardings)
 
@@ -59,6 +59,7 @@ def plan_train(s: PlanSettings, cfg: TargetConfig, dcfg: DraftConfig, aux_ids, m
 
     from eagle3_jax.train import trainer
     from eagle3_jax.train.config import TrainConfig
+    from eagle3_jax.train.step import map_moments
 
     if s.hidden_source not in ("online", "offline"):
         raise ConfigError(f"hidden_source must be online or offline, found {s.hidden_source!r}")
@@ -67,7 +68,7 @@ def plan_train(s: PlanSettings, cfg: TargetConfig, dcfg: DraftConfig, aux_ids, m
         raise ConfigError(f"train batch {s.train_batch} does not split over data={data}; use a multiple of it")
     dtype = jnp.dtype(resolve_dtype(s.train_dtype))
     graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: Draft(dcfg, len(aux_ids), dtype, None)), nnx.Param, ...)
-    params, rest = _pure_abstract(params, mesh, train_param_shardings), _pure_abstract(rest, mesh)
+    params, rest = _pure_abstract(params, mesh, train_param_sharding), _pure_abstract(rest, mesh)
     defaults = TrainConfig(target=s.model)
     opt_spec = trainer.OptimizerSpec.from_config(defaults)
     opt = opt_spec.build()
@@ -75,17 +76,12 @@ def plan_train(s: PlanSettings, cfg: TargetConfig, dcfg: DraftConfig, aux_ids, m
     shapes = jax.eval_shape(opt.init, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
     replicated = NamedSharding(mesh, P())
     # The moments mirror the params and take their shardings; the rest (step counts) is replicated.
-    # Matched by tree structure on abstract values: optax.tree_map_params would run opt.init eagerly,
-    # which under a TPU topology's mesh places a scalar on devices that can only be compiled for.
-    ptree = jax.tree.structure(params)
-
-    def like_params(x) -> bool:
-        return jax.tree.structure(x) == ptree
-
-    opt_state = jax.tree.map(
-        lambda x: (jax.tree.map(lambda m, p: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=p.sharding), x, params)
-                   if like_params(x) else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)),
-        shapes, is_leaf=like_params)
+    # On abstract values: running opt.init under a TPU topology's mesh would place a scalar on
+    # devices that can only be compiled for.
+    opt_state = map_moments(
+        shapes, params,
+        lambda x: jax.tree.map(lambda m, p: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=p.sharding), x, params),
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated))
 
     tgraph, tstate = target_models
     V, D, T, A, R = cfg.vocab_size, cfg.hidden_size, s.train_len, s.train_accum, s.train_batch
