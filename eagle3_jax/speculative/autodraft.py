@@ -5,30 +5,37 @@ The model. A round with K draft tokens costs c(K) seconds and emits τ(K) tokens
 decodes τ(K) / c(K) tokens per second per row; K = 0 is target-only, τ(0) = 1. Before every run
 the chooser takes the K that maximizes that rate with acceptance at its upper confidence bound
 (``AutoDraft.choose``): a K is tried while the data still allow it to pay, and dropped once they
-show that it does not. No other exploration exists. τ(K) = 1 + Σ_{i≤K} Π_{j≤i} a_j, with a_j the
-probability that draft position j is accepted given that position j-1 was (``Acceptance``).
+show that it does not. No other exploration exists.
+
+τ(K) = 1 + Σ_{i≤K} Π_{j≤i} a_j, with a_j the probability that draft position j is accepted given
+that position j-1 was (``Acceptance``).
 
 c(K) (``RoundCosts``) is seconds per round of this program (batch size, capacity, greedy or
 sampled) timed in this process: by a K's own latest runs; else, for a K once timed beside live
 target-only rounds, by its ratio to c(0) then; else by a start-up probe (``session.probe_costs``:
 K = 0, 1 and K_max on a scratch state, the Ks between on the line through 1 and K_max) scaled by
-how the Ks that ran compare with their probe. Nothing is cached on disk.
+how the Ks that ran compare with their probe. Nothing is cached on disk: a
+cost taken under another load, capacity or prompt length would price this run wrongly.
 
 Target-only's cost is re-timed live: a probe on a shared machine can misjudge c(K) / c(0) by half
 (predicted 1.13x, ran 0.79x). When a K >= 1 choice predicts less than 1 + RETIME_BELOW and c(0) was
 last timed more than RETIME_AFTER runs ago, the next run whose rows are all just admitted runs
-target-only (no row loses its draft state by it), unless that is the last wave.
+target-only (no row loses its draft state by it), unless that is the last wave: its rows would
+then stay target-only to the end.
 
 The last wave. Once no prompt waits, the batch runs until its slowest row is done while rows that
-finished sit idle: the rate is then Σ R_b / (n · E[max_b N_b]) per running row, with R_b what row b
-has left to emit and N_b the rounds it takes at its own acceptance (``Wave``). The mean alone ran K = 5-6 at batch 8 on 8 prompts (one
-wave) predicting 1.8x and got 1.1x, where K = 2 gave 1.3x. A "measured" speedup divides
-target-only's live round cost by K's, both timed in this process; else it is "predicted".
+finished sit idle: the rate is then Σ R_b / (n · max_b R_b / τ_b(K)) per running row, with R_b what
+row b has left to emit and τ_b its own acceptance (``Wave``); in a wave of two rows or more, a row
+without counts yet borrows those of a recently finished row, since how far the slowest row lags is
+only known from rows. The mean alone ran K = 5-6 at batch 8 on 8 prompts (one wave) predicting 1.8x and got 1.1x, where
+K = 2 gave 1.3x: the slowest row (τ 2.7 at K = 6, 2.2 at K = 2) set the wave's length.
+
+A "measured" speedup divides target-only's live round cost by K's, both from runs in this process;
+anything resting on the probe is only "predicted".
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -39,21 +46,22 @@ from eagle3_jax.metrics import GenerationStats
 AUTO = "auto"
 DEFAULT_MAX_DRAFT_TOKENS = 6
 # Prior of a_1, worth PRIOR_ROUNDS rounds: weak, so that a few runs of data override it. A deeper
-# position's prior is the estimate of the one before it (a fixed 0.7 there held K = 3 where K = 6
-# ran 14 % faster, demo pair). A row's a_j have the pool's as prior, of the same weight: at 8 the
-# slowest row of a wave (~25 rounds of its own) was pulled to the pool enough to price K = 3 10 %
-# above what it ran (demo, batch 8, greedy).
+# position's prior is the estimate of the one before it: positions past the Ks that ran are priced
+# as the nearest data say (a fixed 0.7 there held K = 3 where K = 6 ran 14 % faster, demo pair).
 PRIOR_ACCEPT = 0.7
-PRIOR_ROUNDS = 4
+PRIOR_ROUNDS = 8
 # Upper confidence bound: each a_j this many standard errors above its estimate.
 UCB_Z = 1.0
-MARGIN = 0.03   # speculation must beat target-only by this: the draft's share of admissions is unpriced
+# Speculation must beat target-only's rate by this much: what the model leaves out (the draft's
+# share of admissions) is small but not zero.
+MARGIN = 0.03
 # Live costs: each K's latest LIVE_RUNS timed runs, none older than LIVE_AGE runs of any K; runs
 # shorter than MIN_TIMED_ROUNDS rounds are not timed (fixed costs would dominate).
 LIVE_RUNS = 8
 LIVE_AGE = 64
 MIN_TIMED_ROUNDS = 4
-RETIME_BELOW = 0.5   # re-timing target-only (module docstring)
+# Re-timing target-only (module docstring): below a predicted 1 + RETIME_BELOW, after RETIME_AFTER runs.
+RETIME_BELOW = 0.5
 RETIME_AFTER = 32
 PAST_ROWS = 64   # finished rows whose acceptance stands in for a new wave's rows
 
@@ -67,7 +75,8 @@ class Acceptance:
     offered: np.ndarray = None    # [K_max] rounds in which position j was drafted and j-1 accepted
 
     def __post_init__(self):
-        self.accepted, self.offered = np.zeros(self.max_draft_tokens), np.zeros(self.max_draft_tokens)
+        self.accepted = np.zeros(self.max_draft_tokens)
+        self.offered = np.zeros(self.max_draft_tokens)
 
     def observe(self, k: int, rounds: int, accepted_per_position) -> None:
         """``rounds`` rounds at ``k``; ``accepted_per_position[j]``: rounds that accepted position j
@@ -91,18 +100,6 @@ class Acceptance:
         return 1.0 + float(np.cumprod(self.conditional(z)[:k]).sum())
 
 
-erf = np.vectorize(math.erf)   # numpy has none; a wave prices a few thousand points per choice
-
-
-def expected_max(mean_B: np.ndarray, sd_B: np.ndarray, points: int = 257) -> float:
-    """E[max_b X_b] of independent X_b ~ Normal(mean_b, sd_b²): lo + ∫ P(max > x) dx from lo, six
-    standard deviations below the row that reaches furthest, where P(max < lo) is nil."""
-    sd_B = np.maximum(sd_B, 1e-9)
-    x = np.linspace(np.max(mean_B - 6 * sd_B), np.max(mean_B + 6 * sd_B), points)
-    below = np.prod(0.5 * (1.0 + erf((x[:, None] - mean_B) / (sd_B * np.sqrt(2.0)))), axis=1)
-    return float(x[0] + np.trapezoid(1.0 - below, x))
-
-
 @dataclass
 class Wave:
     """The running rows of the last wave, each with its own acceptance since admission."""
@@ -112,21 +109,17 @@ class Wave:
     offered_BK: np.ndarray     # rounds in which it drafted position j with j-1 accepted
 
     def tau(self, k: int, pooled: np.ndarray) -> float:
-        """Tokens per running row per iteration at K until the wave ends: Σ R_b / (n · E[max_b N_b]),
-        N_b ~ Normal(R_b / τ_b, R_b σ_b² / τ_b³) the rounds row b takes for its R_b tokens (σ_b²: the
-        variance of a round's tokens, which a deeper K widens). A row's a_j: its counts with a prior
-        of PRIOR_ROUNDS rounds, the pooled a_j scaled by how the row's a_{j-1} compares with the
-        pool's (a row that accepts little early is not priced as the pool deeper)."""
+        """Tokens per row per iteration at K over the rest of the wave. A row's a_j: its own counts
+        with a prior worth PRIOR_ROUNDS rounds, the pooled a_j scaled by how the row's a_{j-1}
+        compares with the pool's (a row that accepts little early is not priced as the pool deeper)."""
         R_B = np.maximum(self.remaining_B.astype(float), 1.0)
         a_BK, scale_B = np.zeros((len(R_B), k)), np.ones(len(R_B))
         for j in range(k):
             prior_B = np.minimum(pooled[j] * scale_B, 1.0)
             a_BK[:, j] = (self.accepted_BK[:, j] + prior_B * PRIOR_ROUNDS) / (self.offered_BK[:, j] + PRIOR_ROUNDS)
             scale_B = a_BK[:, j] / pooled[j]
-        reach_BK = np.cumprod(a_BK, axis=1)   # P(a round accepts positions 1..j)
-        tau_B = 1.0 + reach_BK.sum(axis=1)
-        var_B = (reach_BK * (2 * np.arange(1, k + 1) - 1)).sum(axis=1) - (tau_B - 1.0) ** 2
-        return float(R_B.sum() / (len(R_B) * expected_max(R_B / tau_B, np.sqrt(R_B * var_B / tau_B ** 3))))
+        tau_B = 1.0 + np.cumprod(a_BK, axis=1).sum(axis=1)
+        return float(R_B.sum() / (len(R_B) * np.max(R_B / tau_B)))
 
 
 class RoundCosts:
@@ -185,7 +178,7 @@ class DraftChoice:
     """What the K policy decided and how it went: for metrics and progress lines."""
 
     num_draft_tokens: int               # the K of the latest run
-    predicted_speedup: float            # τ(K) · c(0) / c(K), model costs; τ over the last wave if one was priced
+    predicted_speedup: float            # τ(K) · c(0) / c(K) with the model's current costs
     measured_speedup: float             # the same from both Ks' live runs in this process, else nan
     tau: float                          # τ(K) at the point estimate
     rounds_per_k: dict[int, int] = field(default_factory=dict)   # loop iterations run with each K
@@ -223,15 +216,15 @@ class AutoDraft:
         self.spec_row_rounds = 0   # rounds with K >= 1 summed over taught rows, and their tokens
         self.spec_round_tokens = 0
         self.past_rows: deque = deque(maxlen=PAST_ROWS)   # (accepted_K, offered_K) of rows that finished
-        self.last_wave: Wave | None = None   # the last wave as the latest choice priced it
 
     def rows_finished(self, accepted_BK, offered_BK) -> None:
         self.past_rows.extend((a, o) for a, o in zip(accepted_BK, offered_BK) if o[0] > 0)
 
     def _with_past(self, wave: Wave | None) -> Wave | None:
-        """A wave's row without counts yet borrows a recent finished row's: how slow the slowest row
-        is is known only from rows. Not in a wave of one row, which has no slowest row to find (batch
-        1, T = 1: one lucky borrowed row ran K = 2 at 0.87x where target-only was best)."""
+        """A row of the wave without counts of its own yet borrows those of a recent finished row:
+        how unlike each other rows are (and so how slow the slowest is) is known only from rows. A
+        wave of one row has no slowest row to find: another row's counts would only add that row's
+        luck (batch 1, T = 1: one lucky borrowed row ran K = 2 at 0.87x where target-only was best)."""
         if wave is None or not self.past_rows or len(wave.remaining_B) < 2:
             return wave
         acc, off, past = wave.accepted_BK.copy(), wave.offered_BK.copy(), list(self.past_rows)[::-1]
@@ -260,21 +253,21 @@ class AutoDraft:
         self.runs += 1
         if not drafted_rows:
             return 0
-        self.last_wave = self._with_past(wave)
-        k = self.choose(self.last_wave)
+        k = self.choose(self._with_past(wave))
+        # not in the last wave: its rows would then stay target-only to the end (no draft state)
         if k and all_new and wave is None and self.costs.age(0) > RETIME_AFTER and self.predicted(k) < 1.0 + RETIME_BELOW:
             return 0
         return k
 
-    def predicted(self, k: int, wave: Wave | None = None) -> float:
-        """τ(K) · c(0) / c(K) with the model's current costs and acceptance at its estimate; in the
-        last ``wave``, its rate at K over target-only's there."""
-        return self.rate(k, 0.0, wave) / self.rate(0, 0.0, wave)
+    def predicted(self, k: int) -> float:
+        """τ(K) · c(0) / c(K) with the model's current costs and acceptance at its estimate."""
+        return self.acceptance.tau(k) * self.costs.cost(0) / self.costs.cost(k)
 
     def observe(self, k: int, iterations: int, seconds: float, row_rounds: int, round_tokens: int,
                 accepted_per_position) -> None:
-        """One bounded run: ``iterations`` loop iterations in ``seconds`` (0: it compiled); ``row_rounds``
-        rounds of rows with a current draft state, emitting ``round_tokens``, accepting ``accepted_per_position``."""
+        """One bounded run: ``iterations`` loop iterations in ``seconds`` (0: not timed, e.g. it
+        compiled); ``row_rounds`` rounds summed over the rows whose draft state was current, which
+        emitted ``round_tokens`` tokens and accepted ``accepted_per_position``."""
         self.last_k = k
         self.rounds_per_k[k] = self.rounds_per_k.get(k, 0) + iterations
         self.acceptance.observe(k, row_rounds, accepted_per_position)
@@ -289,12 +282,12 @@ class AutoDraft:
                                round_tokens=self.spec_round_tokens, seconds=0.0)
 
     def report(self) -> DraftChoice:
-        """The latest run's K; its speedups priced as its choice was, on the last wave if it ran in one."""
-        k, costs, wave = self.last_k, self.costs, self.last_wave
-        predicted = self.predicted(k, wave)   # costs are live ones where K and 0 have live runs
-        measured = 1.0 if k == 0 else predicted if costs.live(k) and costs.live(0) else float("nan")
+        k, costs = self.last_k, self.costs
+        tau = self.acceptance.tau(k)
+        plain, live_k = costs.live(0), costs.live(k)
+        measured = 1.0 if k == 0 else tau * plain / live_k if (live_k and plain) else float("nan")
         return DraftChoice(
-            num_draft_tokens=k, predicted_speedup=predicted, measured_speedup=measured,
-            tau=self.acceptance.tau(k), rounds_per_k=dict(self.rounds_per_k), compiled_programs=len(costs.probe) if costs.probe_seconds else 0,
+            num_draft_tokens=k, predicted_speedup=self.predicted(k), measured_speedup=measured,
+            tau=tau, rounds_per_k=dict(self.rounds_per_k), compiled_programs=len(costs.probe) if costs.probe_seconds else 0,
             calibration_seconds=costs.probe_seconds, target_round_seconds=costs.cost(0),
             round_seconds_per_k={j: c for j in range(self.max_draft_tokens + 1) if (c := costs.live(j)) is not None})
