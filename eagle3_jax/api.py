@@ -310,6 +310,11 @@ def save_draft(draft: LoadedDraft, path: str | os.PathLike, config_overrides: di
     from eagle3_jax.checkpoint.draft_io import write_draft
 
     flat = {tuple(p): np.asarray(jax.device_get(v.value)) for p, v in nnx.to_flat_state(draft.state)}
+    if getattr(draft.model, "kind", None) == "dflash":   # SpecForge's DFlashDraftModel layout
+        from eagle3_jax.drafts.dflash_io import write_dflash
+
+        return write_dflash(path, draft.config, flat, draft.aux_layer_ids, resolve_dtype(dtype) if dtype else None,
+                            dtype, config_overrides)
     if getattr(draft.model, "kind", None) == "peagle":   # SpecForge's PEagleDraftModel layout
         from eagle3_jax.checkpoint.peagle_map import write_peagle
 

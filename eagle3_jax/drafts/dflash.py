@@ -14,7 +14,10 @@ last verified token followed by ``block_size - 1`` MASK tokens, at the positions
 Which keys a block anchored at position a sees (SpecForge's training masks, :func:`block_mask`):
 context positions before a and every token of its own block; in a sliding layer, only context in
 [a + j - W + 1, a) and its block's tokens up to its own offset j. Context keys depend on nothing
-but the target's states, so serving keeps them in a per-layer cache (:meth:`context_keys`).
+but the target's states, so serving keeps them in a per-layer cache, slot p holding position p
+(:meth:`write_context`, after prefill and after each verify), and one pass over that cache and a
+fresh block proposes a round's tokens (:meth:`propose`). The block is always ``block_size`` wide, as
+trained: a round with K < block_size - 1 guesses reads the first K.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from flax import nnx
 
 from eagle3_jax.drafts.dflash_config import SLIDING, DFlashConfig
 from eagle3_jax.models.attention import masked_softmax
+from eagle3_jax.models.cache import KVCache
 from eagle3_jax.models.layers import RMSNorm, SwiGLU, apply_rope, param, rope_cos_sin, rope_inv_freq
 
 
@@ -171,3 +175,38 @@ class DFlashDraft(nnx.Module):
             masks[SLIDING] = block_mask(anchor_BN, keep_BN, S, bs, self.cfg.sliding_window)
         noise_BTD = jnp.take(embed_VD, ids_BT, axis=0)
         return self(noise_BTD, positions_BT, self.context_keys(aux_BSX, positions_BS), masks)
+
+    # ------------------------------------------------------------------ serving (the decode loop)
+    def init_cache(self, batch: int, capacity: int) -> tuple[KVCache, ...]:
+        cfg = self.cfg
+        return tuple(KVCache.zeros(batch, capacity, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+                     for _ in range(cfg.num_hidden_layers))
+
+    def to_target_ids(self, ids: jax.Array) -> jax.Array:
+        return ids   # the block's guesses come from the target's own head: target ids already
+
+    def write_context(self, aux_BTX, positions_BT, cache: tuple[KVCache, ...]) -> tuple[KVCache, ...]:
+        """Each layer's context keys of the target's states ``aux_BTX`` written at ``positions_BT``.
+        Positions later found unverified are masked by the next anchor, then overwritten."""
+        kv = self.context_keys(aux_BTX, positions_BT)
+        return tuple(c.write(k_BTGH, v_BTGH, positions_BT) for c, (k_BTGH, v_BTGH) in zip(cache, kv))
+
+    def propose(self, last_B, anchor_B, cache: tuple[KVCache, ...], embed_VD) -> jax.Array:
+        """The block's outputs [B, block, D] for the block anchored at ``anchor_B`` (the position of
+        ``last_B``, the newest token, whose target states are not known yet): offset j >= 1 guesses
+        the token at anchor + j. The cache holds the context at positions before the anchor."""
+        cfg = self.cfg
+        B, bs = last_B.shape[0], cfg.block_size
+        S = cache[0].capacity
+        ids_BT = jnp.concatenate([last_B[:, None], jnp.full((B, bs - 1), cfg.require_mask_token(), last_B.dtype)], 1)
+        off_T = jnp.arange(bs)
+        positions_BT = anchor_B[:, None] + off_T[None, :]
+        slots_S = jnp.arange(S)
+        ctx_BTS = jnp.broadcast_to(slots_S[None, None, :] < anchor_B[:, None, None], (B, bs, S))
+        masks = {"full_attention": jnp.concatenate([ctx_BTS, jnp.ones((B, bs, bs), bool)], axis=-1)}
+        if cfg.sliding_window is not None:
+            low_BT = positions_BT - (cfg.sliding_window - 1)
+            own_TT = jnp.broadcast_to(off_T[None, :] <= off_T[:, None], (B, bs, bs))
+            masks[SLIDING] = jnp.concatenate([ctx_BTS & (slots_S[None, None, :] >= low_BT[:, :, None]), own_TT], -1)
+        noise_BTD = jnp.take(embed_VD, ids_BT, axis=0)
+        return self(noise_BTD, positions_BT, [(c.k_BSGH, c.v_BSGH) for c in cache], masks)

@@ -29,7 +29,7 @@ from eagle3_jax.models.cache import KVCache, MLACache
 from eagle3_jax.sharding import constrain
 from eagle3_jax.speculative.accept import first_argmax, greedy_accept, rejection_accept, sample_from_probs, target_probs
 from eagle3_jax.speculative.prefill import chunked_draft, chunked_target
-from eagle3_jax.speculative.parallel import propose_parallel
+from eagle3_jax.speculative.parallel import propose_block, propose_parallel
 from eagle3_jax.speculative.static_graph import merge_models
 
 RUNNING, FINISH_EOS, FINISH_LENGTH, FINISH_CAPACITY = 0, 1, 2, 3
@@ -194,7 +194,9 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
         round_tokens_B=jnp.zeros((B,), jnp.int32), accepted_BK=jnp.zeros((B, max(K, 1)), jnp.int32))
     state.tokens_BN, state.n_out_B, state.finish_B, _ = _emit(
         state, first_B[:, None], jnp.ones((B,), jnp.int32), sp.eos_E)
-    if draft is not None:
+    if draft is not None and getattr(draft, "kind", "chain") == "dflash":   # the context's keys alone
+        state.dcache = draft.write_context(aux_BTX, positions_BT, draft.init_cache(B, capacity or max_len))
+    elif draft is not None:
         # Draft prefill: pair aux at position t with the token at t+1 (the prompt shifted left,
         # with the target's first new token at each row's end).
         shifted_BT = jnp.concatenate([prompt_BT[:, 1:], jnp.zeros((B, 1), prompt_BT.dtype)], axis=1)
@@ -231,13 +233,14 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
         rows_B = jnp.arange(B)
         key, k_draft, k_accept = _split(s.key, 3, sp)
         draft_keys = _split(k_draft, K, sp)
-        if getattr(draft, "kind", "chain") == "peagle":   # all K guesses from one pass (parallel.py)
+        kind = getattr(draft, "kind", "chain")
+        if kind == "peagle":   # all K guesses from one pass (parallel.py)
             d_BK, q_BKW, dcache = propose_parallel(draft, s.dlogits_BW, s.dcache, s.lengths_B, draft_keys, draft_pick)
+        elif kind == "dflash":   # all K guesses from one block pass (parallel.py)
+            d_BK, q_BKW, dcache = propose_block(draft, target, s.last_B, s.lengths_B, s.dcache, draft_keys, draft_pick)
         else:
-            d_ids, q_list = [], []
             d_B, q_BW = draft_pick(draft_keys[0], s.dlogits_BW)
-            d_ids.append(d_B)
-            q_list.append(q_BW)
+            d_ids, q_list = [d_B], [q_BW]
             hidden_BD, dcache = s.dhidden_BD, s.dcache
             for j in range(1, K):
                 pos_B1 = (s.lengths_B - 1 + j)[:, None]
@@ -266,8 +269,13 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
         tokens_BN, n_out_B, finish_B, n_emit_B = _emit(s, out_BK1, n_acc_B + 1, sp.eos_E)
 
         # Catch-up: the draft re-reads positions n..n+K with the target's true aux states.
-        cstep = draft(out_BK1, draft.fuse(tout.aux_BTX), pos_BK1, embed_VD, dcache, with_logits=False)
-        seed_hidden_BD = cstep.hidden_BTD[rows_B, n_acc_B]   # the next round's d1 comes from here
+        if kind == "dflash":   # their context keys only: the next block pass starts from last_B itself
+            dstate = dict(dcache=draft.write_context(tout.aux_BTX, pos_BK1, dcache))
+        else:
+            cstep = draft(out_BK1, draft.fuse(tout.aux_BTX), pos_BK1, embed_VD, dcache, with_logits=False)
+            seed_BD = cstep.hidden_BTD[rows_B, n_acc_B]   # the next round's d1 comes from here
+            dstate = dict(dcache=cstep.cache, dhidden_BD=jnp.where(running_B[:, None], seed_BD, s.dhidden_BD),
+                          dlogits_BW=jnp.where(running_B[:, None], draft.head(seed_BD[:, None])[:, 0], s.dlogits_BW))
         # The state's layout is K_max wide (every K of the session shares it); this round fills 0..K-1.
         hit_BK = (jnp.arange(K)[None, :] < n_acc_B[:, None]) & running_B[:, None]
         accepted_BK = s.accepted_BK.at[:, :K].add(hit_BK.astype(jnp.int32))
@@ -275,11 +283,8 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
             s, tokens_BN=tokens_BN, n_out_B=n_out_B, finish_B=finish_B,
             lengths_B=jnp.where(running_B, s.lengths_B + n_acc_B + 1, s.lengths_B),
             last_B=jnp.where(running_B, out_BK1[rows_B, n_acc_B], s.last_B),
-            tcache=tout.cache, dcache=cstep.cache,
-            dhidden_BD=jnp.where(running_B[:, None], seed_hidden_BD, s.dhidden_BD),
-            dlogits_BW=jnp.where(running_B[:, None], draft.head(seed_hidden_BD[:, None])[:, 0], s.dlogits_BW),
-            key=key, rounds_B=s.rounds_B + running_B, round_tokens_B=s.round_tokens_B + n_emit_B,
-            accepted_BK=accepted_BK.astype(jnp.int32))
+            tcache=tout.cache, key=key, rounds_B=s.rounds_B + running_B, round_tokens_B=s.round_tokens_B + n_emit_B,
+            accepted_BK=accepted_BK.astype(jnp.int32), **dstate)
 
     def target_round(s: LoopState) -> LoopState:
         key, k = _split(s.key, 2, sp)

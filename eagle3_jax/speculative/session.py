@@ -108,6 +108,10 @@ class DecodeSession:
             max_draft_tokens = int(num_draft_tokens)
         if max_len < 2:
             raise ConfigError(f"max_len must be >= 2, found {max_len}")
+        block = getattr(draft.config, "block_size", None) if draft is not None else None
+        if block is not None and max_draft_tokens > block - 1:   # a block draft (DFlash): one pass, block - 1 guesses
+            raise ConfigError(f"num_draft_tokens (or max_draft_tokens) {max_draft_tokens} exceeds what this block "
+                              f"draft guesses in a pass, block_size - 1 = {block - 1}; ask for at most that")
         self.target = target
         self.draft = draft
         # The setting as given ("auto" or K; 0 without a draft) and the largest K any round may use.

@@ -1,0 +1,57 @@
+"""SpecForge's DFlash training objective (``OnlineDFlashModel``, loss type ``dflash``), in JAX.
+
+A batch row is a sequence of S tokens with its loss mask and the target's states at the draft's
+layers. Blocks are anchored at positions a where the token at a and the one after it are both
+supervised (:func:`sample_anchors`, up to ``num_anchors`` a row, in position order). Block offset
+j >= 1 is scored against the sequence's own token at a + j, a hard label, where that position
+exists and is supervised; offset 0 (the known token) never is. The loss is the weighted mean of the
+cross-entropy of the target head's logits, weights ``exp(-(j - 1) / gamma)`` with a decay ``gamma``
+(else 1); accuracy is top-1 agreement over the same positions, unweighted.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sample_anchors(key, loss_mask_BS: jax.Array, num_anchors: int) -> tuple[jax.Array, jax.Array]:
+    """(anchors [B, N], kept [B, N]), N = ``num_anchors`` (a static shape; SpecForge trims N to the
+    largest row's count, which only drops blocks that weigh nothing): uniformly chosen valid anchors,
+    sorted; rows with fewer valid positions fill the rest with dropped blocks at 0."""
+    B, S = loss_mask_BS.shape
+    valid_BC = (loss_mask_BS[:, :-1] > 0.5) & (loss_mask_BS[:, 1:] > 0.5)   # C = S - 1 candidates
+    score_BC = jnp.where(valid_BC, jax.random.uniform(key, valid_BC.shape), 2.0)
+    picked_BN = jnp.argsort(score_BC, axis=1)[:, :num_anchors]
+    kept_BN = jnp.arange(num_anchors)[None, :] < jnp.sum(valid_BC, axis=1, keepdims=True)
+    anchors_BN = jnp.sort(jnp.where(kept_BN, picked_BN, S), axis=1)
+    kept_BN = anchors_BN < S
+    return jnp.where(kept_BN, anchors_BN, 0), kept_BN
+
+
+def block_weights(ids_BS, loss_mask_BS, anchor_BN, keep_BN, block: int, decay_gamma: float | None = None):
+    """(labels [B, N, block], weights [B, N, block], scored [B, N, block]) of the blocks."""
+    S = ids_BS.shape[1]
+    off_K = jnp.arange(block)   # K: offsets within a block (the block's own draft tokens)
+    label_BNK = anchor_BN[:, :, None] + off_K
+    inside_BNK = label_BNK < S
+    at_BNK = jnp.minimum(label_BNK, S - 1)
+    labels_BNK = jnp.take_along_axis(ids_BS[:, None, :], at_BNK, axis=2)
+    supervised_BNK = jnp.take_along_axis(loss_mask_BS[:, None, :], at_BNK, axis=2) > 0.5
+    scored_BNK = keep_BN[:, :, None] & inside_BNK & (off_K > 0) & supervised_BNK
+    weights_BNK = scored_BNK.astype(jnp.float32)
+    if decay_gamma:
+        weights_BNK *= jnp.exp(-jnp.maximum(off_K - 1, 0).astype(jnp.float32) / decay_gamma)
+    return labels_BNK, weights_BNK, scored_BNK
+
+
+def dflash_loss(logits_BTV, ids_BS, loss_mask_BS, anchor_BN, keep_BN, block: int, decay_gamma: float | None = None):
+    """(loss, accuracy) of the blocks' logits [B, N * block, V] (float32)."""
+    B, N = anchor_BN.shape
+    labels_BNK, weights_BNK, scored_BNK = block_weights(ids_BS, loss_mask_BS, anchor_BN, keep_BN, block, decay_gamma)
+    logits_BNKV = logits_BTV.reshape(B, N, block, -1).astype(jnp.float32)
+    logp_BNKV = jax.nn.log_softmax(logits_BNKV, axis=-1)
+    ce_BNK = -jnp.take_along_axis(logp_BNKV, labels_BNK[..., None], axis=-1)[..., 0]
+    loss = jnp.sum(ce_BNK * weights_BNK) / jnp.sum(weights_BNK)
+    hits = jnp.sum((jnp.argmax(logits_BNKV, axis=-1) == labels_BNK) & scored_BNK)
+    return loss, hits / jnp.sum(scored_BNK)
