@@ -21,7 +21,7 @@ from eagle3_jax.train.shapes import DraftShape, PEagleShape
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 MODES = ("train", "prepare")
 HIDDEN_SOURCES = ("online", "offline")
-ATTENTIONS = ("efficient", "naive", "blockwise")
+ATTENTIONS = ("efficient", "blockwise")
 LIKE_TARGET = "like_target"
 DATA_FORMATS = """\
 One JSON object a line, one of:
@@ -56,9 +56,9 @@ class TrainConfig:
     # The loss (ttt.py's docstring): which positions count and what a step divides by ("ours" or
     # "specforge"), SpecForge's acceptance-aware LK objective (None, "alpha" or "lambda") and its
     # lambda weight kl_scale * exp(-kl_decay * acceptance), the attention core of the unroll
-    # ("blockwise" over attention_block keys a block: memory linear in the row; "efficient" and
-    # "naive" score whole rows) and the positions a chunk of the head and loss (None: whole rows).
-    # Rows no longer than a block or a chunk run as one: the demo's 160-token rows are unaffected.
+    # ("blockwise" over attention_block keys a block: memory linear in the row; "efficient" scores
+    # whole rows) and the positions a chunk of the head and loss (None: whole rows). Rows no longer
+    # than a block or a chunk run as one.
     loss_convention: str = "ours"
     lk_loss_type: str | None = None
     kl_scale: float = 1.0
