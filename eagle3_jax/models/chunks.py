@@ -36,3 +36,8 @@ def scan_chunks(step, carry, xs_BT_, size: int):
     n = jax.tree.leaves(xs_NBC_)[0].shape[0]
     carry, ys_NBC_ = jax.lax.scan(lambda c, i_x: step(c, i_x[0] * size, i_x[1]), carry, (jnp.arange(n), xs_NBC_))
     return carry, jax.tree.map(lambda y: join(jnp.moveaxis(y, 0, 1), T), ys_NBC_)
+
+
+def positions(start, batch: int, size: int) -> jax.Array:
+    """[batch, size] positions start .. start + size - 1 of one chunk (of every row)."""
+    return jnp.broadcast_to(start + jnp.arange(size, dtype=jnp.int32), (batch, size))

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.models import attention_core as core
+from eagle3_jax.models import chunks
 from eagle3_jax.models.draft import Draft
 from eagle3_jax.sharding import constrain, constrain_leading, current_axis_size
 
@@ -150,15 +151,12 @@ def _seq_chunks(T: int, chunk: int | None) -> tuple[int, int, int]:
 
 def _seq_rows(x_BT_, S: int, L: int):
     """[B, T, ...] zero-padded to S * L positions -> [B, S, L, ...], S on the ``draft_seq`` axis."""
-    B, T = x_BT_.shape[:2]
-    x = jnp.pad(x_BT_, ((0, 0), (0, S * L - T)) + ((0, 0),) * (x_BT_.ndim - 2))
-    return constrain_leading(x.reshape((B, S, L) + x_BT_.shape[2:]), ("batch", "draft_seq"))
+    return constrain_leading(chunks.split(x_BT_, L, S), ("batch", "draft_seq"))
 
 
 def _seq_join(x_BSL_, T: int):
     """``_seq_rows`` undone: [B, S, L, ...] -> [B, T, ...]."""
-    B, S, L = x_BSL_.shape[:3]
-    return constrain_leading(x_BSL_.reshape((B, S * L) + x_BSL_.shape[3:])[:, :T], ("batch", "draft_seq"))
+    return constrain_leading(chunks.join(x_BSL_, T), ("batch", "draft_seq"))
 
 
 def target_logits(hidden_BTD: jax.Array, lm_head_DV: jax.Array) -> jax.Array:
