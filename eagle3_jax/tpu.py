@@ -192,10 +192,3 @@ def _platform(args) -> str:
             return next(iter(sharding.device_set)).platform
     return jax.default_backend()
 
-
-def mesh_platform(mesh: "jax.sharding.Mesh | None") -> str:
-    """The platform a mesh's devices belong to (``tpu`` for a topology mesh on a CPU host); the
-    platform a program is compiled for, which can differ from ``jax.default_backend()``."""
-    if mesh is None:
-        return jax.default_backend()
-    return mesh.devices.flat[0].platform
