@@ -135,7 +135,8 @@ class TrainConfig:
     def from_layers(cls, layers: Sequence[Layer]) -> "TrainConfig":
         """Defaults < each (source, mapping) layer in turn; errors name the key and the layer's source."""
         return settings_io.from_layers(cls, layers, CONVERTERS, required={
-            "target": "the target checkpoint directory; set target: in the --config file or pass target=DIR"})
+            "target": "the target checkpoint directory; set target: in the --config file or pass target=DIR"},
+            aliases=ALIASES)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], where: str = "train config") -> "TrainConfig":
@@ -273,3 +274,8 @@ def _draft_value(value: Any) -> Any:
 
 
 CONVERTERS = {"draft": _draft_value, "mesh": settings_io.mesh_text}
+# SpecForge's and Hugging Face trainers' names for our keys: "did you mean" where spelling is no guide.
+ALIASES = {"learning_rate": "lr", "max_length": "max_len", "ttt_length": "ttt_steps", "max_grad_norm": "grad_clip",
+           "accumulation_steps": "grad_accum", "gradient_accumulation_steps": "grad_accum",
+           "max_steps": "total_steps", "output_dir": "out_dir", "train_data_path": "data",
+           "target_model_path": "target"}
