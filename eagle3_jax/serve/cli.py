@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import time
 import warnings
@@ -270,6 +271,7 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
 
 def _write_metrics(s: ServeSettings, stats: RunStats, already: int, skipped_lines: int, dtype: str) -> None:
     if s.metrics and distributed.is_writer():
+        os.makedirs(os.path.dirname(os.path.abspath(s.metrics)), exist_ok=True)
         write_metrics(s.metrics, metrics_dict(stats, already, skipped_lines, dict(s.as_dict(), dtype=dtype)))
         log.info("metrics written to %s", s.metrics)
 
@@ -325,8 +327,6 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
 def _join_process_group(argv) -> None:
     """Multi-host (--coordinator/--num-processes/--process-id or EAGLE3_* env): joins the process
     group; every process then runs the same generation, and only process 0 draws the progress bar."""
-    import os
-
     ns, _ = build_parser().parse_known_args(argv)
     if distributed.initialize(ns.coordinator, ns.num_processes, ns.process_id) and not distributed.is_writer():
         os.environ["TQDM_DISABLE"] = "1"

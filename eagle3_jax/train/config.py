@@ -217,6 +217,14 @@ class TrainConfig:
                     "run the same config with mode=prepare first")
         if self.mode == "train" and self.out_dir is None:
             raise SettingsError("out_dir (checkpoints, metrics and the exported draft go there) is required")
+        if self.mode == "train" and os.path.exists(self.resolved_export_dir) and not os.path.isdir(
+                os.path.join(self.out_dir, "checkpoints")):
+            # A new run would train for hours and then find the place taken (an export never writes
+            # over a draft): the shipped demo/draft, say, stays as it is unless removed on purpose.
+            raise SettingsError(
+                f"export_dir {self.resolved_export_dir} already exists and {self.out_dir} holds no run that wrote "
+                f"it; train.py never writes over a draft. Pass a new export_dir=DIR (unset: {self.out_dir}/draft), "
+                f"or remove {self.resolved_export_dir} first if replacing it is what you want")
         if self.eval_every > 0:
             if self.eval_prompts is None:
                 raise SettingsError("eval_every > 0 needs eval_prompts (a JSONL file of held-out prompts)")
