@@ -135,7 +135,8 @@ class TrainConfig:
     def from_layers(cls, layers: Sequence[Layer]) -> "TrainConfig":
         """Defaults < each (source, mapping) layer in turn; errors name the key and the layer's source."""
         return settings_io.from_layers(cls, layers, CONVERTERS, required={
-            "target": "the target checkpoint directory; set target: in the --config file or pass target=DIR"})
+            "target": "the target checkpoint directory; set target: in the --config file or pass target=DIR"},
+            aliases=ALIASES)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], where: str = "train config") -> "TrainConfig":
@@ -216,6 +217,14 @@ class TrainConfig:
                     "run the same config with mode=prepare first")
         if self.mode == "train" and self.out_dir is None:
             raise SettingsError("out_dir (checkpoints, metrics and the exported draft go there) is required")
+        if self.mode == "train" and os.path.exists(self.resolved_export_dir) and not os.path.isdir(
+                os.path.join(self.out_dir, "checkpoints")):
+            # A new run would train for hours and then find the place taken (an export never writes
+            # over a draft): the shipped demo/draft, say, stays as it is unless removed on purpose.
+            raise SettingsError(
+                f"export_dir {self.resolved_export_dir} already exists and {self.out_dir} holds no run that wrote "
+                f"it; train.py never writes over a draft. Pass a new export_dir=DIR (unset: {self.out_dir}/draft), "
+                f"or remove {self.resolved_export_dir} first if replacing it is what you want")
         if self.eval_every > 0:
             if self.eval_prompts is None:
                 raise SettingsError("eval_every > 0 needs eval_prompts (a JSONL file of held-out prompts)")
@@ -273,3 +282,8 @@ def _draft_value(value: Any) -> Any:
 
 
 CONVERTERS = {"draft": _draft_value, "mesh": settings_io.mesh_text}
+# SpecForge's and Hugging Face trainers' names for our keys: "did you mean" where spelling is no guide.
+ALIASES = {"learning_rate": "lr", "max_length": "max_len", "ttt_length": "ttt_steps", "max_grad_norm": "grad_clip",
+           "accumulation_steps": "grad_accum", "gradient_accumulation_steps": "grad_accum",
+           "max_steps": "total_steps", "output_dir": "out_dir", "train_data_path": "data",
+           "target_model_path": "target"}
