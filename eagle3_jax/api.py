@@ -193,8 +193,13 @@ def load_draft(path: str | os.PathLike, target: LoadedTarget, dtype=None) -> Loa
     from eagle3_jax.checkpoint.draft_io import read_draft_layout
     from eagle3_jax.checkpoint.draft_map import draft_rules
     from eagle3_jax.config.peagle import PEagleConfig, read_draft_config
+    from eagle3_jax.drafts.dflash_config import is_dflash_dir
 
     path = os.fspath(path)
+    if is_dflash_dir(path):   # block drafting: its own config, layout and loader
+        from eagle3_jax.drafts.dflash_io import load_dflash_draft
+
+        return load_dflash_draft(path, target, dtype)
     if isinstance(read_draft_config(path), PEagleConfig):   # parallel drafting: its own layout and loader
         from eagle3_jax.checkpoint.peagle_map import load_peagle_draft
 

@@ -47,7 +47,6 @@ def _variant(src, dst, config_changes=None, tensor_changes=None):
     ("shared_embedding_width", {"hidden_size": 32, "target_hidden_size": 64}, None,
      ["embedding of width 64", "hidden_size is 32"]),
     ("d2t_outside_vocab", None, {"d2t": np.full(64, 250, np.int64)}, ["d2t maps draft id", "outside the target vocab"]),
-    ("unsupported_flag", {"norm_before_fc": True}, None, ["norm_before_fc", "not implemented"]),
     ("eagle1_architecture", {"architectures": ["LlamaForCausalLMEagle"]}, None, ["not an EAGLE-3 draft"]),
 ])
 def test_broken_pairing_is_refused(tiny_target, random_draft_dir, tmp_path, case, config_changes, tensor_changes,

@@ -38,6 +38,11 @@ def draft_rules(cfg: DraftConfig, n_aux: int, own_embedding: bool, vocab_maps: t
         _same(("norm", "weight"), "norm.weight"),
         _linear(("lm_head",), "lm_head.weight", D, (W,)),
     ]
+    if cfg.norm_before_fc:
+        rules.append(_same(("input_norm", "weight"), "input_norm.weight"))
+    if cfg.fc_norm:   # ours stacks the per-state norms: [n_aux, target hidden]
+        rules.append(Rule(("fc_norm",), tuple(f"fc_norm.{i}.weight" for i in range(n_aux)),
+                          lambda a: np.stack(a), lambda w: list(w)))
     if "d2t" in vocab_maps:
         rules.append(_cast(("d2t",), "d2t", np.int32, np.int64))
     if "t2d" in vocab_maps:

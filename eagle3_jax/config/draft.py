@@ -14,9 +14,12 @@ from eagle3_jax.config.target import RopeConfig
 
 
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3Draft")
-# Flags published drafts use that change the math. We implement norm_before_residual; a draft that
-# sets any other one is refused rather than silently computed the wrong way.
-UNSUPPORTED_DRAFT_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+# The EAGLE-3.1 flags, as SGLang and vLLM read them (top level, or inside eagle_config where NVIDIA's
+# checkpoints put them): norm_before_fc = one RMSNorm over the concatenated aux states before fc;
+# fc_norm = one RMSNorm per aux state (target width) before fc; norm_output = the final norm's output
+# is what the next step is fed (and what lm_head reads). SpecForge 0.2.0 gave norm_output another
+# meaning (false: lm_head reads the un-normed state); its later release adopted this one.
+EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,9 @@ class DraftConfig:
     aux_layer_ids: tuple[int, ...] | None  # None: the target's default ids
     use_aux_hidden_state: bool = True
     norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
     rms_norm_eps: float = 1e-6
     rope: RopeConfig = field(default_factory=RopeConfig)
     max_position_embeddings: int = 4096
@@ -48,13 +54,8 @@ class DraftConfig:
                 f"{where}: architectures {archs} is not an EAGLE-3 draft; expected one of {list(DRAFT_ARCHITECTURES)}. "
                 "EAGLE-1/2 drafts (no aux hidden states) cannot serve as EAGLE-3 drafts"
             )
-        for flag in UNSUPPORTED_DRAFT_FLAGS:
-            if d.get(flag):
-                raise ConfigError(
-                    f"{where}: '{flag}: {d[flag]}' changes the draft's computation and is not implemented here; "
-                    "serving it without that step would silently give wrong drafts. Use a draft trained without it"
-                )
         eagle = d.get("eagle_config") or {}
+        flags = {f: bool(eagle.get(f, d.get(f, False))) for f in EAGLE31_FLAGS}
         ids = eagle.get("eagle_aux_hidden_state_layer_ids")
         hidden = int(_require(d, "hidden_size", where))
         heads = int(_require(d, "num_attention_heads", where))
@@ -73,6 +74,7 @@ class DraftConfig:
             aux_layer_ids=None if ids is None else tuple(int(i) for i in ids),
             use_aux_hidden_state=bool(eagle.get("use_aux_hidden_state", True)),
             norm_before_residual=bool(d.get("norm_before_residual", False)),
+            **flags,
             rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6),
             rope=rope,
             max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
@@ -113,8 +115,9 @@ class DraftConfig:
         }
         if self.aux_layer_ids is not None:
             d["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
-        if self.norm_before_residual:
-            d["norm_before_residual"] = True
+        for flag in ("norm_before_residual",) + EAGLE31_FLAGS:
+            if getattr(self, flag):
+                d[flag] = True
         return d
 
     def replace(self, **changes) -> "DraftConfig":

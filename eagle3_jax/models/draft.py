@@ -7,6 +7,8 @@
     logits  = lm_head(norm(out))            over the draft vocab; target id = id + d2t[id]
 
 ``out`` is fed back as the next step's ``hidden``. The same module serves generation and training.
+EAGLE-3.1 flags: ``norm_before_fc`` applies ``input_norm`` to the whole aux before fc, ``fc_norm`` one
+norm per aux state; with ``norm_output`` the step's output is ``norm(out)``, fed back and read by lm_head.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from flax import nnx
 from eagle3_jax.config import DraftConfig
 from eagle3_jax.models import attention_core as core
 from eagle3_jax.models.cache import KVCache
-from eagle3_jax.models.layers import RMSNorm, SwiGLU, apply_rope, param, rope_cos_sin, rope_inv_freq
+from eagle3_jax.models.layers import RMSNorm, SwiGLU, apply_rope, param, rms_norm, rope_cos_sin, rope_inv_freq
 
 
 class Buffer(nnx.Variable):
@@ -69,7 +71,7 @@ class DraftAttention(nnx.Module):
 
 @dataclass
 class DraftStep:
-    hidden_BTD: jax.Array   # pre-norm output: fed back as the next step's hidden
+    hidden_BTD: jax.Array   # the output fed back as the next step's hidden (pre-norm unless norm_output)
     logits_BTW: jax.Array   # float32, over the draft vocab
     cache: KVCache | None   # with ``attend``: the state attend returned instead
 
@@ -80,7 +82,12 @@ class Draft(nnx.Module):
         D, W, V = cfg.hidden_size, cfg.draft_vocab_size, cfg.vocab_size
         self.cfg = cfg
         self.dtype = dtype
-        self.fc = param(rngs, (n_aux * cfg.target_hidden_size, D), ("aux", "embed"), dtype)
+        X = n_aux * cfg.target_hidden_size
+        self.input_norm = RMSNorm(X, cfg.rms_norm_eps, dtype, axes=("aux",)) if cfg.norm_before_fc else None
+        # one norm per aux state, stacked: [n_aux, target hidden]
+        self.fc_norm = (param(None, (n_aux, cfg.target_hidden_size), (None, "embed"), dtype, init="ones")
+                        if cfg.fc_norm else None)
+        self.fc = param(rngs, (X, D), ("aux", "embed"), dtype)
         self.embed_tokens = param(rngs, (V, D), ("vocab", "embed"), dtype) if own_embedding else None
         self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
@@ -101,14 +108,22 @@ class Draft(nnx.Module):
 
     def fuse(self, aux_BTX: jax.Array) -> jax.Array:
         """The target's concatenated aux states -> draft width."""
-        return jnp.einsum("btx,xd->btd", aux_BTX.astype(self.dtype), self.fc[...])
+        aux_BTX = aux_BTX.astype(self.dtype)
+        if self.input_norm is not None:
+            aux_BTX = self.input_norm(aux_BTX)
+        if self.fc_norm is not None:
+            weights = self.fc_norm[...]   # [n_aux, target hidden]: the glossary has no letter for either
+            per_state = aux_BTX.reshape(aux_BTX.shape[:2] + weights.shape)
+            aux_BTX = rms_norm(per_state, weights, self.cfg.rms_norm_eps).reshape(aux_BTX.shape)
+        return jnp.einsum("btx,xd->btd", aux_BTX, self.fc[...])
 
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
         return draft_ids + self.d2t[...][draft_ids]
 
     def head(self, out_BTD: jax.Array) -> jax.Array:
-        """Draft-vocab logits (float32) of decoder outputs."""
-        return jnp.einsum("btd,dw->btw", self.norm(out_BTD), self.lm_head[...]).astype(jnp.float32)
+        """Draft-vocab logits (float32) of decoder outputs (``DraftStep.hidden_BTD``)."""
+        normed_BTD = out_BTD if self.cfg.norm_output else self.norm(out_BTD)   # norm_output: normed already
+        return jnp.einsum("btd,dw->btw", normed_BTD, self.lm_head[...]).astype(jnp.float32)
 
     def __call__(self, ids_BT, hidden_BTD, positions_BT, embed_VD=None, cache: KVCache | None = None,
                  attend=None, with_logits: bool = True) -> DraftStep:
@@ -130,4 +145,6 @@ class Draft(nnx.Module):
         attn_BTD, cache = self.self_attn(x_BT2D, positions_BT, cos, sin, cache, attend)
         h_BTD = residual_BTD + attn_BTD
         out_BTD = h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+        if self.cfg.norm_output:
+            out_BTD = self.norm(out_BTD)
         return DraftStep(hidden_BTD=out_BTD, logits_BTW=self.head(out_BTD) if with_logits else None, cache=cache)

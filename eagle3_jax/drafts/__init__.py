@@ -1,0 +1,1 @@
+"""Draft kinds beyond the EAGLE-3 chain: one module per kind (config, module, name map, load/export)."""

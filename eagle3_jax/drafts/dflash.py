@@ -1,0 +1,173 @@
+"""DFlash: a block drafter over the target's context features (SpecForge ``DFlashDraftModel``).
+
+One pass guesses a whole block. Its inputs are the context, the target's states at
+``aux_layer_ids`` for every verified position, and the block: the embeddings (the target's) of the
+last verified token followed by ``block_size - 1`` MASK tokens, at the positions that follow.
+
+    ctx_SD  = hidden_norm(fc(aux_SX))                         once per position, shared by all layers
+    layer   : xn = input_layernorm(x)
+              q  = rope(q_norm(q_proj(xn)))                   at the block's positions
+              k  = rope(k_norm(k_proj([ctx, xn]))),  v = v_proj([ctx, xn])
+              x  = x + o_proj(attend(q, k, v));  x = x + mlp(post_attention_layernorm(x))
+    out     = norm(x);   logits = the target's lm_head(out)   block offset j >= 1 guesses the token there
+
+Which keys a block anchored at position a sees (SpecForge's training masks, :func:`block_mask`):
+context positions before a and every token of its own block; in a sliding layer, only context in
+[a + j - W + 1, a) and its block's tokens up to its own offset j. Context keys depend on nothing
+but the target's states, so serving keeps them in a per-layer cache (:meth:`context_keys`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle3_jax.drafts.dflash_config import SLIDING, DFlashConfig
+from eagle3_jax.models.attention import masked_softmax
+from eagle3_jax.models.layers import RMSNorm, SwiGLU, apply_rope, param, rope_cos_sin, rope_inv_freq
+
+
+def block_mask(anchor_BN: jax.Array, keep_BN: jax.Array, S: int, block: int, window: int | None = None
+               ) -> jax.Array:
+    """[B, N * block, S + N * block]: for N blocks (block n anchored at ``anchor_BN[:, n]``, kept where
+    ``keep_BN``) which keys each block token sees among S context positions then the blocks' tokens;
+    ``window``: the sliding-attention rule."""
+    B, N = anchor_BN.shape
+    q_T = jnp.arange(N * block)
+    kv_K = jnp.arange(S + N * block)
+    q_block_T, q_off_T = q_T // block, q_T % block
+    anchor_BT = jnp.repeat(anchor_BN, block, axis=1)
+    ctx_BTK = (kv_K[None, None, :] < S) & (kv_K[None, None, :] < anchor_BT[:, :, None])
+    own_TK = (kv_K[None, :] >= S) & ((kv_K[None, :] - S) // block == q_block_T[:, None])
+    if window is not None:
+        ctx_BTK &= kv_K[None, None, :] >= (anchor_BT + q_off_T[None, :] - (window - 1))[:, :, None]
+        own_TK &= (kv_K[None, :] - S) % block <= q_off_T[:, None]
+    return (ctx_BTK | own_TK[None]) & jnp.repeat(keep_BN, block, axis=1)[:, :, None]
+
+
+class DFlashAttention(nnx.Module):
+    """GQA with per-head q/k RMSNorm (Qwen3) and rotate-half RoPE; keys and values come from the
+    context states and the block alike."""
+
+    def __init__(self, cfg: DFlashConfig, dtype, rngs):
+        D, N, G, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), dtype)
+        self.k_proj = param(rngs, (D, G, H), ("embed", "heads", "head_dim"), dtype)
+        self.v_proj = param(rngs, (D, G, H), ("embed", "heads", "head_dim"), dtype)
+        self.o_proj = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), dtype)
+        bias = cfg.attention_bias
+        self.q_bias = param(None, (N, H), ("heads", "head_dim"), dtype) if bias else None
+        self.k_bias = param(None, (G, H), ("heads", "head_dim"), dtype) if bias else None
+        self.v_bias = param(None, (G, H), ("heads", "head_dim"), dtype) if bias else None
+        self.o_bias = param(None, (D,), ("embed",), dtype) if bias else None
+        self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, axes=("head_dim",))
+        self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, axes=("head_dim",))
+        self.softmax_scale = H ** -0.5
+
+    @staticmethod
+    def _project(x_BTD, w_DGH, b_GH):
+        y_BTGH = jnp.einsum("btd,dgh->btgh", x_BTD, w_DGH[...])
+        return y_BTGH if b_GH is None else y_BTGH + b_GH[...]
+
+    def keys(self, x_BTD, cos_BTH, sin_BTH):
+        """Normed, rotated keys and values of ``x_BTD`` (context states or the block's normed input)."""
+        k_BTGH = self.k_norm(self._project(x_BTD, self.k_proj, self.k_bias))
+        k_BTGH = apply_rope(k_BTGH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
+        return k_BTGH, self._project(x_BTD, self.v_proj, self.v_bias)
+
+    def __call__(self, xn_BTD, cos_BTH, sin_BTH, k_BSGH, v_BSGH, mask_BTS):
+        """Attention of the block (``xn_BTD``) over keys [B, S, G, H] (context, then the block's own)."""
+        q_BTNH = self.q_norm(self._project(xn_BTD, self.q_proj, self.q_bias))
+        q_BTNH = apply_rope(q_BTNH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
+        B, T, N, H = q_BTNH.shape
+        S, G = k_BSGH.shape[1], k_BSGH.shape[2]
+        q_BTGRH = q_BTNH.reshape(B, T, G, N // G, H)
+        scores_BTGRS = jnp.einsum("btgrh,bsgh->btgrs", q_BTGRH, k_BSGH) * self.softmax_scale
+        # A query that sees no key (a dropped block) attends everywhere, then gives zeros: no NaN,
+        # in the values or in their gradients.
+        seen_BT = jnp.any(mask_BTS, axis=-1)
+        probs = masked_softmax(scores_BTGRS.reshape(B, T, N, S), mask_BTS | ~seen_BT[:, :, None])
+        probs = jnp.where(seen_BT[:, :, None, None], probs, 0.0).reshape(B, T, G, N // G, S)
+        out_BTGRH = jnp.einsum("btgrs,bsgh->btgrh", probs.astype(v_BSGH.dtype), v_BSGH)
+        y_BTD = jnp.einsum("btnh,nhd->btd", out_BTGRH.reshape(B, T, N, H), self.o_proj[...])
+        return y_BTD if self.o_bias is None else y_BTD + self.o_bias[...]
+
+
+class DFlashLayer(nnx.Module):
+    def __init__(self, cfg: DFlashConfig, sliding: bool, dtype, rngs):
+        D = cfg.hidden_size
+        self.sliding = sliding
+        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.self_attn = DFlashAttention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.mlp = SwiGLU(D, cfg.intermediate_size, dtype, rngs)
+
+    def __call__(self, x_BTD, cos_BTH, sin_BTH, ctx_k_BSGH, ctx_v_BSGH, mask_BTK):
+        xn_BTD = self.input_layernorm(x_BTD)
+        k_BTGH, v_BTGH = self.self_attn.keys(xn_BTD, cos_BTH, sin_BTH)
+        k_BKGH = jnp.concatenate([ctx_k_BSGH, k_BTGH.astype(ctx_k_BSGH.dtype)], axis=1)
+        v_BKGH = jnp.concatenate([ctx_v_BSGH, v_BTGH.astype(ctx_v_BSGH.dtype)], axis=1)
+        h_BTD = x_BTD + self.self_attn(xn_BTD, cos_BTH, sin_BTH, k_BKGH, v_BKGH, mask_BTK)
+        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+
+
+class DFlashDraft(nnx.Module):
+    """The draft's weights and its one pass; the token embedding and the head are the target's."""
+
+    kind = "dflash"
+
+    def __init__(self, cfg: DFlashConfig, n_aux: int, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        D = cfg.hidden_size
+        self.cfg = cfg
+        self.dtype = dtype
+        self.fc = param(rngs, (n_aux * D, D), ("aux", "embed"), dtype)
+        self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.layers = nnx.List([DFlashLayer(cfg, t == SLIDING, dtype, rngs) for t in cfg.layer_types])
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        inv_freq, attn_factor = rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        self.rope_inv_freq = tuple(inv_freq.tolist())
+        self.rope_attn_factor = attn_factor
+
+    def _rope(self, positions_BT):
+        return rope_cos_sin(positions_BT, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attn_factor)
+
+    def context(self, aux_BSX: jax.Array) -> jax.Array:
+        """The target's concatenated states -> the context states every layer reads."""
+        return self.hidden_norm(jnp.einsum("bsx,xd->bsd", aux_BSX.astype(self.dtype), self.fc[...]))
+
+    def context_keys(self, aux_BSX: jax.Array, positions_BS: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+        """Per layer, the context's (keys, values) [B, S, G, H] at ``positions_BS``."""
+        ctx_BSD = self.context(aux_BSX)
+        cos, sin = self._rope(positions_BS)
+        return [layer.self_attn.keys(ctx_BSD, cos, sin) for layer in self.layers]
+
+    def __call__(self, noise_BTD, positions_BT, ctx_kv, masks: dict) -> jax.Array:
+        """The block's outputs ``norm(x)`` [B, T, D]. ``noise_BTD``: the block's token embeddings at
+        ``positions_BT``; ``ctx_kv``: :meth:`context_keys` (or a cache of them); ``masks``: per layer
+        type, [B, T, S + T] over the context keys then the block's (see :func:`block_mask`)."""
+        cos, sin = self._rope(positions_BT)
+        x_BTD = noise_BTD.astype(self.dtype)
+        for layer, (k_BSGH, v_BSGH) in zip(self.layers, ctx_kv):
+            mask_BTK = masks[SLIDING if layer.sliding else "full_attention"]
+            x_BTD = layer(x_BTD, cos, sin, k_BSGH, v_BSGH, mask_BTK)
+        return self.norm(x_BTD)
+
+    def forward_blocks(self, aux_BSX, embed_VD, ids_BS, anchor_BN, keep_BN) -> jax.Array:
+        """Training and checking: N blocks over one sequence of S tokens (``ids_BS`` with the target's
+        states ``aux_BSX``), block n anchored at ``anchor_BN[:, n]`` (its known token; the rest are
+        MASK tokens at the positions that follow). Returns the blocks' outputs [B, N * block, D]."""
+        B, S = ids_BS.shape
+        bs, mask_id = self.cfg.block_size, self.cfg.require_mask_token()
+        offsets = jnp.arange(bs)
+        ids_BT = jnp.where(offsets[None, None, :] == 0,
+                           jnp.take_along_axis(ids_BS, jnp.where(keep_BN, anchor_BN, 0), axis=1)[:, :, None],
+                           mask_id)
+        ids_BT = jnp.where(keep_BN[:, :, None], ids_BT, mask_id).reshape(B, -1)
+        positions_BT = (anchor_BN[:, :, None] + offsets).reshape(B, -1)
+        positions_BS = jnp.broadcast_to(jnp.arange(S), (B, S))
+        masks = {"full_attention": block_mask(anchor_BN, keep_BN, S, bs)}
+        if self.cfg.sliding_window is not None:
+            masks[SLIDING] = block_mask(anchor_BN, keep_BN, S, bs, self.cfg.sliding_window)
+        noise_BTD = jnp.take(embed_VD, ids_BT, axis=0)
+        return self(noise_BTD, positions_BT, self.context_keys(aux_BSX, positions_BS), masks)

@@ -1,0 +1,156 @@
+"""``DFlashConfig``: a DFlash block draft in SpecForge's ``DFlashDraftModel`` layout (a Qwen3 config).
+
+What config.json carries beyond Qwen3's fields:
+- ``block_size``: tokens per block; one pass guesses ``block_size - 1`` of them;
+- ``dflash_config.target_layer_ids``: the target layers whose outputs form the context feature, in
+  the EAGLE-3 aux convention (id i = the output of layer i); absent, SpecForge spreads
+  ``num_hidden_layers`` ids over ``num_target_layers`` (:func:`default_target_layer_ids`);
+- ``dflash_config.mask_token_id``: the token fed at the positions still to be guessed;
+- ``layer_types``: ``full_attention`` or ``sliding_attention`` per layer, with ``sliding_window``.
+The draft has no embedding and no head: it reads the target's ``embed_tokens`` and ``lm_head``.
+Variants that add a head of their own (``dflash_config.projector_type``: Domino, DSpark) are other
+kinds and are refused here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from eagle3_jax.config.common import _require
+from eagle3_jax.config.target import RopeConfig
+from eagle3_jax.errors import ConfigError
+
+DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def is_dflash_config(d: Mapping[str, Any]) -> bool:
+    return any(a in DFLASH_ARCHITECTURES for a in (d.get("architectures") or []))
+
+
+def is_dflash_dir(path: str | os.PathLike) -> bool:
+    """Whether the draft directory at ``path`` holds a DFlash config.json."""
+    p = os.path.join(os.fspath(path), "config.json")
+    if not os.path.isfile(p):
+        return False
+    with open(p) as f:
+        return is_dflash_config(json.load(f))
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """SpecForge's spread: one id per draft layer, evenly from layer 1 to L - 3 (the middle for one)."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    return tuple(int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_hidden_layers: int
+    vocab_size: int
+    block_size: int
+    aux_layer_ids: tuple[int, ...] | None   # dflash_config.target_layer_ids; None: spread over the target
+    mask_token_id: int | None
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    attention_bias: bool = False
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 4096
+    hf_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    kind = "dflash"
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any], where: str = "draft config.json") -> "DFlashConfig":
+        if not is_dflash_config(d):
+            raise ConfigError(f"{where}: architectures {d.get('architectures')} is not a DFlash draft; "
+                              f"expected {list(DFLASH_ARCHITECTURES)}")
+        extra = d.get("dflash_config") or {}
+        if extra.get("projector_type") is not None:
+            raise ConfigError(
+                f"{where}: dflash_config.projector_type={extra['projector_type']!r} is a DFlash variant with a head "
+                "of its own (Domino, DSpark), which is not implemented here; only plain DFlash drafts load")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"{where}: hidden_act={d['hidden_act']!r}; DFlash layers are SwiGLU (silu)")
+        hidden = int(_require(d, "hidden_size", where))
+        heads = int(_require(d, "num_attention_heads", where))
+        layers = int(_require(d, "num_hidden_layers", where))
+        types = tuple(d.get("layer_types") or (FULL,) * layers)
+        if len(types) != layers or set(types) - {FULL, SLIDING}:
+            raise ConfigError(f"{where}: layer_types {list(types)} must name {layers} layers, each "
+                              f"{FULL!r} or {SLIDING!r}")
+        window = d.get("sliding_window")
+        if SLIDING in types and not (window and int(window) > 0):
+            raise ConfigError(f"{where}: sliding_attention layers need a positive sliding_window, found {window}")
+        ids = extra.get("target_layer_ids")
+        if ids is None and d.get("num_target_layers"):
+            ids = default_target_layer_ids(int(d["num_target_layers"]), layers)
+        mask = extra.get("mask_token_id")
+        cfg = cls(
+            hidden_size=hidden, intermediate_size=int(_require(d, "intermediate_size", where)),
+            num_attention_heads=heads, num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads), num_hidden_layers=layers,
+            vocab_size=int(_require(d, "vocab_size", where)), block_size=int(_require(d, "block_size", where)),
+            aux_layer_ids=None if ids is None else tuple(int(i) for i in ids),
+            mask_token_id=None if mask is None else int(mask), layer_types=types,
+            sliding_window=int(window) if SLIDING in types else None,
+            attention_bias=bool(d.get("attention_bias", False)), rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6),
+            rope=RopeConfig.from_hf(d, where), max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
+            hf_config=json.loads(json.dumps(dict(d))),
+        )
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of "
+                              f"num_key_value_heads={cfg.num_key_value_heads}")
+        if cfg.block_size < 2:
+            raise ConfigError(f"{where}: block_size={cfg.block_size}; a block is its known token plus at least "
+                              "one guess, so it must be >= 2")
+        if cfg.head_dim % 2:
+            raise ConfigError(f"{where}: head_dim={cfg.head_dim} must be even for rotary pairs")
+        return cfg
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike) -> "DFlashConfig":
+        p = os.fspath(path)
+        if os.path.isdir(p):
+            p = os.path.join(p, "config.json")
+        if not os.path.isfile(p):
+            raise ConfigError(f"no config.json at {p}; point at a DFlash draft directory")
+        with open(p) as f:
+            return cls.from_hf_dict(json.load(f), where=p)
+
+    def require_mask_token(self) -> int:
+        if self.mask_token_id is None:
+            raise ConfigError("this DFlash draft names no dflash_config.mask_token_id; the block's guessed "
+                              "positions are fed that token, so set it in config.json (SpecForge's trainer does)")
+        return self.mask_token_id
+
+    def to_hf_dict(self) -> dict:
+        if self.hf_config:
+            return json.loads(json.dumps(self.hf_config))
+        d = {
+            "architectures": list(DFLASH_ARCHITECTURES), "model_type": "qwen3", "hidden_act": "silu",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "num_hidden_layers": self.num_hidden_layers, "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope.theta, "attention_bias": self.attention_bias,
+            "max_position_embeddings": self.max_position_embeddings, "layer_types": list(self.layer_types),
+            "use_sliding_window": self.sliding_window is not None, "sliding_window": self.sliding_window,
+            "block_size": self.block_size, "dflash_config": {"mask_token_id": self.mask_token_id},
+        }
+        if self.aux_layer_ids is not None:
+            d["dflash_config"]["target_layer_ids"] = list(self.aux_layer_ids)
+        return d
+
+    def replace(self, **changes) -> "DFlashConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,163 @@
+"""SpecForge ``DFlashDraftModel`` tensors <-> our DFlash draft: the name table, loading, export, and
+the loaded draft bound to its target.
+
+On disk (exactly that class's ``state_dict()``; its RoPE tables are not persistent):
+``fc.weight`` [D, n_aux * D], ``hidden_norm.weight``, ``norm.weight``, and per layer i
+``layers.{i}.self_attn.{q,k,v,o}_proj.weight`` (+ ``.bias`` with ``attention_bias``),
+``layers.{i}.self_attn.{q,k}_norm.weight`` [head_dim], ``layers.{i}.mlp.{gate,up,down}_proj.weight``,
+``layers.{i}.{input_layernorm,post_attention_layernorm}.weight``. No embedding, no head: the target's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
+from eagle3_jax.checkpoint.draft_io import write_staged
+from eagle3_jax.checkpoint.hf_loader import load_state
+from eagle3_jax.checkpoint.target_map import Rule, _linear, _linear_in, _same
+from eagle3_jax.draft_handle import LoadedDraft
+from eagle3_jax.drafts.dflash import DFlashDraft
+from eagle3_jax.drafts.dflash_config import DFlashConfig
+from eagle3_jax.errors import CheckpointError, ConfigError
+from eagle3_jax.sharding import mesh_context, shard_state
+
+
+def dflash_rules(cfg: DFlashConfig, n_aux: int) -> list[Rule]:
+    D, N, G, H, F = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                     cfg.intermediate_size)
+    rules = [
+        _linear(("fc",), "fc.weight", n_aux * D, (D,)),
+        _same(("hidden_norm", "weight"), "hidden_norm.weight"),
+        _same(("norm", "weight"), "norm.weight"),
+    ]
+    for i in range(cfg.num_hidden_layers):
+        ours, disk = ("layers", i), f"layers.{i}."
+        at, dat = ours + ("self_attn",), disk + "self_attn."
+        rules += [
+            _same(ours + ("input_layernorm", "weight"), disk + "input_layernorm.weight"),
+            _same(ours + ("post_attention_layernorm", "weight"), disk + "post_attention_layernorm.weight"),
+            _linear(at + ("q_proj",), dat + "q_proj.weight", D, (N, H)),
+            _linear(at + ("k_proj",), dat + "k_proj.weight", D, (G, H)),
+            _linear(at + ("v_proj",), dat + "v_proj.weight", D, (G, H)),
+            _linear_in(at + ("o_proj",), dat + "o_proj.weight", (N, H), D),
+            _same(at + ("q_norm", "weight"), dat + "q_norm.weight"),
+            _same(at + ("k_norm", "weight"), dat + "k_norm.weight"),
+            _linear(ours + ("mlp", "gate"), disk + "mlp.gate_proj.weight", D, (F,)),
+            _linear(ours + ("mlp", "up"), disk + "mlp.up_proj.weight", D, (F,)),
+            _linear(ours + ("mlp", "down"), disk + "mlp.down_proj.weight", F, (D,)),
+        ]
+        if cfg.attention_bias:
+            heads = {"q": (N, H), "k": (G, H), "v": (G, H)}
+            rules += [Rule(at + (f"{p}_bias",), (f"{dat}{p}_proj.bias",),
+                           lambda a, s=shape: a[0].reshape(s), lambda w: [np.asarray(w).reshape(-1)])
+                      for p, shape in heads.items()]
+            rules.append(_same(at + ("o_bias",), dat + "o_proj.bias"))
+    return rules
+
+
+def iter_dflash_tensors(cfg: DFlashConfig, flat: Mapping[tuple, np.ndarray], n_aux: int):
+    for rule in dflash_rules(cfg, n_aux):
+        yield from zip(rule.hf_keys, rule.to_hf(np.asarray(flat[rule.path])))
+
+
+class LoadedDFlash(LoadedDraft):
+    """A DFlash draft wired to its target (an ``api.LoadedTarget``): the target captures the
+    draft's ``aux_layer_ids`` (its ``target_layer_ids``) exactly as it does an EAGLE-3 draft's."""
+
+    def __init__(self, model: DFlashDraft, target, aux_layer_ids: tuple[int, ...]):
+        super().__init__(model, target, aux_layer_ids)
+        self._blocks = jax.jit(_blocks_call, static_argnums=(0,))
+
+    def forward_blocks(self, ids, aux_hidden, anchors, keep=None):
+        """The blocks' outputs [B, N * block, D] and the target head's logits of them (float32), for
+        blocks anchored at ``anchors`` [B, N] over a sequence ``ids`` [B, S] whose target states at
+        the draft's layers are ``aux_hidden`` [B, S, n_aux * D]."""
+        anchors = jnp.asarray(anchors, jnp.int32)
+        keep = jnp.ones(anchors.shape, bool) if keep is None else jnp.asarray(keep, bool)
+        t = self.target.model
+        head_DV = t.embed_tokens[...].T if t.lm_head is None else t.lm_head[...]   # tied: the embedding
+        with mesh_context(self.target.mesh):
+            return self._blocks(self.graphdef, self.state, t.embed_tokens[...], head_DV, jnp.asarray(ids, jnp.int32),
+                                jnp.asarray(aux_hidden), anchors, keep)
+
+
+def _blocks_call(graphdef, state, embed_VD, head_DV, ids_BS, aux_BSX, anchor_BN, keep_BN):
+    draft = nnx.merge(graphdef, state)
+    out_BTD = draft.forward_blocks(aux_BSX, embed_VD, ids_BS, anchor_BN, keep_BN)
+    return out_BTD, jnp.einsum("btd,dv->btv", out_BTD, head_DV).astype(jnp.float32)
+
+
+def resolve_ids(cfg: DFlashConfig, tcfg) -> tuple[int, ...]:
+    """The target layers the draft reads; with none in the config, SpecForge's spread over them."""
+    from eagle3_jax.drafts.dflash_config import default_target_layer_ids
+
+    ids = cfg.aux_layer_ids or default_target_layer_ids(tcfg.num_hidden_layers, cfg.num_hidden_layers)
+    bad = [i for i in ids if not 0 <= i < tcfg.num_hidden_layers]
+    if bad:
+        raise ConfigError(f"dflash_config.target_layer_ids {list(ids)}: {bad} outside the target's layers "
+                          f"0..{tcfg.num_hidden_layers - 1} (id i is the output of layer i)")
+    return tuple(ids)
+
+
+def check_pairing(cfg: DFlashConfig, tcfg, fc_in: int | None, where: str) -> tuple[int, ...]:
+    """The wiring contracts of a DFlash draft and its target, before any weight is read."""
+    ids = resolve_ids(cfg, tcfg)
+    if cfg.hidden_size != tcfg.hidden_size:
+        raise ConfigError(f"{where}: DFlash hidden_size={cfg.hidden_size} but the target's is {tcfg.hidden_size}; "
+                          "the draft reads the target's embedding and head, so they must agree")
+    if cfg.vocab_size != tcfg.vocab_size:
+        raise ConfigError(f"{where}: vocab_size={cfg.vocab_size} but the target's is {tcfg.vocab_size}")
+    if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < tcfg.vocab_size:
+        raise ConfigError(f"{where}: mask_token_id={cfg.mask_token_id} outside the target vocab 0..{tcfg.vocab_size - 1}")
+    if fc_in is not None and fc_in != len(ids) * tcfg.hidden_size:
+        raise CheckpointError(
+            f"{where}: fc.weight takes {fc_in} inputs but {len(ids)} target layers {list(ids)} x hidden "
+            f"{tcfg.hidden_size} = {len(ids) * tcfg.hidden_size}; the config's target_layer_ids do not match the weights")
+    return ids
+
+
+def build_dflash_draft(cfg: DFlashConfig, target, dtype=None, seed: int = 0) -> LoadedDFlash:
+    """A randomly initialised DFlash draft wired to ``target``."""
+    from eagle3_jax.config import resolve_dtype
+
+    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
+    ids = check_pairing(cfg, target.config, None, "DFlash config")
+    model = DFlashDraft(cfg, len(ids), dtype, nnx.Rngs(seed))
+    if target.mesh is not None:
+        graphdef, state = nnx.split(model)
+        model = nnx.merge(graphdef, shard_state(state, target.mesh))
+    return LoadedDFlash(model, target, ids)
+
+
+def load_dflash_draft(path: str | os.PathLike, target, dtype=None) -> LoadedDFlash:
+    """A SpecForge-layout DFlash draft directory, checked against and wired to ``target``."""
+    from eagle3_jax.config import resolve_dtype
+
+    where = os.fspath(path)
+    cfg = DFlashConfig.from_path(path)
+    reader = CheckpointReader(path)
+    if "fc.weight" not in reader:
+        raise CheckpointError(f"{where}: no fc.weight; a DFlash draft fuses the target's states with fc")
+    ids = check_pairing(cfg, target.config, reader.shape("fc.weight")[1], where)
+    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: DFlashDraft(cfg, len(ids), dtype, None)))
+    state = load_state(reader, dflash_rules(cfg, len(ids)), abstract, mesh=target.mesh, where=where)
+    return LoadedDFlash(nnx.merge(graphdef, state), target, ids)
+
+
+def write_dflash(path: str | os.PathLike, cfg: DFlashConfig, flat: Mapping[tuple, np.ndarray], aux_layer_ids,
+                 out_dtype=None, dtype_name: str | None = None, config_overrides: dict | None = None) -> None:
+    """config.json (recording the target layers read) + model.safetensors in SpecForge's layout,
+    staged beside ``path``."""
+    ids = [int(i) for i in aux_layer_ids]
+    overrides = {"dflash_config": {**(cfg.to_hf_dict().get("dflash_config") or {}), "target_layer_ids": ids},
+                 **(config_overrides or {})}
+    write_staged(path, cfg, flat, ids, lambda cast: iter_dflash_tensors(cfg, cast, len(ids)), out_dtype, dtype_name,
+                 overrides)
