@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML training config (see configs/train/)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of config keys")
     parser.add_argument("--no-progress", action="store_true",
-                        help="plain log lines every log_every steps instead of a progress bar")
+                        help="plain log lines every log_every steps instead of a progress bar (the bar is drawn "
+                             "only when stderr is a terminal)")
     distributed.add_flags(parser)
     return parser
 
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("eagle3_jax").setLevel(logging.INFO)  # ours; the libraries' chatter stays quiet
 
-    from eagle3_jax import distributed
+    from eagle3_jax import backends, distributed
     from eagle3_jax.errors import Eagle3Error
     from eagle3_jax.train import TrainConfig, check_setup, run
 
@@ -61,8 +62,17 @@ def main(argv=None) -> int:
     except Eagle3Error as e:   # the command line, the config or the pair they name: nothing has run
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
+    import jax
+
+    log = logging.getLogger("eagle3_jax")
+    for name, value in (("dtype", cfg.dtype), ("target_dtype", cfg.target_dtype)):   # float32 is the default
+        note = value and backends.half_on_cpu_note(value, jax.default_backend())
+        if note and distributed.is_writer():
+            log.warning("%s=%s: %s", name, value, note)
+    # A bar redraws with carriage returns: on a log file or a pipe, plain lines every log_every steps.
+    bar = not args.no_progress and sys.stderr.isatty() and distributed.is_writer()
     try:
-        result = run(cfg, progress=not args.no_progress and distributed.is_writer())
+        result = run(cfg, progress=bar)
     except Eagle3Error as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 1)

@@ -1,5 +1,5 @@
 """Shared helpers for the benchmark scripts: timing, table printing and reading back, the demo
-pair's description, a random HF target checkpoint. The one module benchmark scripts import from
+pair's description, the bench target's shape. The one module benchmark scripts import from
 each other.
 
 Benchmarks are not tests: they print tables of ratios measured side by side in one run;
@@ -182,66 +182,20 @@ def _fmt(c) -> str:
     return str(c)
 
 
-# A small DeepSeek-V3-shaped model that runs on a laptop CPU: MLA with q-LoRA, group-limited
-# sigmoid routing, one dense layer then MoE layers with a shared expert.
-BENCH_TARGET_CONFIG = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "vocab_size": 4096,
-    "hidden_size": 256,
-    "intermediate_size": 768,
-    "moe_intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 8,
-    "q_lora_rank": 128,
-    "kv_lora_rank": 64,
-    "qk_nope_head_dim": 32,
-    "qk_rope_head_dim": 16,
-    "v_head_dim": 32,
-    "n_routed_experts": 16,
-    "num_experts_per_tok": 4,
-    "n_shared_experts": 1,
-    "n_group": 4,
-    "topk_group": 2,
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5,
-    "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
-    "hidden_act": "silu",
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "rope_interleave": True,
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "tie_word_embeddings": False,
-    "initializer_range": 0.1,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "num_nextn_predict_layers": 0,
-    "use_cache": True,
+# The benchmarks' DeepSeek-V3-shaped target (tools/random_target.py's tiny target at a size whose
+# timings mean something on a laptop CPU): MLA with q-LoRA, group-limited sigmoid routing, one dense
+# layer then MoE layers with a shared expert, plain RoPE.
+BENCH_SHAPE = {
+    "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 128,
+    "num_hidden_layers": 4, "first_k_dense_replace": 1, "num_attention_heads": 8, "num_key_value_heads": 8,
+    "q_lora_rank": 128, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+    "n_routed_experts": 16, "num_experts_per_tok": 4, "n_shared_experts": 1, "n_group": 4, "topk_group": 2,
+    "max_position_embeddings": 1024, "rope_scaling": None,
 }
 
 
-def save_random_hf_target(path: Path, config: dict = BENCH_TARGET_CONFIG, seed: int = 0):
-    """Builds a random transformers DeepseekV3ForCausalLM, save_pretrained()s it, returns the model."""
-    import torch
-    import transformers
+def bench_target_config(**overrides) -> dict:
+    """The bench target's config.json (``overrides`` on top)."""
+    from tools.random_target import hf_config_dict
 
-    torch.manual_seed(seed)
-    cfg = transformers.DeepseekV3Config(**{k: v for k, v in config.items() if k != "architectures"})
-    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        # Non-trivial norms and correction biases, so routing is not degenerate.
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                p.copy_(0.5 + torch.rand(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.rand(b.shape, generator=g))
-    model.save_pretrained(path)
-    return model
+    return hf_config_dict(**{**BENCH_SHAPE, **overrides})

@@ -69,17 +69,16 @@ def measure(cmd: list[str]) -> tuple[float, int]:
 
 
 def bench_config(args) -> dict:
-    return {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": 2 * args.hidden,
-        "moe_intermediate_size": args.moe_intermediate, "num_hidden_layers": args.layers, "first_k_dense_replace": 1,
-        "n_routed_experts": args.experts, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1,
-        "topk_group": 1, "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 384,
-        "kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
-        "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
-        "hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    }
+    """A DeepSeek-V3-shaped config of the chosen width (tools/random_target.py's tiny target resized)."""
+    from tools.random_target import hf_config_dict
+
+    return hf_config_dict(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        moe_intermediate_size=args.moe_intermediate, num_hidden_layers=args.layers, first_k_dense_replace=1,
+        n_routed_experts=args.experts, n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
+        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
+        qk_rope_head_dim=32, v_head_dim=64, max_position_embeddings=4096, rope_scaling=None,
+        torch_dtype="bfloat16")
 
 
 def build_checkpoint(path: Path, config: dict, max_shard: str) -> tuple[int, int, int]:

@@ -1,6 +1,6 @@
 """Decode speed of a target holding INT4 routed experts vs the same target in bfloat16.
 
-One random DeepSeek-V3-shaped target (benchmarks/_common.BENCH_TARGET_CONFIG) is built with INT4
+One random DeepSeek-V3-shaped target (the bench shape of benchmarks/_common.py) is built with INT4
 experts (packed words + bf16 group scales, as ``load_target(weights="native")`` holds Kimi-K2.5),
 and its twin holds exactly those weights dequantized to bfloat16 (``weights="bfloat16"``); every
 other parameter is shared. Both decode greedily, target only, the same prompts; calls alternate
@@ -18,7 +18,7 @@ import argparse
 import statistics
 import time
 
-from _common import BENCH_TARGET_CONFIG, machine, table
+from _common import bench_target_config, machine, table
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +62,7 @@ def main():
                     help="comma-separated quantized expert kernels to run side by side (blocked, grouped); "
                          "default: the platform's own")
     args = ap.parse_args()
-    cfg = TargetConfig.from_hf_dict(BENCH_TARGET_CONFIG)
+    cfg = TargetConfig.from_hf_dict(bench_target_config())
     names = [k.strip() for k in args.int4_kernels.split(",") if k.strip()] or [None]
     q, f = twins(cfg, int4_kernel=names[0])
     label = lambda name: "int4 experts" + (f" ({name})" if name else "")

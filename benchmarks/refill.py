@@ -1,21 +1,19 @@
 """Refill batching (the serve engine) vs a static batch, on mixed output lengths, in one run.
 
-Workload: P prompts whose greedy answers end at very different lengths. A random DeepSeek-V3-shaped
-target (the bench config of ``_common.py``, vocab 2048) greedily continues a corpus of random
-prompts; prompts are prefixes of those rows (4 prompt lengths, two padded shapes), and the stop ids are
-a few tokens chosen so that ~3/4 of the answers stop early and ~1/4 run to max_new_tokens: the mix that
-leaves a static batch's rows idle behind one long answer.
+Workload: P prompts whose greedy answers end at very different lengths. The demo pair's target
+greedily continues its held-out prompts, and the stop ids are a few tokens of those continuations
+chosen so that ~3/4 of the answers stop early and ~1/4 run to max_new_tokens: the mix that leaves a
+static batch's rows idle behind one long answer.
 
   static  = ``Generator.generate`` on fixed batches of B prompts in input order (a batch ends when its
             longest answer does);
   refill  = ``Engine`` (eagle3_jax/speculative/engine.py) with B rows: every ``rounds_per_sync`` rounds the
             host hands out finished rows and prefills waiting prompts into them.
-Both run target-only and with an EAGLE-3 draft trained on the corpus (``tests.spec_fixtures``), same
-prompts, greedy; outputs must be identical (checked). Every configuration runs once to compile and
+Both run target-only and with the demo's EAGLE-3 draft, same prompts, greedy; outputs must be identical (checked). Every configuration runs once to compile and
 warm up, then ``--repeats`` times round-robin; the fastest run counts (other jobs on a shared machine
 only ever add time). tok/s = all generated tokens / wall seconds, prefill included.
 
-    .venv/bin/python benchmarks/refill.py [--prompts 48] [--batch 8] [--max-new-tokens 128]
+    .venv/bin/python benchmarks/refill.py [--demo-dir demo] [--prompts 32] [--batch 8] [--max-new-tokens 128]
         [--rounds-per-sync 4,16,64] [--num-draft-tokens 4] [--repeats 2]
 """
 
@@ -28,15 +26,13 @@ import statistics
 import time
 import warnings
 
-from _common import BENCH_TARGET_CONFIG, machine, table
+from _common import REPO, describe, machine, table
 
 import jax
 
 import eagle3_jax as e3
+from eagle3_jax.serve.demo import DemoPair
 from eagle3_jax.speculative.engine import Engine, Request
-from tests import spec_fixtures
-
-PROMPT_LENS = (6, 10, 14, 18)   # padded to 16 and 32 tokens
 
 
 def pick_stop_ids(conts: list[list[int]], max_new: int) -> tuple[tuple[int, ...], list[int]]:
@@ -80,33 +76,25 @@ def run_refill(target, draft, K, cap, prompts, B, N, eos, rps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--demo-dir", default=str(REPO / "demo"))
+    ap.add_argument("--prompts", type=int, default=32, help="held-out prompts of the demo (at most all of them)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds-per-sync", default="4,16,64")
     ap.add_argument("--num-draft-tokens", type=int, default=4)
-    ap.add_argument("--train-steps", type=int, default=150)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     t_start = time.perf_counter()
     load0 = os.getloadavg()
     B, N, K = args.batch, args.max_new_tokens, args.num_draft_tokens
     rps_list = [int(x) for x in args.rounds_per_sync.split(",") if x.strip()]
 
-    # ------------------------------------------------------------ model, corpus, draft, workload
-    tcfg = e3.TargetConfig.from_hf_dict(dict(BENCH_TARGET_CONFIG, vocab_size=2048))
-    target = e3.build_target(tcfg, "float32", seed=args.seed)
-    seqs = spec_fixtures.target_greedy_corpus(target, n_prompts=args.prompts, prompt_len=6,
-                                              new_tokens=max(PROMPT_LENS) - 6 + N + K + 2, seed=args.seed)
-    L = tcfg.num_hidden_layers
-    dcfg = spec_fixtures.tiny_draft_config(tcfg, aux_ids=(0, L // 2, L - 1), intermediate_size=512)
-    draft, _ = spec_fixtures.train_draft_on_target(target, e3.build_draft(dcfg, target, seed=args.seed + 1), seqs,
-                                                   steps=args.train_steps, batch=min(16, len(seqs)), seed=args.seed)
-    lens = [PROMPT_LENS[i % len(PROMPT_LENS)] for i in range(args.prompts)]
-    prompts = [seqs[i, :n].tolist() for i, n in enumerate(lens)]
-    eos, _ = pick_stop_ids([seqs[i, n:n + N].tolist() for i, n in enumerate(lens)], N)
-    cap = 32 + N + K + 2
+    # ------------------------------------------------------------ models and workload
+    pair = DemoPair.load(args.demo_dir, num_prompts=args.prompts)
+    target, draft, prompts = pair.target, pair.draft, pair.prompt_ids
+    cap = pair.capacity(N, K)
+    conts = e3.Generator(target, None, max_len=cap).generate(prompts, N).tokens
+    eos, _ = pick_stop_ids(conts, N)
 
     configs = {}
     for name, d in (("target only", None), (f"EAGLE-3 K={K}", draft)):
@@ -142,9 +130,9 @@ def main():
 
     print(f"# refill  machine: {machine()}, jax {jax.__version__} ({jax.default_backend()}), "
           f"load average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
-    print(f"# target: bench config hidden {tcfg.hidden_size}, {L} layers, {tcfg.n_routed_experts} experts, vocab "
-          f"{tcfg.vocab_size}, float32; draft trained {args.train_steps} steps on the target's greedy corpus")
-    print(f"# workload: {args.prompts} prompts of {sorted(set(lens))} tokens, batch {B}, max_new_tokens {N}, greedy, "
+    print(f"# {describe(pair)}")
+    lens = sorted(len(p) for p in prompts)
+    print(f"# workload: {len(prompts)} prompts of {lens[0]}-{lens[-1]} tokens, batch {B}, max_new_tokens {N}, greedy, "
           f"stop ids {list(eos)}; answer lengths min {min(out_lens)} / median {statistics.median(out_lens):.0f} / "
           f"max {max(out_lens)}, {sum(n >= N for n in out_lens)} of {len(out_lens)} run to max_new_tokens")
     print(f"# static occupancy (useful row-steps / row-steps of its batches, target only): "

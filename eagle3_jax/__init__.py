@@ -1,5 +1,9 @@
 """eagle3-jax: EAGLE-3 speculative decoding for DeepSeek-V3-class MoE models in JAX."""
 
+from eagle3_jax import backends as _backends
+
+_backends.quiet_without_tpu()   # before any JAX backend starts: no libtpu start-up errors without a TPU
+
 from eagle3_jax.api import (DraftOutput, ForwardOutput, GenerationResult, Generator, LoadedDraft, LoadedTarget,
                             build_draft, build_target, load_draft, load_target, save_draft)
 from eagle3_jax.config import DraftConfig, MeshConfig, RopeConfig, TargetConfig

@@ -23,6 +23,8 @@ from eagle3_jax.errors import SettingsError
 
 # (where the values came from, the values)
 Layer = tuple[str, Mapping[str, Any]]
+# Other programs' names for a setting (dotted key -> ours), offered as "did you mean" when used.
+Aliases = Mapping[str, str]
 # Per dotted key: turns a value from a file or the command line into the annotated type's form
 # (e.g. a mesh given as a YAML mapping into its "data=1,expert=8" string) before type checking.
 Converters = Mapping[str, Callable[[Any], Any]]
@@ -57,12 +59,13 @@ def override_layers(items: Iterable[str], example: str = "lr=1e-4") -> list[Laye
 
 
 def from_layers(cls, layers: Sequence[Layer], converters: Converters | None = None,
-                required: Mapping[str, str] | None = None):
+                required: Mapping[str, str] | None = None, aliases: Aliases | None = None):
     """An instance of dataclass ``cls``: its defaults, overridden by each layer in turn.
 
     ``required``: for a field without a default, how to give it (said when no layer does).
+    ``aliases``: names other programs use for a setting, suggested when one is used here.
     """
-    values = _merge(cls, layers, dict(converters or {}), prefix="")
+    values = _merge(cls, layers, dict(converters or {}), prefix="", aliases=dict(aliases or {}))
     for f in dataclasses.fields(cls):
         if (f.init and f.name not in values and f.default is dataclasses.MISSING
                 and f.default_factory is dataclasses.MISSING):
@@ -75,18 +78,20 @@ def field_names(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.init]
 
 
-def unknown_keys_message(source: str, unknown: Sequence[str], names: Sequence[str], prefix: str = "") -> str:
-    """``source: unknown key 'x' (did you mean 'y'?); valid keys: ...``."""
+def unknown_keys_message(source: str, unknown: Sequence[str], names: Sequence[str], prefix: str = "",
+                         aliases: Aliases | None = None) -> str:
+    """``source: unknown key 'x' (did you mean 'y'?); valid keys: ...``; a known alias beats a close spelling."""
     described = []
     for key in unknown:
-        close = difflib.get_close_matches(str(key), names, n=1)
+        alias = (aliases or {}).get(prefix + str(key))
+        close = [alias] if alias else difflib.get_close_matches(str(key), names, n=1)
         described.append(f"'{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
     noun = "key" if len(unknown) == 1 else "keys"
     where = f"{source}: {prefix.rstrip('.')}: " if prefix else f"{source}: "
     return f"{where}unknown {noun} {', '.join(described)}; valid keys: {', '.join(names)}"
 
 
-def _merge(cls, layers: Sequence[Layer], converters: dict, prefix: str) -> dict:
+def _merge(cls, layers: Sequence[Layer], converters: dict, prefix: str, aliases: dict) -> dict:
     hints = typing.get_type_hints(cls)
     names = field_names(cls)
     values: dict[str, Any] = {}
@@ -97,7 +102,7 @@ def _merge(cls, layers: Sequence[Layer], converters: dict, prefix: str) -> dict:
                                 f"values, found {type(mapping).__name__} {mapping!r}")
         unknown = [k for k in mapping if k not in names]
         if unknown:
-            raise SettingsError(unknown_keys_message(source, unknown, names, prefix))
+            raise SettingsError(unknown_keys_message(source, unknown, names, prefix, aliases))
         for key, value in mapping.items():
             path = prefix + key
             if path in converters:
@@ -119,7 +124,7 @@ def _merge(cls, layers: Sequence[Layer], converters: dict, prefix: str) -> dict:
             except SettingsError as e:
                 raise SettingsError(f"{source}: {e}") from None
     for key, sub_layers in nested.items():
-        values[key] = hints[key](**_merge(hints[key], sub_layers, converters, prefix=f"{prefix}{key}."))
+        values[key] = hints[key](**_merge(hints[key], sub_layers, converters, f"{prefix}{key}.", aliases))
     return values
 
 

@@ -117,10 +117,6 @@ def logical_to_spec(axes: Sequence[str | None] | None) -> P:
     return P(*mesh_axes)
 
 
-def named_sharding(mesh: jax.sharding.Mesh, axes: Sequence[str | None] | None) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(axes))
-
-
 _fallbacks_logged: set = set()
 
 

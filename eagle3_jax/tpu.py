@@ -16,6 +16,7 @@ Everything here is "compiled for", never "ran on": no figure comes from a TPU ex
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -27,6 +28,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax import backends
 from eagle3_jax.errors import ConfigError
 
 # The TPU compiler's message when a program does not fit, e.g. "... the total memory required for HLO
@@ -37,11 +39,7 @@ _UNIT = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 
 def libtpu_available() -> bool:
     """Whether the TPU compiler can be loaded (the ``tpu`` extra is installed)."""
-    try:
-        import libtpu  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return backends.libtpu_installed()
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,7 +54,10 @@ def topology_devices(topology: str) -> tuple:
     # chips; compiling only owns none, and parallel test workers (or two planners) each load it.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
-        desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+        # Without a TPU, loading libtpu prints its failed start-up (no host bounds, no worker
+        # hostnames), which compiling does not need: held back unless the load fails.
+        with contextlib.nullcontext() if backends.tpu_attached() else backends.held_stderr():
+            desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
     except Exception as e:  # libtpu raises a plain runtime error for unknown names
         raise ConfigError(f"TPU topology '{topology}' is not known to the installed libtpu ({e}); expected a "
                           "name such as v5p:2x2x2, v5e:2x4 or v6e:2x4") from e
@@ -191,11 +192,3 @@ def _platform(args) -> str:
         if sharding is not None:
             return next(iter(sharding.device_set)).platform
     return jax.default_backend()
-
-
-def mesh_platform(mesh: "jax.sharding.Mesh | None") -> str:
-    """The platform a mesh's devices belong to (``tpu`` for a topology mesh on a CPU host); the
-    platform a program is compiled for, which can differ from ``jax.default_backend()``."""
-    if mesh is None:
-        return jax.default_backend()
-    return mesh.devices.flat[0].platform

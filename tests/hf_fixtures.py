@@ -1,15 +1,14 @@
-"""Random small DeepseekV3 checkpoints written by transformers' save_pretrained (the oracle)."""
+"""The parity targets: random small DeepseekV3 checkpoints written by transformers' save_pretrained
+(the oracle), each the tiny target (tools/random_target.py) with a few fields changed."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
-import transformers
 
-REPO = Path(__file__).resolve().parent.parent
-TINY = json.loads((REPO / "configs/models/tiny_deepseek_v3.json").read_text())
+from tools.random_target import REPO, save_random_target  # noqa: F401 (the tests' names for them)
+from tools.random_target import hf_config_dict
+
+TINY = hf_config_dict()
 
 # Together these cover: q_lora set and null; n_group > 1 with topk_group < n_group; YaRN with
 # mscale_all_dim; first_k_dense_replace >= 1; norm_topk_prob true and false; several experts per
@@ -28,39 +27,6 @@ PARITY_CONFIGS = {
         "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
     },
 }
-
-
-def hf_config(overrides: dict) -> transformers.DeepseekV3Config:
-    d = {k: v for k, v in TINY.items() if k != "architectures"}
-    d.update(overrides)
-    if overrides.get("rope_scaling") is None and "rope_scaling" in overrides:
-        d.pop("rope_scaling", None)
-        d.pop("rope_parameters", None)
-    elif "rope_scaling" in overrides:
-        d["rope_parameters"] = dict(overrides["rope_scaling"], rope_theta=d.get("rope_theta", 10000.0))
-        d.pop("rope_scaling")
-    d["initializer_range"] = 0.1
-    return transformers.DeepseekV3Config(**d)
-
-
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Non-trivial norms and correction biases, so a mapping mistake cannot hide behind ones/zeros."""
-    g = torch.Generator().manual_seed(seed + 1000)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                p.copy_(0.5 + torch.rand(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.rand(b.shape, generator=g))
-
-
-def save_random_target(path: Path, overrides: dict, seed: int = 0):
-    torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(hf_config(overrides)).eval()
-    randomize(model, seed)
-    model.save_pretrained(path)
-    return path, model
 
 
 def torch_forward(model, ids, output_hidden_states=False):

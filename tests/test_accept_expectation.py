@@ -3,14 +3,14 @@
 A sampler can be lossless and still waste draft tokens (rejecting more often than min(1, p/q)), or
 accept too often; the chi-square tests of test_spec_sampling.py see only the emitted tokens. Here
 the loop's own acceptance count over thousands of rounds is set against the teacher-forced
-expectation (``eagle3_jax.speculative.acceptance_check``), with fixed seeds: deterministic.
+expectation (``tests/acceptance_check.py``), with fixed seeds: deterministic.
 """
 
 import numpy as np
 import pytest
 
 import eagle3_jax as e3
-from eagle3_jax.speculative.acceptance_check import MAX_NEW_TOKENS, compare, round_starts
+from tests.acceptance_check import MAX_NEW_TOKENS, compare, round_starts
 
 SIGMAS = 4.0
 DETECTABLE_GAP = 0.05   # the check must be able to see an acceptance rate this far off

@@ -1,12 +1,14 @@
 """Rules of the code base a reviewer would otherwise check by hand: modules small enough to read
-(at most 400 lines in the package) and no import circles, counting the imports made inside
-functions too (a lazy import is how a circle hides)."""
+(at most 400 lines in the package, tools/ and benchmarks/), no import circles, counting the imports
+made inside functions too (a lazy import is how a circle hides), and no benchmark or tool that
+leans on the tests (what they need lives in the library or tools/)."""
 
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("eagle3_jax", "tools")
+LINE_CAPPED = ("eagle3_jax", "tools", "benchmarks")
 MAX_LINES = 400
 
 
@@ -54,10 +56,27 @@ def _cycles(graph):
     return found
 
 
-def test_no_module_in_the_package_is_over_400_lines():
-    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "eagle3_jax").rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+def test_no_module_is_over_400_lines():
+    files = [p for d in LINE_CAPPED for p in (ROOT / d).rglob("*.py")]
+    assert any(p.name == "run_all.py" for p in files)   # the walk reached benchmarks/
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these modules by job (at most {MAX_LINES} lines): {long}"
+
+
+def _imports_tests(path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+        if any(n == "tests" or n.startswith("tests.") for n in names):
+            return True
+    return False
+
+
+def test_benchmarks_and_tools_do_not_import_the_tests():
+    offenders = [str(p.relative_to(ROOT)) for d in ("benchmarks", "tools") for p in (ROOT / d).rglob("*.py")
+                 if _imports_tests(p)]
+    assert not offenders, f"move what these take from tests/ into the library or tools/: {offenders}"
+    assert _imports_tests(ROOT / "tests" / "conftest.py")   # the check sees `from tests import ...`
 
 
 def test_no_import_circles_lazy_imports_included():

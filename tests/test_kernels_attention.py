@@ -6,15 +6,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle3_jax.models import attention
-from eagle3_jax.models.cache import KVCache, MLACache, causal_slot_mask
+from eagle3_jax.models import attention, attention_core
+from eagle3_jax.models.cache import KVCache, MLACache
+
+
+def _masked_softmax(scores_BTNS, positions_BT):
+    """The oracle: one softmax over the whole capacity, query at position p seeing slots 0..p."""
+    visible_BTS = jnp.arange(scores_BTNS.shape[-1]) <= positions_BT[:, :, None]
+    return jax.nn.softmax(jnp.where(visible_BTS[:, :, None], scores_BTNS, -jnp.inf), axis=-1)
 
 
 def _reference(q_lat, q_rope, cache, layer, positions, scale):
     lat, rope = cache.latent_LBSC[layer], cache.rope_LBSP[layer]
     s = (jnp.einsum("btnc,bsc->btns", q_lat, lat) + jnp.einsum("btnp,bsp->btns", q_rope, rope)) * scale
-    probs = attention.masked_softmax(s, causal_slot_mask(positions, lat.shape[1]))
-    return jnp.einsum("btns,bsc->btnc", probs, lat)
+    return jnp.einsum("btns,bsc->btnc", _masked_softmax(s, positions), lat)
 
 
 @pytest.mark.parametrize("capacity,block", [(40, 8), (37, 8), (40, 40), (16, 128)])
@@ -41,9 +46,10 @@ def test_draft_gqa_over_filled_slots_matches_whole_capacity(capacity, block):
                     jnp.asarray(rng.normal(size=(B, capacity, G, H)), jnp.float32))
     q = jnp.asarray(rng.normal(size=(B, T, G * R, H)), jnp.float32)
     positions = jnp.asarray(np.array([1, capacity // 2, capacity - 2])[:, None] + np.arange(T), jnp.int32)
-    got = attention.attend_filled_gqa(q, cache, positions, 0.4, block)
-    s = jnp.einsum("btgrh,bsgh->btgrs", q.reshape(B, T, G, R, H), cache.k_BSGH) * 0.4
-    probs = attention.masked_softmax(s.reshape(B, T, G * R, capacity), causal_slot_mask(positions, capacity))
+    fns = attention_core.grouped(q, cache.k_BSGH, cache.v_BSGH)
+    got, _ = attention_core.blockwise(*fns, positions, capacity, attention_core.key_block(capacity, T, G * R, block))
+    s = jnp.einsum("btgrh,bsgh->btgrs", q.reshape(B, T, G, R, H), cache.k_BSGH) * H ** -0.5
+    probs = _masked_softmax(s.reshape(B, T, G * R, capacity), positions)
     want = jnp.einsum("btgrs,bsgh->btgrh", probs.reshape(B, T, G, R, capacity), cache.v_BSGH).reshape(B, T, G * R, H)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
@@ -69,7 +75,7 @@ def test_target_decode_with_small_key_blocks(monkeypatch, tiny_target_dir):
     over 4-slot key blocks (a capacity no other test compiles, so the loop is really traced)."""
     import eagle3_jax as e3
 
-    monkeypatch.setattr(attention, "KEY_BLOCK", 4)
+    monkeypatch.setattr(attention_core, "KEY_BLOCK", 4)
     target = e3.load_target(tiny_target_dir)
     rng = np.random.default_rng(5)
     lengths = [6, 3, 11]

@@ -7,7 +7,7 @@ import signal
 import numpy as np
 import pytest
 
-from tools.demo import corpus, lm
+from tools.demo import corpus, lm, lm_state
 
 
 # ---------------------------------------------------------------------- corpus
@@ -105,11 +105,11 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
 
 def test_a_second_trainer_on_the_same_state_is_refused(tmp_path):
     state = str(tmp_path / "state.npz")
-    with lm.training_lock(state):
+    with lm_state.training_lock(state):
         with pytest.raises(SystemExit, match=rf"another process \(pid {os.getpid()}\) is already training"):
-            with lm.training_lock(state):
+            with lm_state.training_lock(state):
                 pass
-    with lm.training_lock(state):  # released again
+    with lm_state.training_lock(state):  # released again
         pass
 
 

@@ -1,5 +1,6 @@
-"""Training-time test: the efficient attention equals the literal unrolled reference, and both equal
-what the serving loop computes with its KV cache for the same simulated draft steps."""
+"""Training-time test: the unroll's attention (the core's dense and blockwise forms) equals the literal
+unrolled reference, and both equal what the serving loop computes with its KV cache for the same
+simulated draft steps."""
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,29 @@ def case():
 STEPS = 3
 
 
+def block_mask(T: int, n_steps: int) -> np.ndarray:
+    """[T, n_steps * T] explicit mask for a query of the last step: block 0 causal, others diagonal."""
+    mask = np.zeros((T, n_steps * T), bool)
+    for t in range(T):
+        mask[t, :t + 1] = True
+        mask[t, np.arange(1, n_steps) * T + t] = True
+    return mask
+
+
+def naive_attend(prev, q_BTNH, k_BTGH, v_BTGH):
+    """The literal reference: every step's keys concatenated along the key axis, one softmax under
+    the explicit block mask (O(i T^2) per step)."""
+    B, T, N, H = q_BTNH.shape
+    G = k_BTGH.shape[2]
+    keys, values = prev if prev is not None else ((), ())
+    keys, values = keys + (k_BTGH,), values + (v_BTGH,)
+    k_BSGH, v_BSGH = jnp.concatenate(keys, axis=1), jnp.concatenate(values, axis=1)
+    scores = jnp.einsum("btgrh,bsgh->btgrs", q_BTNH.reshape(B, T, G, N // G, H), k_BSGH) * H ** -0.5
+    mask = jnp.asarray(block_mask(T, len(keys)))[None, :, None, None, :]
+    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("btgrs,bsgh->btgrh", probs, v_BSGH).reshape(B, T, N, H), (keys, values)
+
+
 def _loss_and_grads(case, attention, steps=STEPS):
     draft = case["draft"]
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
@@ -51,9 +75,13 @@ def _loss_and_grads(case, attention, steps=STEPS):
 
     def f(p):
         return ttt.ttt_loss(nnx.merge(graphdef, p, rest), case["aux"], case["ids"], signal, case["embed"],
-                            ttt.LossSpec(steps=steps, attention=attention))
+                            ttt.LossSpec(steps=steps, attention="efficient" if attention == "naive" else attention))
 
-    return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+    if attention != "naive":
+        return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+    with pytest.MonkeyPatch.context() as mp:   # the unroll with the reference in place of the core
+        mp.setattr(ttt, "_attend_fn", lambda spec: naive_attend)
+        return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +112,7 @@ def test_loss_is_decayed_sum_of_step_losses(results):
 
 
 def test_block_mask_is_causal_then_diagonal():
-    mask = ttt.block_mask(3, 3)
+    mask = block_mask(3, 3)
     expected = np.array([
         [1, 0, 0, 1, 0, 0, 1, 0, 0],
         [1, 1, 0, 0, 1, 0, 0, 1, 0],

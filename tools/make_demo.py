@@ -32,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from tools.demo import bpe, corpus, lm  # noqa: E402
+from tools.demo import bpe, corpus, lm, lm_state  # noqa: E402
 
 DEMO_TRAIN_CONFIG = "configs/train/demo.yaml"
 PEAGLE_TRAIN_CONFIG = "configs/train/peagle_demo.yaml"
@@ -72,12 +72,12 @@ def load_summary(p: Paths) -> dict:
 
 
 def update_summary(p: Paths, key: str, value) -> None:
+    from eagle3_jax.checkpoint.staging import atomic_file
+
     s = load_summary(p)
     s[key] = value
-    tmp = p.summary + ".tmp"
-    with open(tmp, "w") as f:
+    with atomic_file(p.summary) as f:
         json.dump(s, f, indent=2, default=str)
-    os.replace(tmp, p.summary)
 
 
 def require(path: str, stage: int) -> None:
@@ -165,7 +165,7 @@ def stage_export_target(p: Paths, args) -> None:
     from tools.demo import export
 
     require(p.target_params, 3)
-    flat, meta = lm.load_params(p.target_params)
+    flat, meta = lm_state.load_params(p.target_params)
     files = export.export_target(meta["config"], flat, p.target, p.target)
     say(f"exported target (step {meta['step']}, held-out loss {meta['heldout_loss']:.3f}) to {p.target}: "
         + ", ".join(files))

@@ -180,10 +180,6 @@ class CheckpointReader:
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             raise KeyError(f"{self.directory}: no tensor named {name!r}{hint}") from None
 
-    def file_of(self, name: str) -> Path:
-        """Path of the file holding a tensor."""
-        return self._file(name).path
-
     def shape(self, name: str) -> Tuple[int, ...]:
         return self._file(name).shape(name)
 

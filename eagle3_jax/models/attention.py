@@ -1,4 +1,4 @@
-"""Attention over fixed-size caches: MLA for the target, GQA for the draft."""
+"""The target's multi-head latent attention over its fixed-size cache (the core: attention_core.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax.config import TargetConfig
-from eagle3_jax.models.cache import KVCache, MLACache
+from eagle3_jax.models import attention_core as core
+from eagle3_jax.models.cache import MLACache
 from eagle3_jax.models.layers import RMSNorm, apply_rope
 from eagle3_jax.models.quantized import TILE_COLS, Fp8Linear, QuantLayout, linear_param, project
-
-
-def masked_softmax(scores_BTNS: jax.Array, mask_BTS: jax.Array) -> jax.Array:
-    s = jnp.where(mask_BTS[:, :, None, :], scores_BTNS.astype(jnp.float32), -jnp.inf)
-    return jax.nn.softmax(s, axis=-1)
 
 
 def absorb_keys(q_nope_BTNO: jax.Array, kv_b, nope: int, tile: int = TILE_COLS) -> jax.Array:
@@ -52,79 +48,11 @@ def expand_values(out_lat_BTNC: jax.Array, kv_b, nope: int, tile: int = TILE_COL
     return out_BTNV.astype(jnp.result_type(out_lat_BTNC.dtype, kv_b.dtype))
 
 
-KEY_BLOCK = 128
-# The most scores one row's block step holds, T x N x kb (float32: 16 MiB a row). Decode blocks are
-# far below it; it bounds prefill chunks, whose T x N asks for whole-capacity blocks (Kimi-K2.5,
-# 32 rows x 256 positions x 64 heads over 1024 slots: 2 GiB a score array per chip, several live).
-MAX_BLOCK_SCORES = 1 << 22
-
-
-def key_block(capacity: int, tokens: int, heads: int, block: int = KEY_BLOCK) -> int:
-    """Slots per step of ``attend_filled``'s loop: at least ``block`` and at least 4 * T * N (a
-    power of two), at most the whole cache (one step then, taken without a loop), and no more than
-    ``MAX_BLOCK_SCORES`` scores a row.
-
-    A step reads its keys, about 2 * kb * C bytes a row (bf16), and reads and writes the running
-    float32 sums, 8 * T * N * C bytes a row, which a compiled loop keeps in memory between steps:
-    blocks of 4 * T * N slots or more keep that traffic no larger than the keys'. (Compiled for a
-    TPU v5p at Kimi's shapes, 32 rows x 64 heads verifying 5 tokens: 128-slot steps moved 220 MB
-    each, 4.7 MB of them keys.) Where the score cap binds (prefill chunks, T in the hundreds), a
-    step does 4 * T * N * kb * C flops against those 8 * T * N * C bytes, kb / 2 flops a byte:
-    compute-bound at the cap's blocks of 256 slots and more."""
-    need = 1 << max(0, (4 * tokens * heads - 1).bit_length())
-    cap = 1 << max(0, (MAX_BLOCK_SCORES // max(1, tokens * heads)).bit_length() - 1)
-    return min(capacity, max(block, min(need, cap)))
-
-
-def online_softmax_over_slots(scores_fn, weighted_fn, positions_BT, capacity: int, kb: int, out_dtype):
-    """softmax(scores over visible slots) . values, reading ``kb`` slots per step, up to the
-    largest position of the batch only (a query at position p sees slots 0..p).
-
-    ``scores_fn(start, size)`` -> [B, T, N, size] float32 scaled scores of slots [start, start + size);
-    ``weighted_fn(p_BTNS, start, size)`` -> [B, T, N, X] float32, p times those slots' values.
-    A running max, normalizer and weighted sum are rescaled as each block raises the max (online
-    softmax). The last block may start before ``j * kb`` (capacity not a multiple of kb); its
-    slots already seen are masked, so no slot is counted twice. With kb == capacity: one plain
-    masked softmax, no loop."""
-    def masked(s_BTNS, start, size, seen_from):
-        slots_S = start + jnp.arange(size)
-        vis_BTS = (slots_S[None, None, :] <= positions_BT[:, :, None]) & (slots_S >= seen_from)[None, None, :]
-        return jnp.where(vis_BTS[:, :, None, :], s_BTNS, -jnp.inf)
-
-    if kb >= capacity:
-        probs_BTNS = jax.nn.softmax(masked(scores_fn(0, capacity), 0, capacity, 0), axis=-1)
-        return weighted_fn(probs_BTNS, 0, capacity).astype(out_dtype)
-
-    # Slots any query of the batch can see; positions past the capacity see the whole cache.
-    filled = jnp.clip(jnp.max(positions_BT) + 1, 1, capacity)
-    n_blocks = (filled + kb - 1) // kb
-
-    def step(j, carry):
-        m_BTN, l_BTN, acc_BTN_ = carry
-        start = jnp.minimum(j * kb, capacity - kb)
-        s_BTNS = masked(scores_fn(start, kb), start, kb, j * kb)
-        m_new_BTN = jnp.maximum(m_BTN, jnp.max(s_BTNS, axis=-1))
-        # A query with nothing visible yet keeps max -inf; shift by 0 there so exp gives 0, not NaN.
-        shift_BTN = jnp.where(jnp.isfinite(m_new_BTN), m_new_BTN, 0.0)
-        p_BTNS = jnp.exp(s_BTNS - shift_BTN[..., None])
-        keep_BTN = jnp.exp(m_BTN - shift_BTN)
-        return (m_new_BTN, l_BTN * keep_BTN + p_BTNS.sum(-1),
-                acc_BTN_ * keep_BTN[..., None] + weighted_fn(p_BTNS, start, kb))
-
-    shape_BTN = positions_BT.shape + (jax.eval_shape(lambda: scores_fn(0, kb)).shape[2],)
-    width = jax.eval_shape(lambda: weighted_fn(jnp.zeros(shape_BTN + (kb,), jnp.float32), 0, kb)).shape[-1]
-    init = (jnp.full(shape_BTN, -jnp.inf, jnp.float32), jnp.zeros(shape_BTN, jnp.float32),
-            jnp.zeros(shape_BTN + (width,), jnp.float32))
-    _, l_BTN, acc_BTN_ = jax.lax.fori_loop(0, n_blocks, step, init)
-    return (acc_BTN_ / l_BTN[..., None]).astype(out_dtype)
-
-
 def attend_filled(q_lat_BTNC, q_rope_BTNP, cache: MLACache, layer: int, positions_BT, softmax_scale,
-                  block: int = KEY_BLOCK) -> jax.Array:
+                  block: int | None = None) -> jax.Array:
     """Absorbed MLA attention over the *filled* slots of layer ``layer``: [B, T, N, C] out latents,
-    cost following the longest filled row, not the capacity (``online_softmax_over_slots``). A
-    whole-capacity softmax made a decode step at capacity 2048 read 8x the cache of capacity 256
-    for the same prompts."""
+    in the core's blockwise form (cost following the longest filled row, not the capacity: a
+    whole-capacity softmax reads the whole cache at every decode step, however short the rows)."""
     latent_LBSC, rope_LBSP = cache.latent_LBSC, cache.rope_LBSP
     _, B, S, C = latent_LBSC.shape
     P = rope_LBSP.shape[-1]
@@ -145,33 +73,8 @@ def attend_filled(q_lat_BTNC, q_rope_BTNP, cache: MLACache, layer: int, position
         lat_BSC = lat(start, size)
         return jnp.einsum("btns,bsc->btnc", p_BTNS.astype(lat_BSC.dtype), lat_BSC, preferred_element_type=jnp.float32)
 
-    return online_softmax_over_slots(scores, weighted, positions_BT, S, key_block(S, T, N, block),
-                                     latent_LBSC.dtype)
-
-
-def attend_filled_gqa(q_BTNH, cache: KVCache, positions_BT, softmax_scale, block: int | None = None) -> jax.Array:
-    """The draft's grouped-query attention over the filled slots of its KV cache ([B, S, G, H]):
-    [B, T, N, H] out, N = G * R query heads sharing each key/value head. Keys and values are read
-    a block of slots at a time, so a layout change the dot wants costs one block, not the cache."""
-    k_BSGH, v_BSGH = cache.k_BSGH, cache.v_BSGH
-    B, S, G, H = k_BSGH.shape
-    T, N = q_BTNH.shape[1], q_BTNH.shape[2]
-    q_BTGRH = q_BTNH.reshape(B, T, G, N // G, H).astype(k_BSGH.dtype)
-
-    def slots(kv_BSGH, start, size):
-        return jax.lax.dynamic_slice_in_dim(kv_BSGH, start, size, axis=1)
-
-    def scores(start, size):
-        s = jnp.einsum("btgrh,bsgh->btgrs", q_BTGRH, slots(k_BSGH, start, size), preferred_element_type=jnp.float32)
-        return s.reshape(B, T, N, size) * softmax_scale
-
-    def weighted(p_BTNS, start, size):
-        p = p_BTNS.reshape(B, T, G, N // G, size).astype(v_BSGH.dtype)
-        out_BTGRH = jnp.einsum("btgrs,bsgh->btgrh", p, slots(v_BSGH, start, size), preferred_element_type=jnp.float32)
-        return out_BTGRH.reshape(B, T, N, H)
-
-    kb = key_block(S, T, N, KEY_BLOCK if block is None else block)
-    return online_softmax_over_slots(scores, weighted, positions_BT, S, kb, v_BSGH.dtype)
+    out_BTNC, _ = core.blockwise(scores, weighted, positions_BT, S, core.key_block(S, T, N, block))
+    return out_BTNC.astype(latent_LBSC.dtype)
 
 
 class MLAttention(nnx.Module):
@@ -223,8 +126,7 @@ class MLAttention(nnx.Module):
         cache = cache.write(layer, latent_BTC, k_rope_BTP, positions_BT)
 
         q_lat_BTNC = absorb_keys(q_nope_BTNO, self.kv_b_proj, nope)
-        out_lat_BTNC = attend_filled(q_lat_BTNC, q_rope_BTNP, cache, layer, positions_BT, softmax_scale,
-                                     KEY_BLOCK)
+        out_lat_BTNC = attend_filled(q_lat_BTNC, q_rope_BTNP, cache, layer, positions_BT, softmax_scale)
         out_BTNO = expand_values(out_lat_BTNC, self.kv_b_proj, nope)
         y_BTD = project("btno,nod->btd", out_BTNO, self.o_proj)
         return y_BTD, cache

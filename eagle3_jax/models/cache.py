@@ -55,13 +55,9 @@ class KVCache:
     Slots before heads, as the K/V projections produce them ([B, T, G, H]): a call's write is a
     scatter of whole [G, H] windows, one per (row, position), contiguous as stored. Heads before
     slots made the TPU compiler give the scatter's result a slots-major layout and copy the whole
-    cache back to heads-major for attention, K and V, on every draft call (compiled for v5p at
-    Kimi-K2.5's shapes: 8 GiB of temporaries at 32 rows x 8192 slots). Attention reads the cache a
-    block of slots at a time (``attend_filled_gqa``), so the heads-major copy its dot wants is one
-    block's (the whole cache only where it fits in one block). The CPU pays that per-block copy
-    too (heads first once spared it a whole-cache transpose, before attention went blockwise): the
-    draft's attention takes about a fifth longer at 1500 of 2048 slots filled, within the noise of
-    a demo round.
+    cache back to heads-major for attention, K and V, on every draft call. Attention reads the
+    cache a block of slots at a time (the core's blockwise form), so the heads-major copy its dot
+    wants is one block's (the whole cache only where it fits in one block).
     """
 
     k_BSGH: jax.Array
@@ -85,8 +81,3 @@ class KVCache:
 
         return KVCache(k_BSGH=put(self.k_BSGH, k_BTGH), v_BSGH=put(self.v_BSGH, v_BTGH))
 
-
-def causal_slot_mask(positions_BT: jax.Array, capacity: int) -> jax.Array:
-    """[B, T, S]: query at position p sees slots 0..p."""
-    slots_S = jnp.arange(capacity)
-    return slots_S[None, None, :] <= positions_BT[:, :, None]

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax.config import DraftConfig
-from eagle3_jax.models.attention import attend_filled_gqa, masked_softmax
+from eagle3_jax.models import attention_core as core
 from eagle3_jax.models.cache import KVCache
 from eagle3_jax.models.layers import RMSNorm, SwiGLU, apply_rope, param, rms_norm, rope_cos_sin, rope_inv_freq
 
@@ -30,47 +30,43 @@ class Buffer(nnx.Variable):
 
 
 class DraftAttention(nnx.Module):
-    """Llama GQA over 2D-wide input, rotate-half RoPE, with a fixed-size KV cache."""
+    """Llama GQA with rotate-half RoPE over ``width`` input features (2D in the EAGLE-3 layer), with
+    a fixed-size KV cache."""
 
-    def __init__(self, cfg: DraftConfig, dtype, rngs):
+    def __init__(self, cfg: DraftConfig, dtype, rngs, width: int | None = None):
         D, N, G, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.cfg = cfg
-        self.q_proj = param(rngs, (2 * D, N, H), ("embed", "heads", "head_dim"), dtype)
-        self.k_proj = param(rngs, (2 * D, G, H), ("embed", "heads", "head_dim"), dtype)
-        self.v_proj = param(rngs, (2 * D, G, H), ("embed", "heads", "head_dim"), dtype)
+        width = 2 * D if width is None else width
+        self.q_proj = param(rngs, (width, N, H), ("embed", "heads", "head_dim"), dtype)
+        self.k_proj = param(rngs, (width, G, H), ("embed", "heads", "head_dim"), dtype)
+        self.v_proj = param(rngs, (width, G, H), ("embed", "heads", "head_dim"), dtype)
         self.o_proj = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), dtype)
 
-    def __call__(self, x_BT2D, positions_BT, cos_BTH, sin_BTH, cache: KVCache | None, attend=None):
-        cfg = self.cfg
-        G = cfg.num_key_value_heads
-        R = cfg.num_attention_heads // G
-        q_BTNH = jnp.einsum("btx,xnh->btnh", x_BT2D, self.q_proj[...])
-        k_BTGH = jnp.einsum("btx,xgh->btgh", x_BT2D, self.k_proj[...])
-        v_BTGH = jnp.einsum("btx,xgh->btgh", x_BT2D, self.v_proj[...])
+    def __call__(self, x_BTI, positions_BT, cos_BTH, sin_BTH, cache: KVCache | None, attend=None,
+                 visible_BTS=None):
+        """With a cache: write this call's keys at their positions and attend over the filled slots
+        (cost follows the longest row, not the capacity). Without: attend among this call's tokens,
+        under ``visible_BTS`` or causally by position. ``attend(q_BTNH, k_BTGH, v_BTGH) -> (out_BTNH,
+        state)``, for training-time test, owns which keys each query sees (earlier simulated steps)
+        and returns whatever state it wants back in place of the cache."""
+        q_BTNH = jnp.einsum("bti,inh->btnh", x_BTI, self.q_proj[...])
+        k_BTGH = jnp.einsum("bti,igh->btgh", x_BTI, self.k_proj[...])
+        v_BTGH = jnp.einsum("bti,igh->btgh", x_BTI, self.v_proj[...])
         q_BTNH = apply_rope(q_BTNH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
         k_BTGH = apply_rope(k_BTGH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
         if attend is not None:
-            # Training-time test: the caller owns which keys each query sees (earlier simulated
-            # steps); it returns the per-head output and whatever state it wants back.
             if cache is not None:
                 raise ValueError("DraftAttention: pass either a KV cache or an attend function, not both")
-            out_BTNH, state = attend(q_BTNH, k_BTGH, v_BTGH)
-            return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...]), state
-        if cache is None:  # one causal pass over the given tokens (training, TTT step 0)
-            k_BSGH, v_BSGH = k_BTGH, v_BTGH   # keys are this call's tokens: S = T
-            mask_BTS = positions_BT[:, None, :] <= positions_BT[:, :, None]
-        else:  # over the filled slots only: cost follows the longest row, not the capacity
+            out_BTNH, cache = attend(q_BTNH, k_BTGH, v_BTGH)
+        elif cache is not None:
             cache = cache.write(k_BTGH, v_BTGH, positions_BT)
-            out_BTNH = attend_filled_gqa(q_BTNH, cache, positions_BT, cfg.head_dim ** -0.5)
-            return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...]), cache
-        B, T = q_BTNH.shape[:2]
-        q_BTGRH = q_BTNH.reshape(B, T, G, R, cfg.head_dim)
-        scores_BTGRS = jnp.einsum("btgrh,bsgh->btgrs", q_BTGRH, k_BSGH) * cfg.head_dim ** -0.5
-        S = k_BSGH.shape[1]
-        probs = masked_softmax(scores_BTGRS.reshape(B, T, G * R, S), mask_BTS).reshape(B, T, G, R, S)
-        out_BTGRH = jnp.einsum("btgrs,bsgh->btgrh", probs.astype(v_BSGH.dtype), v_BSGH)
-        y_BTD = jnp.einsum("btnh,nhd->btd", out_BTGRH.reshape(B, T, G * R, cfg.head_dim), self.o_proj[...])
-        return y_BTD, cache
+            S, (T, N) = cache.capacity, q_BTNH.shape[1:3]
+            out_BTNH, _ = core.blockwise(*core.grouped(q_BTNH, cache.k_BSGH, cache.v_BSGH), positions_BT, S,
+                                         core.key_block(S, T, N))
+        else:
+            if visible_BTS is None:
+                visible_BTS = positions_BT[:, None, :] <= positions_BT[:, :, None]
+            out_BTNH, _ = core.dense(*core.grouped(q_BTNH, k_BTGH, v_BTGH), visible_BTS)
+        return jnp.einsum("btnh,nhd->btd", out_BTNH.astype(v_BTGH.dtype), self.o_proj[...]), cache
 
 
 @dataclass
@@ -139,7 +135,7 @@ class Draft(nnx.Module):
         ``DraftStep.cache``. Without it (serving) the computation is exactly as before.
         ``with_logits=False`` leaves ``logits_BTW`` None: a caller that needs logits at one position
         of many (prefill, catch-up) applies ``head`` to that position alone: the draft-vocab head is a
-        fifth to a third of the draft's work per position (Kimi-K2.5's draft, the demo's)."""
+        large share of the draft's work per position."""
         table = self.embed_tokens[...] if self.embed_tokens is not None else embed_VD
         emb_BTD = jnp.take(table, ids_BT, axis=0).astype(self.dtype)
         cos, sin = rope_cos_sin(positions_BT, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attn_factor)

@@ -26,10 +26,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax.config.peagle import PEagleConfig
-from eagle3_jax.models.attention import masked_softmax
-from eagle3_jax.models.cache import KVCache, causal_slot_mask
-from eagle3_jax.models.draft import Buffer, DraftStep
-from eagle3_jax.models.layers import RMSNorm, SwiGLU, apply_rope, param, rope_cos_sin, rope_inv_freq
+from eagle3_jax.models.cache import KVCache
+from eagle3_jax.models.draft import Buffer, DraftAttention, DraftStep
+from eagle3_jax.models.layers import RMSNorm, SwiGLU, param, rope_cos_sin, rope_inv_freq
 
 
 def rollout_mask(anchor_BT: jax.Array, depth_BT: jax.Array, doc_BT: jax.Array | None = None) -> jax.Array:
@@ -46,43 +45,6 @@ def rollout_mask(anchor_BT: jax.Array, depth_BT: jax.Array, doc_BT: jax.Array | 
     return seen
 
 
-def _attend(q_BTNH, k_BSGH, v_BSGH, mask_BTS):
-    """Grouped-query attention over S keys; returns [B, T, N, H]."""
-    B, T, N, H = q_BTNH.shape
-    S, G = k_BSGH.shape[1], k_BSGH.shape[2]
-    q_BTGRH = q_BTNH.reshape(B, T, G, N // G, H)
-    scores_BTGRS = jnp.einsum("btgrh,bsgh->btgrs", q_BTGRH, k_BSGH) * H ** -0.5
-    probs = masked_softmax(scores_BTGRS.reshape(B, T, N, S), mask_BTS).reshape(B, T, G, N // G, S)
-    out_BTGRH = jnp.einsum("btgrs,bsgh->btgrh", probs.astype(v_BSGH.dtype), v_BSGH)
-    return out_BTGRH.reshape(B, T, N, H)
-
-
-class PEagleAttention(nnx.Module):
-    """Llama GQA with rotate-half RoPE; ``width`` input features (2D in the first layer, D after)."""
-
-    def __init__(self, cfg: PEagleConfig, width: int, dtype, rngs):
-        D, N, G, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = param(rngs, (width, N, H), ("embed", "heads", "head_dim"), dtype)
-        self.k_proj = param(rngs, (width, G, H), ("embed", "heads", "head_dim"), dtype)
-        self.v_proj = param(rngs, (width, G, H), ("embed", "heads", "head_dim"), dtype)
-        self.o_proj = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), dtype)
-
-    def __call__(self, x_BTI, positions_BT, cos_BTH, sin_BTH, cache: KVCache | None, mask_BTT=None):
-        """With a cache: write this call's keys at their positions, attend causally by slot.
-        Without: attend among the given tokens under ``mask_BTT``."""
-        q_BTNH = jnp.einsum("bti,inh->btnh", x_BTI, self.q_proj[...])
-        k_BTGH = jnp.einsum("bti,igh->btgh", x_BTI, self.k_proj[...])
-        v_BTGH = jnp.einsum("bti,igh->btgh", x_BTI, self.v_proj[...])
-        q_BTNH = apply_rope(q_BTNH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
-        k_BTGH = apply_rope(k_BTGH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
-        if cache is None:
-            out_BTNH = _attend(q_BTNH, k_BTGH, v_BTGH, mask_BTT)
-        else:
-            cache = cache.write(k_BTGH, v_BTGH, positions_BT)
-            out_BTNH = _attend(q_BTNH, cache.k_BSGH, cache.v_BSGH, causal_slot_mask(positions_BT, cache.capacity))
-        return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...]), cache
-
-
 class PEagleLayer(nnx.Module):
     def __init__(self, cfg: PEagleConfig, first: bool, dtype, rngs):
         D = cfg.hidden_size
@@ -91,7 +53,7 @@ class PEagleLayer(nnx.Module):
         self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         # The first layer normalises the token embedding and the hidden state separately.
         self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps, dtype) if first else None
-        self.self_attn = PEagleAttention(cfg, 2 * D if first else D, dtype, rngs)
+        self.self_attn = DraftAttention(cfg, dtype, rngs, width=2 * D if first else D)
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.mlp = SwiGLU(D, cfg.intermediate_size, dtype, rngs)
 
@@ -102,7 +64,7 @@ class PEagleLayer(nnx.Module):
             x_BTI = jnp.concatenate([self.input_layernorm(emb_BTD), normed_BTD], axis=-1)
         else:
             residual_BTD, x_BTI = h_BTD, self.input_layernorm(h_BTD)
-        attn_BTD, cache = self.self_attn(x_BTI, positions_BT, cos, sin, cache, mask_BTT)
+        attn_BTD, cache = self.self_attn(x_BTI, positions_BT, cos, sin, cache, visible_BTS=mask_BTT)
         h_BTD = residual_BTD + attn_BTD
         return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD)), cache
 
@@ -164,10 +126,7 @@ class PEagleDraft(nnx.Module):
         without one the tokens attend causally among themselves."""
         if attend is not None:
             raise ValueError("PEagleDraft has no training-time-test hook; train it with forward_rollouts")
-        mask_BTT = None
-        if cache is None:
-            mask_BTT = positions_BT[:, None, :] <= positions_BT[:, :, None]
-        return self._layers(ids_BT, hidden_BTD, positions_BT, cache, mask_BTT, with_logits)
+        return self._layers(ids_BT, hidden_BTD, positions_BT, cache, None, with_logits)
 
     # ------------------------------------------------------------------ parallel drafting
     def mask_inputs(self, batch: int, count: int):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import time
 import warnings
@@ -23,6 +24,7 @@ from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.metrics import AcceptanceCollapseWarning
 from eagle3_jax.serve.inputs import InputError, PromptRecord, read_prompts
 from eagle3_jax.serve.output import ResumableOutput, sidecar_path
+from eagle3_jax.serve.progress import Progress, wants_bar
 from eagle3_jax.serve.report import RunStats, Watchdog, metrics_dict, summary_table, write_metrics
 from eagle3_jax.serve.settings import EMIT_CHOICES, ServeSettings, read_yaml_config
 
@@ -81,7 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--skip-bad-lines", action="store_const", const=True, default=None,
       help="skip malformed input lines (reported) instead of stopping before generation")
     a("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
-      help="compute dtype; 'auto' (default) = the checkpoint's torch_dtype")
+      help="compute dtype; 'auto' (default) = the checkpoint's torch_dtype, but float32 on a CPU host (XLA:CPU "
+           "computes half-precision matmuls through float32 copies)")
+    a("--no-progress", action="store_const", const=True, default=None,
+      help="plain log lines instead of a progress bar (the bar is drawn only when stderr is a terminal)")
     # Multi-host: the same command on every host; process 0 writes the output, sidecar and metrics.
     distributed.add_flags(p)
     return p
@@ -95,11 +100,10 @@ def settings_from_argv(argv) -> ServeSettings:
 
 
 # ---------------------------------------------------------------------- helpers
-def resolve_dtype_name(dtype: str, target_cfg) -> str:
+def checkpoint_dtype_name(target_cfg) -> str:
+    """The checkpoint's torch_dtype (its text model's for Kimi-K2.5), bfloat16 when it names none we support."""
     from eagle3_jax.config import DTYPES
 
-    if dtype != "auto":
-        return dtype
     hf = target_cfg.hf_config or {}
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
     for d in (text, hf):
@@ -107,6 +111,21 @@ def resolve_dtype_name(dtype: str, target_cfg) -> str:
         if name in DTYPES:
             return name
     return "bfloat16"
+
+
+def resolve_dtype_name(dtype: str, target_cfg, platform: str | None = None) -> tuple[str, str | None]:
+    """(the compute dtype, a line saying why it is slow or not the checkpoint's, or None).
+
+    ``auto`` follows the checkpoint except on a CPU host, where float32 runs faster (backends.py)."""
+    from eagle3_jax import backends
+
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    if dtype != "auto":
+        return dtype, backends.half_on_cpu_note(dtype, platform)
+    return backends.auto_dtype(checkpoint_dtype_name(target_cfg), platform)
 
 
 def resolve_mesh(spec: str):
@@ -183,7 +202,9 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
     target_cfg = TargetConfig.from_path(s.target)
     if s.draft:
         DraftConfig.from_path(s.draft)   # a wrong --draft path fails now, not after the target has loaded
-    dtype = resolve_dtype_name(s.dtype, target_cfg)
+    dtype, dtype_note = resolve_dtype_name(s.dtype, target_cfg)
+    if dtype_note:
+        log.info("--dtype %s: %s", s.dtype, dtype_note)
     # before any output; load_target below keeps quantized weights as stored
     preflight.check_pair(s.target, s.draft, mesh=s.mesh, dtype=dtype, max_len=s.max_len, weights="native")
     tok = load_tokenizer(s.target)
@@ -250,14 +271,12 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
 
 def _write_metrics(s: ServeSettings, stats: RunStats, already: int, skipped_lines: int, dtype: str) -> None:
     if s.metrics and distributed.is_writer():
+        os.makedirs(os.path.dirname(os.path.abspath(s.metrics)), exist_ok=True)
         write_metrics(s.metrics, metrics_dict(stats, already, skipped_lines, dict(s.as_dict(), dtype=dtype)))
         log.info("metrics written to %s", s.metrics)
 
 
 def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, engine_module) -> None:
-    from tqdm import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
     from eagle3_jax.speculative.session import bucket_prompt_len
 
     started = time.perf_counter()
@@ -283,9 +302,8 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
             buckets.add(bucket)
             yield req
 
-    with logging_redirect_tqdm(), tqdm(total=len(requests), unit="prompt", desc="serve", dynamic_ncols=True,
-                                       mininterval=0.5) as bar:
-        stats.compile.on_compile = lambda: bar.set_postfix_str(compiling[0], refresh=True)
+    with Progress(len(requests), wants_bar(s.no_progress), quiet=not distributed.is_writer()) as progress:
+        stats.compile.on_compile = lambda: progress.note(compiling[0])
         stats.start_clock()
         with stats.compile:
             for fin in engine.run(handed_to_engine(requests)):
@@ -298,8 +316,7 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
                 stats.draft_choice = getattr(engine, "draft_choice", None)
                 stats.tick()
                 compiling[0] = "compiling…"
-                bar.set_postfix_str(stats.postfix(), refresh=False)
-                bar.update(1)
+                progress.advance(stats.postfix())
                 watchdog.maybe_check(stats)
         stats.engine_compile_intervals = list(getattr(engine, "compile_intervals", ()))
         stats.draft_choice = getattr(engine, "draft_choice", None)
@@ -310,8 +327,6 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
 def _join_process_group(argv) -> None:
     """Multi-host (--coordinator/--num-processes/--process-id or EAGLE3_* env): joins the process
     group; every process then runs the same generation, and only process 0 draws the progress bar."""
-    import os
-
     ns, _ = build_parser().parse_known_args(argv)
     if distributed.initialize(ns.coordinator, ns.num_processes, ns.process_id) and not distributed.is_writer():
         os.environ["TQDM_DISABLE"] = "1"

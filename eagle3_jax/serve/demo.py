@@ -12,8 +12,11 @@ and tabled the same way.
 
 Both modes run every prompt through the refill ``Engine`` on ``batch_size`` rows (a freed row
 takes the next prompt), as ``serve.py`` does. Each mode first runs once untimed: that compiles its
-programs and, under ``num_draft_tokens: auto``, calibrates the round costs and learns which K pays;
-the timed pass is steady state. Each batch size's compiled programs are dropped before the next.
+programs and, under ``num_draft_tokens: auto``, calibrates the round costs and learns which K pays.
+Then ``timed_passes`` rounds run every mode once each, in turn (paired, so a busy moment of the
+machine hits all modes alike): tok/s is the median pass, a speedup the median of the per-pass
+ratios, printed with their range, since on a shared CPU passes differ by 10 % or more. Each batch
+size's compiled programs are dropped before the next.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -44,6 +48,7 @@ class DemoSettings:
     max_new_tokens: int = 96
     dtype: str = "float32"   # CPU backends have no fast bfloat16 matmuls
     seed: int = 0
+    timed_passes: int = 3    # paired passes per case after the untimed one; medians and ranges over them
 
     def __post_init__(self):
         if len(self.batch_sizes) != len(self.num_prompts) or not self.batch_sizes:
@@ -55,6 +60,8 @@ class DemoSettings:
         if self.parallel_draft_tokens < 0:
             raise ConfigError(f"demo.yaml: parallel_draft_tokens must be >= 0 (0: no P-EAGLE run), found "
                               f"{self.parallel_draft_tokens}")
+        if self.timed_passes < 1:
+            raise ConfigError(f"demo.yaml: timed_passes must be >= 1, found {self.timed_passes}")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise ConfigError(f"demo.yaml: temperatures must be one or more values >= 0, found {list(self.temperatures)}")
 
@@ -174,21 +181,36 @@ def batches_of(items: list, size: int) -> list[list]:
 @dataclass
 class ModeRun:
     tokens: list[list[int]]
-    stats: object             # GenerationStats of the timed pass (compiles excluded)
+    stats: object             # GenerationStats of the timed passes together (compiles excluded)
     compile_seconds: float    # the untimed first pass: compiles, calibration, first executions
-    choice: object = None     # under auto: the DraftChoice after the timed pass
+    rates: list[float]        # tok/s of each timed pass
+    choice: object = None     # under auto: the DraftChoice after the last timed pass
+
+    @property
+    def tokens_per_second(self) -> float:
+        return statistics.median(self.rates)
 
 
-def run_mode(pair: DemoPair, gen, prompt_ids: list[list[int]], temperature: float, seed: int) -> ModeRun:
-    """``prompt_ids`` through ``gen`` twice: an untimed pass (compiles, calibrates, and under auto
-    learns which K pays) and the timed pass, both with the same seed."""
-    s = pair.settings
+def run_modes(pair: DemoPair, gens: dict, prompt_ids: list[list[int]], temperature: float, seed: int,
+              passes: int) -> dict[str, ModeRun]:
+    """``prompt_ids`` through each generator of ``gens`` (name -> Generator): one untimed pass each
+    (compiles, calibrates, and under auto learns which K pays), then ``passes`` rounds that run
+    every mode once, in turn; all with the same seed, so each pass makes the same tokens."""
+    from eagle3_jax.metrics import GenerationStats
+
     kw = dict(eos_token_ids=pair.eos, temperature=temperature, seed=seed, prompt_len=pair.prompt_len)
-    t = time.perf_counter()
-    gen.generate(prompt_ids, s.max_new_tokens, **kw)
-    compile_s = time.perf_counter() - t
-    res = gen.generate(prompt_ids, s.max_new_tokens, **kw)
-    return ModeRun(res.tokens, res.stats, compile_s, gen.draft_choice)
+    first = {}
+    for name, gen in gens.items():
+        t = time.perf_counter()
+        gen.generate(prompt_ids, pair.settings.max_new_tokens, **kw)
+        first[name] = time.perf_counter() - t
+    results = {name: [] for name in gens}
+    for _ in range(passes):
+        for name, gen in gens.items():
+            results[name].append(gen.generate(prompt_ids, pair.settings.max_new_tokens, **kw))
+    return {name: ModeRun(res[-1].tokens, GenerationStats.combine([r.stats for r in res]), first[name],
+                          [r.stats.tokens_per_second for r in res], gens[name].draft_choice)
+            for name, res in results.items()}
 
 
 def show_completion(tok, prompt_text: str, tokens: list[int], eos: tuple[int, ...]) -> str:
@@ -209,6 +231,17 @@ def mode_label(spec: ModeRun, k: int | str) -> str:
     return f"auto K={spec.choice.num_draft_tokens}"
 
 
+def ratio(mode: ModeRun, base: ModeRun) -> tuple[float, float, float]:
+    """(median, lowest, highest) of a mode's per-pass tok/s over the same pass of the base."""
+    r = [a / b for a, b in zip(mode.rates, base.rates)]
+    return statistics.median(r), min(r), max(r)
+
+
+def ratio_text(mode: ModeRun, base: ModeRun) -> str:
+    mid, lo, hi = ratio(mode, base)
+    return f"{mid:.2f}x" if len(mode.rates) == 1 else f"{mid:.2f}x ({lo:.2f}-{hi:.2f})"
+
+
 @dataclass
 class Case:
     batch_size: int
@@ -219,7 +252,7 @@ class Case:
 
     @property
     def speedup(self) -> float:
-        return self.spec.stats.tokens_per_second / self.base.stats.tokens_per_second
+        return ratio(self.spec, self.base)[0]
 
     @property
     def identical(self) -> int:
@@ -231,24 +264,31 @@ class Case:
 
 
 def table(cases: list[Case], k: int | str, parallel_k: int = 0) -> str:
-    rows = [("batch", "T", "target-only tok/s", "EAGLE-3 tok/s", "speedup", "K", "tau", "acceptance by draft position",
-             "compile (untimed)")]
+    rows = [("batch", "T", "target-only tok/s", "EAGLE-3 tok/s", "speedup (range)", "K", "tau",
+             "acceptance by draft position", "first pass, s")]
     for c in cases:
         e = c.spec.stats
-        rows.append((f"{c.batch_size}", f"{c.temperature:g}", f"{c.base.stats.tokens_per_second:.1f}",
-                     f"{e.tokens_per_second:.1f}", f"{c.speedup:.2f}x", mode_label(c.spec, k),
+        rows.append((f"{c.batch_size}", f"{c.temperature:g}", f"{c.base.tokens_per_second:.1f}",
+                     f"{c.spec.tokens_per_second:.1f}", ratio_text(c.spec, c.base), mode_label(c.spec, k),
                      f"{e.mean_accept_length:.2f}",
                      " ".join(f"{r:.2f}" for r in e.accept_rate_per_position) or "-",
-                     f"{c.base.compile_seconds:.0f} s / {c.spec.compile_seconds:.0f} s"))
+                     f"{c.base.compile_seconds:.0f} / {c.spec.compile_seconds:.0f}"))
         if c.parallel is not None:   # the P-EAGLE draft's row under the same case
             p = c.parallel.stats
-            rows.append(("", "", "P-EAGLE:", f"{p.tokens_per_second:.1f}",
-                         f"{p.tokens_per_second / c.base.stats.tokens_per_second:.2f}x", f"K={parallel_k}",
-                         f"{p.mean_accept_length:.2f}", " ".join(f"{r:.2f}" for r in p.accept_rate_per_position) or "-",
-                         f"{c.parallel.compile_seconds:.0f} s"))
+            rows.append(("", "", "P-EAGLE:", f"{c.parallel.tokens_per_second:.1f}", ratio_text(c.parallel, c.base),
+                         f"K={parallel_k}", f"{p.mean_accept_length:.2f}",
+                         " ".join(f"{r:.2f}" for r in p.accept_rate_per_position) or "-",
+                         f"{c.parallel.compile_seconds:.0f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  " + "  ".join(v.ljust(w) if i == 7 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
                      for r in rows)
+
+
+def table_notes(passes: int) -> str:
+    return (f"  tok/s: the median of {passes} timed passes; speedup: the median of the per-pass ratios to "
+            "target-only, (lowest-highest) pass. tau: tokens per verify round, the bonus token included.\n"
+            "  first pass, s: the untimed pass before them (target-only / EAGLE-3), which compiles each mode's "
+            "programs and, under auto, times its round costs; not in tok/s.")
 
 
 def why_line(case: Case) -> str | None:
@@ -262,9 +302,9 @@ def why_line(case: Case) -> str | None:
         return None
     # target-only rounds are priced (calibration x live drift) when they have not run lately
     steps = c.round_seconds_per_k[k] / c.target_round_seconds
-    return (f"  why (batch {case.batch_size}, T={case.temperature:g}): a K={k} round (draft {k} tokens, verify {k + 1}) "
-            f"costs {steps:.2f} target decode steps and emits tau = {c.tau:.2f} tokens per row: "
-            f"{c.tau:.2f} / {steps:.2f} = {c.tau / steps:.2f}x")
+    return (f"  auto's estimate (batch {case.batch_size}, T={case.temperature:g}): a K={k} round (draft {k} tokens, "
+            f"verify {k + 1}) costs {steps:.2f} target decode steps and emits tau = {c.tau:.2f} tokens per row, "
+            f"{c.tau:.2f} / {steps:.2f} = {c.tau / steps:.2f}x predicted; measured {ratio_text(case.spec, case.base)}")
 
 
 def run(demo_dir: str) -> int:
@@ -288,17 +328,16 @@ def run(demo_dir: str) -> int:
         base_gen = pair.generator(0, s.max_new_tokens, batch_size)
         spec_gen = pair.generator(s.num_draft_tokens, s.max_new_tokens, batch_size)
         par_gen = pair.parallel_generator(s.max_new_tokens, batch_size) if pair.parallel is not None else None
+        gens = {"base": base_gen, "spec": spec_gen} | ({"par": par_gen} if par_gen is not None else {})
         for temperature in s.temperatures:
-            base = run_mode(pair, base_gen, prompt_ids, temperature, s.seed)
-            spec = run_mode(pair, spec_gen, prompt_ids, temperature, s.seed)
-            par = run_mode(pair, par_gen, prompt_ids, temperature, s.seed) if par_gen is not None else None
+            runs = run_modes(pair, gens, prompt_ids, temperature, s.seed, s.timed_passes)
+            base, spec, par = runs["base"], runs["spec"], runs.get("par")
             case = Case(batch_size, temperature, base, spec, par)
             cases.append(case)
-            also = "" if par is None else (f", P-EAGLE {par.stats.tokens_per_second:.1f} tok/s "
-                                           f"({par.stats.tokens_per_second / base.stats.tokens_per_second:.2f}x)")
+            also = "" if par is None else (f", P-EAGLE {par.tokens_per_second:.1f} tok/s ({ratio_text(par, base)})")
             print(f"batch {batch_size:>2} ({n} prompts), T={temperature:g}: target-only "
-                  f"{base.stats.tokens_per_second:.1f} tok/s, EAGLE-3 {spec.stats.tokens_per_second:.1f} tok/s "
-                  f"({case.speedup:.2f}x){also}", flush=True)
+                  f"{base.tokens_per_second:.1f} tok/s, EAGLE-3 {spec.tokens_per_second:.1f} tok/s "
+                  f"({ratio_text(spec, base)}){also}", flush=True)
             checked = {"EAGLE-3": case.identical} | ({"P-EAGLE": case.parallel_identical} if par else {})
             for name, same in checked.items():
                 if temperature == 0 and same != n:
@@ -308,7 +347,7 @@ def run(demo_dir: str) -> int:
         # Each batch size compiles its own programs (one per K under auto, each serving greedy and
         # sampling); one process holding all of them runs out of memory mappings at Linux's default
         # vm.max_map_count (65530), so they are dropped before the next batch size compiles.
-        del base_gen, spec_gen, par_gen
+        del base_gen, spec_gen, par_gen, gens
         jax.clear_caches()
         gc.collect()
 
@@ -318,7 +357,9 @@ def run(demo_dir: str) -> int:
         print(f"[{p['id']}]")
         print(show_completion(pair.tokenizer, p["prompt"], toks, pair.eos))
         print()
+    print(f"Measured here, this run ({s.timed_passes} timed passes per case; {platform_line()}):")
     print(table(cases, s.num_draft_tokens, s.parallel_draft_tokens))
+    print(table_notes(s.timed_passes))
     for case in cases:
         if case.temperature == 0:
             also = "" if case.parallel is None else f" (P-EAGLE: {case.parallel_identical}/{len(case.base.tokens)})"
@@ -327,4 +368,12 @@ def run(demo_dir: str) -> int:
     for case in cases:
         if (line := why_line(case)):
             print(line)
+    print("  These figures vary with the machine and its load; README.md's results table is `make bench` "
+          "(8 prompts x 64 tokens, 3 paired passes), with the machine, commit and date it ran on.")
     return 0
+
+
+def platform_line() -> str:
+    import jax
+
+    return f"{jax.default_backend()}, {jax.device_count()} device(s), {os.cpu_count()} CPU cores"

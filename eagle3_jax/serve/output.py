@@ -84,9 +84,8 @@ class ResumableOutput:
     def _open(self, overwrite: bool) -> None:
         path = self.path
         parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            raise OutputError(f"--output {path}: directory {parent} does not exist")
         try:
+            os.makedirs(parent, exist_ok=True)   # as train.py makes its out_dir
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as e:
             raise OutputError(f"cannot open --output {path}: {e.strerror}") from e

@@ -24,8 +24,11 @@ def draft_tokens_setting(value: Any) -> Any:
     """``num_draft_tokens``: a whole number or the word ``auto`` (chosen from measured costs)."""
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
         return value
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())   # a negative number reads as one and is refused by its range check
+        except ValueError:
+            pass
     raise SettingsError(f"num_draft_tokens: expected an integer or 'auto', found {type(value).__name__} {value!r}")
 
 
@@ -54,8 +57,11 @@ class ServeSettings:
     metrics: str | None = None
     overwrite: bool = False
     skip_bad_lines: bool = False
-    # "auto": the checkpoint's torch_dtype (bfloat16 when it names none we support).
+    # "auto": the checkpoint's torch_dtype (bfloat16 when it names none we support), except float32
+    # on a CPU host, where half-precision matmuls run through float32 copies (eagle3_jax.backends).
     dtype: str = "auto"
+    # Plain log lines instead of a progress bar; the bar is drawn only when stderr is a terminal.
+    no_progress: bool = False
     # Multi-host (see eagle3_jax.distributed): per-process, command line / EAGLE3_* environment only,
     # never part of the fingerprint (a job may resume on another number of hosts).
     coordinator: str | None = None
@@ -87,6 +93,9 @@ class ServeSettings:
             problems.append("--input PROMPTS.jsonl is required")
         if not self.output:
             problems.append("--output OUT.jsonl is required")
+        for flag, path in (("--target", self.target), ("--draft", self.draft), ("--input", self.input)):
+            if path and not os.path.exists(path):
+                problems.append(f"{flag} {path} does not exist")
         if self.input and self.output and os.path.abspath(self.input) == os.path.abspath(self.output):
             problems.append("--output must differ from --input")
         if self.max_new_tokens < 1:
@@ -100,7 +109,10 @@ class ServeSettings:
             problems.append(f"top_p must be in (0, 1], found {self.top_p}")
         if self.top_k < 0:
             problems.append(f"top_k must be >= 0 (0 = off), found {self.top_k}")
-        if self.draft and self.num_draft_tokens != "auto" and self.num_draft_tokens < 1:
+        if self.num_draft_tokens != "auto" and self.num_draft_tokens < 0:
+            problems.append(f"num_draft_tokens must be 'auto' or a whole number >= 0 (0: target-only), found "
+                            f"{self.num_draft_tokens}")
+        elif self.draft and self.num_draft_tokens != "auto" and self.num_draft_tokens < 1:
             problems.append(f"num_draft_tokens must be >= 1 with a draft, found {self.num_draft_tokens}")
         if self.batch_size < 1:
             problems.append(f"batch_size must be >= 1, found {self.batch_size}")

@@ -21,7 +21,7 @@ from eagle3_jax.train.shapes import DraftShape, PEagleShape
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 MODES = ("train", "prepare")
 HIDDEN_SOURCES = ("online", "offline")
-ATTENTIONS = ("efficient", "naive", "blockwise")
+ATTENTIONS = ("efficient", "blockwise")
 LIKE_TARGET = "like_target"
 DATA_FORMATS = """\
 One JSON object a line, one of:
@@ -56,9 +56,9 @@ class TrainConfig:
     # The loss (ttt.py's docstring): which positions count and what a step divides by ("ours" or
     # "specforge"), SpecForge's acceptance-aware LK objective (None, "alpha" or "lambda") and its
     # lambda weight kl_scale * exp(-kl_decay * acceptance), the attention core of the unroll
-    # ("blockwise" over attention_block keys a block: memory linear in the row; "efficient" and
-    # "naive" score whole rows) and the positions a chunk of the head and loss (None: whole rows).
-    # Rows no longer than a block or a chunk run as one: the demo's 160-token rows are unaffected.
+    # ("blockwise" over attention_block keys a block: memory linear in the row; "efficient" scores
+    # whole rows) and the positions a chunk of the head and loss (None: whole rows). Rows no longer
+    # than a block or a chunk run as one.
     loss_convention: str = "ours"
     lk_loss_type: str | None = None
     kl_scale: float = 1.0
@@ -135,7 +135,8 @@ class TrainConfig:
     def from_layers(cls, layers: Sequence[Layer]) -> "TrainConfig":
         """Defaults < each (source, mapping) layer in turn; errors name the key and the layer's source."""
         return settings_io.from_layers(cls, layers, CONVERTERS, required={
-            "target": "the target checkpoint directory; set target: in the --config file or pass target=DIR"})
+            "target": "the target checkpoint directory; set target: in the --config file or pass target=DIR"},
+            aliases=ALIASES)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], where: str = "train config") -> "TrainConfig":
@@ -216,6 +217,14 @@ class TrainConfig:
                     "run the same config with mode=prepare first")
         if self.mode == "train" and self.out_dir is None:
             raise SettingsError("out_dir (checkpoints, metrics and the exported draft go there) is required")
+        if self.mode == "train" and os.path.exists(self.resolved_export_dir) and not os.path.isdir(
+                os.path.join(self.out_dir, "checkpoints")):
+            # A new run would train for hours and then find the place taken (an export never writes
+            # over a draft): the shipped demo/draft, say, stays as it is unless removed on purpose.
+            raise SettingsError(
+                f"export_dir {self.resolved_export_dir} already exists and {self.out_dir} holds no run that wrote "
+                f"it; train.py never writes over a draft. Pass a new export_dir=DIR (unset: {self.out_dir}/draft), "
+                f"or remove {self.resolved_export_dir} first if replacing it is what you want")
         if self.eval_every > 0:
             if self.eval_prompts is None:
                 raise SettingsError("eval_every > 0 needs eval_prompts (a JSONL file of held-out prompts)")
@@ -273,3 +282,8 @@ def _draft_value(value: Any) -> Any:
 
 
 CONVERTERS = {"draft": _draft_value, "mesh": settings_io.mesh_text}
+# SpecForge's and Hugging Face trainers' names for our keys: "did you mean" where spelling is no guide.
+ALIASES = {"learning_rate": "lr", "max_length": "max_len", "ttt_length": "ttt_steps", "max_grad_norm": "grad_clip",
+           "accumulation_steps": "grad_accum", "gradient_accumulation_steps": "grad_accum",
+           "max_steps": "total_steps", "output_dir": "out_dir", "train_data_path": "data",
+           "target_model_path": "target"}

@@ -28,6 +28,7 @@ from flax import nnx
 
 from eagle3_jax.checkpoint.staging import write_json_atomic
 from eagle3_jax.errors import ConfigError
+from eagle3_jax.models.chunks import positions, scan_chunks
 from eagle3_jax.train.data import file_digest, load_tokenizer, read_examples
 from eagle3_jax.train.pipeline import TokenizedSource
 from eagle3_jax.train.progress import info as _info
@@ -45,28 +46,18 @@ def target_features(tgraph, tstate, ids_BT, aux_ids: tuple[int, ...], chunk: int
     """Runs the frozen target over ids [B, T] from position 0: (aux [B, T, X], final normed hidden [B, T, D]).
 
     ``chunk``: positions per target call, each attending over the cache the earlier ones filled (as
-    chunked prefill does): the target's attention scores are [chunk, T] per head instead of [T, T]
-    (Kimi-K2.5, 64 heads: 17 GB for one 8k-token row at once, 275 GB at 32k)."""
+    chunked prefill does): the target's attention scores are [chunk, T] per head instead of [T, T]."""
     target = nnx.merge(tgraph, tstate)
     B, T = ids_BT.shape
-    if chunk is None or chunk >= T:
-        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        out = target(ids_BT, positions_BT, target.init_cache(B, T), aux_ids)
-        return jax.lax.stop_gradient(out.aux_BTX), jax.lax.stop_gradient(out.hidden_BTD)
-    n = -(-T // chunk)
-    # padded positions lie past every real one: causal masking keeps them out of real rows' states
-    split = lambda x: jnp.pad(x, ((0, 0), (0, n * chunk - T))).reshape(B, n, chunk).transpose(1, 0, 2)  # noqa: E731
-    pos_NBC = jnp.broadcast_to(jnp.arange(n * chunk, dtype=jnp.int32).reshape(n, 1, chunk), (n, B, chunk))
-    cache = target.init_cache(B, n * chunk)
+    chunk = min(chunk or T, T)
 
-    def step(cache, xs):
-        ids_BC, pos_BC = xs
-        out = target(ids_BC, pos_BC, cache, aux_ids)
+    def step(cache, start, ids_BC):
+        out = target(ids_BC, positions(start, B, chunk), cache, aux_ids)
         return out.cache, (out.aux_BTX, out.hidden_BTD)
 
-    _, (aux_NBCX, hidden_NBCD) = jax.lax.scan(step, cache, (split(ids_BT), pos_NBC))
-    join = lambda x: x.transpose(1, 0, 2, 3).reshape(B, n * chunk, -1)[:, :T]  # noqa: E731
-    return jax.lax.stop_gradient(join(aux_NBCX)), jax.lax.stop_gradient(join(hidden_NBCD))
+    # padded positions lie past every real one: causal masking keeps them out of real rows' states
+    _, states = scan_chunks(step, target.init_cache(B, -(-T // chunk) * chunk), ids_BT, chunk)
+    return jax.lax.stop_gradient(states)
 
 
 def target_head(target_model) -> tuple[jax.Array, jax.Array]:

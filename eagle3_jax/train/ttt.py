@@ -9,11 +9,10 @@ Indexing. The target read tokens x_0..x_{T-1}; ``aux[t]`` is its state at positi
 
 Attention at step i, query t, sees step 0's keys at 0..t (computed from the target's states)
 plus, for every simulated step j = 1..i, only its key at index t (the paper's diagonal mask):
-each earlier guess on the path to t, never another position's guesses. Three implementations:
-``efficient`` scores the causal block and the diagonals separately (O(T^2 + iT) per step),
-``naive`` concatenates every step's keys under the explicit block mask (O(iT^2)), ``blockwise``
-runs the causal block over key blocks with an online softmax (memory O(T), blockwise.py); they
-agree, and the tests hold them to it.
+each earlier guess on the path to t, never another position's guesses. The causal part and the
+diagonals are scored separately (O(T^2 + iT) per step) and merged into one softmax through their
+log-sum-exps; ``efficient`` scores the causal part densely, ``blockwise`` over key blocks with an
+online softmax (memory O(T)); both are the attention core's forms (models/attention_core.py).
 
 Loss: step i's cross-entropy against the soft label where the label is usable (the position
 counts as a loss token and the target's top token has a draft id); total sum_i decay^i loss_i.
@@ -44,10 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.models.attention import masked_softmax
+from eagle3_jax.models import attention_core as core
+from eagle3_jax.models import chunks
 from eagle3_jax.models.draft import Draft
 from eagle3_jax.sharding import constrain, constrain_leading, current_axis_size
-from eagle3_jax.train import blockwise
 
 CONVENTIONS = ("ours", "specforge")
 LK_LOSS_TYPES = ("alpha", "lambda")
@@ -152,15 +151,12 @@ def _seq_chunks(T: int, chunk: int | None) -> tuple[int, int, int]:
 
 def _seq_rows(x_BT_, S: int, L: int):
     """[B, T, ...] zero-padded to S * L positions -> [B, S, L, ...], S on the ``draft_seq`` axis."""
-    B, T = x_BT_.shape[:2]
-    x = jnp.pad(x_BT_, ((0, 0), (0, S * L - T)) + ((0, 0),) * (x_BT_.ndim - 2))
-    return constrain_leading(x.reshape((B, S, L) + x_BT_.shape[2:]), ("batch", "draft_seq"))
+    return constrain_leading(chunks.split(x_BT_, L, S), ("batch", "draft_seq"))
 
 
 def _seq_join(x_BSL_, T: int):
     """``_seq_rows`` undone: [B, S, L, ...] -> [B, T, ...]."""
-    B, S, L = x_BSL_.shape[:3]
-    return constrain_leading(x_BSL_.reshape((B, S * L) + x_BSL_.shape[3:])[:, :T], ("batch", "draft_seq"))
+    return constrain_leading(chunks.join(x_BSL_, T), ("batch", "draft_seq"))
 
 
 def target_logits(hidden_BTD: jax.Array, lm_head_DV: jax.Array) -> jax.Array:
@@ -179,98 +175,34 @@ def _shift(x_BT_, k: int, fill) -> jax.Array:
 
 
 # ---------------------------------------------------------------------- attention over simulated steps
-def _grouped(q_BTNH, G):
+def unroll_attend(block: int | None, prev, q_BTNH, k_BTGH, v_BTGH):
+    """Step 0's keys causally, in the core's dense form (``block`` None) or blockwise over ``block``
+    keys a step, plus one diagonal key per simulated step, merged into the same softmax.
+
+    ``prev``: None at step 0, else (k0, v0, diagonal keys, diagonal values) of earlier steps."""
     B, T, N, H = q_BTNH.shape
-    return q_BTNH.reshape(B, T, G, N // G, H)
-
-
-def efficient_attend(prev, q_BTNH, k_BTGH, v_BTGH):
-    """Causal scores against step 0's keys, plus one diagonal score per simulated step.
-
-    ``prev``: None at step 0, else (k0, v0, diagonal keys, diagonal values) of earlier steps.
-    """
-    B, T, N, H = q_BTNH.shape
-    G = k_BTGH.shape[2]
-    q_BTGRH = _grouped(q_BTNH, G)
-    scale = H ** -0.5
     if prev is None:
         k0_BSGH, v0_BSGH, diag_k, diag_v = k_BTGH, v_BTGH, (), ()
     else:
         k0_BSGH, v0_BSGH, diag_k, diag_v = prev
         diag_k, diag_v = diag_k + (k_BTGH,), diag_v + (v_BTGH,)
-    scores_BTGRS = jnp.einsum("btgrh,bsgh->btgrs", q_BTGRH, k0_BSGH) * scale
-    causal_TS = jnp.tril(jnp.ones((T, T), bool))
-    scores_BTGRS = jnp.where(causal_TS[None, :, None, None, :], scores_BTGRS.astype(jnp.float32), -jnp.inf)
+    if block is None:
+        causal_BTS = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+        out_BTNH, lse_BTN = core.dense(*core.grouped(q_BTNH, k0_BSGH, v0_BSGH), causal_BTS)
+    else:   # rows shorter than a block are one block (no padded keys to score)
+        out_BTNH, lse_BTN = core.causal_gqa(q_BTNH, k0_BSGH, v0_BSGH, min(block, T))
     if diag_k:
-        dk_JBTGH = jnp.stack(diag_k)
-        dv_JBTGH = jnp.stack(diag_v)
-        diag_BTGRJ = jnp.einsum("btgrh,jbtgh->btgrj", q_BTGRH, dk_JBTGH).astype(jnp.float32) * scale
-        scores_BTGRS = jnp.concatenate([scores_BTGRS, diag_BTGRJ], axis=-1)
-    probs = jax.nn.softmax(scores_BTGRS, axis=-1)
-    out_BTGRH = jnp.einsum("btgrs,bsgh->btgrh", probs[..., :T].astype(v0_BSGH.dtype), v0_BSGH)
-    if diag_k:
-        out_BTGRH = out_BTGRH + jnp.einsum("btgrj,jbtgh->btgrh", probs[..., T:].astype(v0_BSGH.dtype), dv_JBTGH)
-    return out_BTGRH.reshape(B, T, N, H), (k0_BSGH, v0_BSGH, diag_k, diag_v)
-
-
-def block_mask(T: int, n_steps: int) -> np.ndarray:
-    """[T, n_steps * T] explicit mask for a query of the last step: block 0 causal, others diagonal."""
-    mask = np.zeros((T, n_steps * T), bool)
-    for t in range(T):
-        for s in range(t + 1):
-            mask[t, s] = True
-        for j in range(1, n_steps):
-            mask[t, j * T + t] = True
-    return mask
-
-
-def naive_attend(prev, q_BTNH, k_BTGH, v_BTGH):
-    """Every step's keys concatenated along the key axis, with the explicit block mask."""
-    B, T, N, H = q_BTNH.shape
-    G = k_BTGH.shape[2]
-    keys, values = (prev if prev is not None else ((), ()))
-    keys, values = keys + (k_BTGH,), values + (v_BTGH,)
-    k_BSGH = jnp.concatenate(keys, axis=1)
-    v_BSGH = jnp.concatenate(values, axis=1)
-    S = k_BSGH.shape[1]
-    mask_BTS = jnp.broadcast_to(jnp.asarray(block_mask(T, len(keys))), (B, T, S))
-    scores_BTGRS = jnp.einsum("btgrh,bsgh->btgrs", _grouped(q_BTNH, G), k_BSGH) * H ** -0.5
-    probs = masked_softmax(scores_BTGRS.reshape(B, T, N, S), mask_BTS).reshape(B, T, G, N // G, S)
-    out_BTGRH = jnp.einsum("btgrs,bsgh->btgrh", probs.astype(v_BSGH.dtype), v_BSGH)
-    return out_BTGRH.reshape(B, T, N, H), (keys, values)
-
-
-def blockwise_attend(block: int, prev, q_BTNH, k_BTGH, v_BTGH):
-    """``efficient_attend`` with the causal block over key blocks (online softmax, blockwise.py) and
-    the diagonal keys merged into the same softmax through its log-sum-exp."""
-    B, T, N, H = q_BTNH.shape
-    G = k_BTGH.shape[2]
-    q_BTGRH = _grouped(q_BTNH, G)
-    if prev is None:
-        k0_BSGH, v0_BSGH, diag_k, diag_v = k_BTGH, v_BTGH, (), ()
-    else:
-        k0_BSGH, v0_BSGH, diag_k, diag_v = prev
-        diag_k, diag_v = diag_k + (k_BTGH,), diag_v + (v_BTGH,)
-    # rows shorter than a block are one block (no padded keys to score)
-    out_BTGRH, lse_BTGR = blockwise.causal_attention(q_BTGRH, k0_BSGH, v0_BSGH, min(block, T))
-    if diag_k:
-        diag_BTGRJ = jnp.einsum("btgrh,jbtgh->btgrj", q_BTGRH, jnp.stack(diag_k),
-                                preferred_element_type=jnp.float32) * H ** -0.5
-        lse_d = jax.nn.logsumexp(diag_BTGRJ, axis=-1)
-        out_d = jnp.einsum("btgrj,jbtgh->btgrh", jnp.exp(diag_BTGRJ - lse_d[..., None]),
-                           jnp.stack(diag_v).astype(jnp.float32))
-        out_BTGRH = blockwise.merge(out_BTGRH, lse_BTGR, out_d, lse_d)
-    return out_BTGRH.astype(q_BTNH.dtype).reshape(B, T, N, H), (k0_BSGH, v0_BSGH, diag_k, diag_v)
+        # each (row, index) has its own J keys: the dense form with (B, T) as batch and one query
+        fns = core.grouped(q_BTNH[:, :, None], jnp.stack(diag_k, axis=2), jnp.stack(diag_v, axis=2))
+        out_BT1NH, lse_BT1N = core.dense(*fns, None, keys=len(diag_k))
+        out_BTNH = core.merge(out_BTNH, lse_BTN, out_BT1NH[:, :, 0], lse_BT1N[:, :, 0])
+    return out_BTNH.astype(q_BTNH.dtype), (k0_BSGH, v0_BSGH, diag_k, diag_v)
 
 
 def _attend_fn(spec: LossSpec):
-    if spec.attention == "blockwise":
-        return functools.partial(blockwise_attend, spec.attention_block)
-    if spec.attention not in ("efficient", "naive"):
-        raise ValueError(f"attention {spec.attention!r} is not one of efficient, naive, blockwise")
-    return {"efficient": efficient_attend, "naive": naive_attend}[spec.attention]
-
-
+    if spec.attention not in ("efficient", "blockwise"):
+        raise ValueError(f"attention {spec.attention!r} is not one of efficient, blockwise")
+    return functools.partial(unroll_attend, spec.attention_block if spec.attention == "blockwise" else None)
 
 
 # ---------------------------------------------------------------------- the unrolled loss

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 
 import ml_dtypes
 import numpy as np
@@ -24,36 +23,24 @@ MAX_LOGIT_DIFF = 1e-2
 
 def export_target(hf_config: dict, flat: dict, tokenizer_dir: str, out_dir: str) -> list[str]:
     """Writes config.json, generation_config.json, model.safetensors and the tokenizer files to
-    ``out_dir`` (replaced whole, via a temporary sibling, so a crash never leaves half a model)."""
+    ``out_dir`` (replaced whole once complete, so a crash never leaves half a model)."""
     from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
+    from eagle3_jax.checkpoint.staging import staged_dir, write_json_atomic
     from eagle3_jax.checkpoint.target_map import iter_hf_tensors
     from eagle3_jax.config import TargetConfig
 
     cfg = TargetConfig.from_hf_dict(hf_config, where="demo target config")
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".target-", dir=parent)
-    try:
+    with staged_dir(out_dir, overwrite=True) as tmp:
         with CheckpointWriter(tmp) as writer:
             for name, arr in iter_hf_tensors(cfg, flat):
                 dtype = np.float32 if name.endswith(KEEP_FP32) else ml_dtypes.bfloat16
                 writer.add(name, np.asarray(arr, np.float32).astype(dtype))
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_config, f, indent=2)
-            f.write("\n")
-        gen = {"bos_token_id": hf_config["bos_token_id"], "eos_token_id": hf_config["eos_token_id"],
-               "do_sample": False}
-        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-            json.dump(gen, f, indent=2)
-            f.write("\n")
+        write_json_atomic(tmp / "config.json", hf_config, fsync=False)
+        write_json_atomic(tmp / "generation_config.json", {"bos_token_id": hf_config["bos_token_id"],
+                                                           "eos_token_id": hf_config["eos_token_id"],
+                                                           "do_sample": False}, fsync=False)
         for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(tmp, name))
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            shutil.copy(os.path.join(tokenizer_dir, name), tmp / name)
     return sorted(os.listdir(out_dir))
 
 

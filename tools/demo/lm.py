@@ -20,15 +20,13 @@ run annealed; it makes the schedule depend on the machine's speed, so the demo r
 Training is resumable: every ``eval_every_steps`` steps (after the held-out evaluation) and every
 ``checkpoint_every_seconds`` of training, the full state (parameters, optimizer state, router bias,
 step, the data sampler's random state, best loss so far, compute seconds spent) is written to
-``state_path`` atomically (a temporary file, then a rename). ``train`` continues from that file when
+``state_path`` atomically (``lm_state.py``). ``train`` continues from that file when
 it exists, and refuses when it was written with different settings, model or data. A resumed run
 gives the same parameters as an uninterrupted one.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import math
 import os
@@ -38,29 +36,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tools.demo.lm_state import (check_resumable, flat_arrays, load_state, save_params, save_state, stream_digest,
+                                 training_lock)
 
-# The target's shape: deep and narrow like the real models relative to a one-layer draft, so that a
-# draft step costs well under 0.15 of a target decode step on a CPU (24 layers; 16 layers measured
-# 0.16). Fine-grained routed experts with top-k in groups as in DeepSeek-V3 (there 256 experts top-8,
-# 8 groups keep 4; here 16 top-4, 4 groups keep 2). ~22M parameters, ~44 MB in bf16, so that with
-# the draft the demo stays under 60 MB; most of them are in the routed experts and the
-# 8k-vocabulary embedding and head.
+
+# The target's shape (the rest of its config.json is tools/random_target.py's tiny target): deep and
+# narrow like the real models relative to a one-layer draft, so that a draft step costs well under
+# 0.15 of a target decode step on a CPU (24 layers; 16 layers measured 0.16). Fine-grained routed
+# experts with top-k in groups as in DeepSeek-V3 (there 256 experts top-8, 8 groups keep 4; here 16
+# top-4, 4 groups keep 2). ~22M parameters, ~44 MB in bf16, so that with the draft the demo stays
+# under 60 MB; most of them are in the routed experts and the 8k-vocabulary embedding and head.
 TARGET_SHAPE = {
     "hidden_size": 256,
     "intermediate_size": 512,          # the dense first layer
     "moe_intermediate_size": 48,       # each routed expert; the shared expert has the same width
     "num_hidden_layers": 24,
     "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
     "n_routed_experts": 16,
     "num_experts_per_tok": 4,
     "n_shared_experts": 1,
     "n_group": 4,
     "topk_group": 2,
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5,
-    "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
     "q_lora_rank": 128,
@@ -68,31 +64,16 @@ TARGET_SHAPE = {
     "qk_nope_head_dim": 32,
     "qk_rope_head_dim": 16,
     "v_head_dim": 32,
-    "rope_theta": 10000.0,
     "rope_scaling": None,
     "rope_interleave": True,
-    "rms_norm_eps": 1e-6,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "initializer_range": 0.02,
-    "tie_word_embeddings": False,
-    "num_nextn_predict_layers": 0,
 }
 
 
 def target_hf_config(vocab_size: int, bos_id: int, eos_id: int, max_positions: int) -> dict:
-    return {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "vocab_size": vocab_size,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "max_position_embeddings": max_positions,
-        **TARGET_SHAPE,
-        "use_cache": True,
-        "torch_dtype": "bfloat16",
-    }
+    from tools.random_target import hf_config_dict
+
+    return hf_config_dict(**TARGET_SHAPE, vocab_size=vocab_size, bos_token_id=bos_id, eos_token_id=eos_id,
+                          max_position_embeddings=max_positions, torch_dtype="bfloat16")
 
 
 @dataclass(frozen=True)
@@ -123,32 +104,6 @@ class TrainSettings:
 
 
 RESUMABLE_CHANGES = ("checkpoint_every_seconds",)
-
-
-# ---------------------------------------------------------------------- params on disk
-def flat_arrays(*states) -> dict:
-    """nnx states -> {path tuple: numpy array}."""
-    from flax import nnx
-
-    out = {}
-    for state in states:
-        for path, var in nnx.to_flat_state(state):
-            out[tuple(path)] = np.asarray(var.value if hasattr(var, "value") else var)
-    return out
-
-
-def save_params(path: str, flat: dict, meta: dict) -> None:
-    tmp = path + ".tmp.npz"
-    np.savez(tmp, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8),
-             **{"/".join(str(p) for p in k): v for k, v in flat.items()})
-    os.replace(tmp, path)
-
-
-def load_params(path: str) -> tuple[dict, dict]:
-    with np.load(path) as z:
-        meta = json.loads(bytes(z["__meta__"]).decode())
-        flat = {tuple(int(p) if p.isdigit() else p for p in k.split("/")): z[k] for k in z.files if k != "__meta__"}
-    return flat, meta
 
 
 def build_target(hf_config: dict, seed: int, moe_kernel: str = "ragged"):
@@ -191,65 +146,6 @@ def eval_windows(stream: np.ndarray, seq_len: int, n: int) -> np.ndarray:
         raise ValueError(f"held-out stream of {len(stream)} tokens is shorter than one window of {seq_len + 1}")
     picks = np.linspace(0, total - 1, min(n, total)).astype(np.int64)
     return np.stack([stream[i * seq_len:i * seq_len + seq_len + 1] for i in picks]).astype(np.int32)
-
-
-def stream_digest(*streams: np.ndarray) -> str:
-    h = hashlib.sha256()
-    for a in streams:
-        h.update(str(a.dtype).encode() + str(a.shape).encode() + np.ascontiguousarray(a).tobytes())
-    return h.hexdigest()
-
-
-def save_state(path: str, trees: dict, meta: dict) -> None:
-    """The resumable state: every leaf of each pytree in ``trees`` plus ``meta`` (JSON), atomically."""
-    import jax
-
-    arrays = {f"{name}/{i:05d}": np.asarray(x) for name, tree in trees.items()
-              for i, x in enumerate(jax.tree.leaves(tree))}
-    tmp = path + ".tmp.npz"
-    np.savez(tmp, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
-    os.replace(tmp, path)
-
-
-def load_state(path: str, like: dict) -> tuple[dict, dict]:
-    """Reads ``save_state``'s file into pytrees shaped like ``like`` (same structure, checked)."""
-    import jax
-    import jax.numpy as jnp
-
-    out = {}
-    with np.load(path) as z:
-        meta = json.loads(bytes(z["__meta__"]).decode())
-        for name, tree in like.items():
-            leaves, treedef = jax.tree.flatten(tree)
-            keys = sorted(k for k in z.files if k.startswith(name + "/"))
-            if len(keys) != len(leaves):
-                raise SystemExit(f"error: {path} holds {len(keys)} '{name}' arrays, this model has {len(leaves)}; "
-                                 "it was written by a different model: delete it to start over")
-            new = []
-            for k, ref in zip(keys, leaves):
-                a = z[k]
-                if a.shape != np.shape(ref):
-                    raise SystemExit(f"error: {path}: {k} has shape {a.shape}, this model expects "
-                                     f"{np.shape(ref)}; delete it to start over")
-                new.append(jnp.asarray(a, dtype=jnp.asarray(ref).dtype))
-            out[name] = jax.tree.unflatten(treedef, new)
-    return out, meta
-
-
-def check_resumable(path: str, meta: dict, expect: dict) -> None:
-    """Refuses to resume a state written with other settings, model or data (expected vs found)."""
-    diffs = []
-    for key in ("settings", "config", "data"):
-        want, got = expect[key], meta.get(key, {})
-        for k in sorted(set(want) | set(got)):
-            if key == "settings" and k in RESUMABLE_CHANGES:
-                continue
-            if want.get(k) != got.get(k):
-                diffs.append(f"{key}.{k}: checkpoint {got.get(k)!r}, now {want.get(k)!r}")
-    if diffs:
-        raise SystemExit(f"error: cannot resume from {path} (step {meta.get('step')}): it was written with "
-                         "different settings:\n  " + "\n  ".join(diffs) + "\nrerun with the checkpoint's settings, "
-                         f"or delete {path} to start over")
 
 
 # (config, optimizer settings) -> (tx, train_step, eval_step): built and compiled once per process,
@@ -312,31 +208,6 @@ def step_functions(hf_config: dict, s: TrainSettings, graphdef):
     return _STEP_FUNCTIONS[key]
 
 
-@contextlib.contextmanager
-def training_lock(state_path: str):
-    """Only one process trains into a state file: a second one (say, a later session that missed the
-    first) would overwrite its checkpoints."""
-    import fcntl
-
-    f = open(state_path + ".lock", "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
-        f.close()
-        raise SystemExit(f"error: another process (pid {holder}) is already training into {state_path}; "
-                         "wait for it to finish, or stop it (SIGTERM saves its state) and rerun")
-    try:
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        yield
-    finally:
-        f.close()
-
-
 def train(hf_config: dict, train_stream: np.ndarray, heldout_stream: np.ndarray, s: TrainSettings,
           log_path: str, ckpt_path: str, state_path: str, say=print) -> dict:
     """Trains (resuming from ``state_path`` when it exists); returns a summary. The parameters with
@@ -386,7 +257,7 @@ def _train(hf_config, train_stream, heldout_stream, s, log_path, ckpt_path, stat
           "elapsed_s": 0.0, "cpu_s": 0.0, "sessions": 0, "stop_reason": None, "lr": 0.0, "imbalance": float("nan")}
     if os.path.isfile(state_path):
         trees, meta = load_state(state_path, {"params": params, "bias": bias, "opt_state": opt_state})
-        check_resumable(state_path, meta, identity)
+        check_resumable(state_path, meta, identity, RESUMABLE_CHANGES)
         params, bias, opt_state = trees["params"], trees["bias"], trees["opt_state"]
         st.update(meta["loop"])
         rng.bit_generator.state = meta["rng"]

@@ -76,9 +76,19 @@ def format_header(plan: Plan) -> list[str]:
         + f"{_count(sum(math.prod(leaf.shape) for leaf in plan.draft_params))} parameters",
         f"# draft: {plan.draft_source}: {describe_draft(plan.draft)}, aux layers {list(plan.aux_ids)}",
         f"# batch {s.batch}, max_len {s.max_len}, K={s.num_draft_tokens} draft tokens, prompt block {s.prompt_len}, "
-        f"greedy and sampled (one program); weights {s.dtype}; " + compiled_for(plan)
+        f"greedy and sampled (one program); {weights_text(plan)}; " + compiled_for(plan)
         + f", moe kernel '{plan.moe_kernel}'",
     ] + [f"#   {name}: {PROGRAM_DOC[name]}" for name in plan.programs]
+
+
+def weights_text(plan: Plan) -> str:
+    """The weights as the rows below hold them: a quantized checkpoint's experts are not ``--dtype``."""
+    s = plan.settings
+    if plan.quant is not None:
+        return f"weights {plan.quant.name} as stored, {s.dtype} elsewhere"
+    if any(b is not None for b in row_bits(plan)):
+        return f"weights {s.dtype}, routed experts as each row says"
+    return f"weights {s.dtype}"
 
 
 def compiled_for(plan: Plan) -> str:
