@@ -104,6 +104,26 @@ def test_anchors_are_valid_sorted_and_fill_with_dropped_blocks():
     assert list(keep[1]) == [True, False, False, False] and anchors[1, 0] == 10
 
 
+def test_serving_pass_equals_the_training_forward(tiny_target):
+    """The decode loop's pass (context keys from the cache: blockwise over the filled slots for full
+    layers, the gathered window for sliding ones) gives the training forward's outputs for a block
+    at the same anchor; anchors before and past the window, and a stale slot after one of them."""
+    draft = build_dflash_draft(tiny_dflash_config(tiny_target.config), tiny_target, seed=4, dtype="float32")
+    model = nnx.merge(draft.graphdef, draft.state)
+    rng = np.random.default_rng(2)
+    S = 20
+    ids = rng.integers(0, 256, size=(3, S))
+    aux = jnp.asarray(rng.standard_normal((3, S, 3 * 64)), jnp.float32)
+    anchors = jnp.asarray([3, 11, 15])
+    embed = tiny_target.model.embed_tokens[...]
+    cache = model.write_context(aux, jnp.broadcast_to(jnp.arange(S), (3, S)), model.init_cache(3, 32))
+    served = model.propose(jnp.asarray(ids)[jnp.arange(3), anchors], anchors, cache, embed)
+    trained = model.forward_blocks(aux, embed, jnp.asarray(ids), anchors[:, None], jnp.ones((3, 1), bool))
+    err = float(jnp.max(jnp.abs(served - trained)) / jnp.max(jnp.abs(trained)))
+    print(f"DFlash serving pass vs training forward: {err:.2e}")
+    assert err <= 1e-5
+
+
 @pytest.fixture(scope="module")
 def prompts_and_reference(tiny_target):
     seqs = spec_fixtures.target_greedy_corpus(tiny_target, n_prompts=32)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax.drafts.dflash_config import SLIDING, DFlashConfig
-from eagle3_jax.models.attention import masked_softmax
+from eagle3_jax.models import attention_core as core
 from eagle3_jax.models.cache import KVCache
 from eagle3_jax.models.layers import RMSNorm, SwiGLU, apply_rope, param, rope_cos_sin, rope_inv_freq
 
@@ -67,7 +67,6 @@ class DFlashAttention(nnx.Module):
         self.o_bias = param(None, (D,), ("embed",), dtype) if bias else None
         self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, axes=("head_dim",))
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, axes=("head_dim",))
-        self.softmax_scale = H ** -0.5
 
     @staticmethod
     def _project(x_BTD, w_DGH, b_GH):
@@ -80,22 +79,29 @@ class DFlashAttention(nnx.Module):
         k_BTGH = apply_rope(k_BTGH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
         return k_BTGH, self._project(x_BTD, self.v_proj, self.v_bias)
 
-    def __call__(self, xn_BTD, cos_BTH, sin_BTH, k_BSGH, v_BSGH, mask_BTS):
-        """Attention of the block (``xn_BTD``) over keys [B, S, G, H] (context, then the block's own)."""
+    def __call__(self, xn_BTD, cos_BTH, sin_BTH, attend):
+        """``attend(q_BTNH, k_BTGH, v_BTGH) -> out_BTNH``: the block's queries, keys and values in, and
+        the caller says which context keys and which block keys each query sees."""
         q_BTNH = self.q_norm(self._project(xn_BTD, self.q_proj, self.q_bias))
         q_BTNH = apply_rope(q_BTNH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
-        B, T, N, H = q_BTNH.shape
-        S, G = k_BSGH.shape[1], k_BSGH.shape[2]
-        q_BTGRH = q_BTNH.reshape(B, T, G, N // G, H)
-        scores_BTGRS = jnp.einsum("btgrh,bsgh->btgrs", q_BTGRH, k_BSGH) * self.softmax_scale
-        # A query that sees no key (a dropped block) attends everywhere, then gives zeros: no NaN,
-        # in the values or in their gradients.
-        seen_BT = jnp.any(mask_BTS, axis=-1)
-        probs = masked_softmax(scores_BTGRS.reshape(B, T, N, S), mask_BTS | ~seen_BT[:, :, None])
-        probs = jnp.where(seen_BT[:, :, None, None], probs, 0.0).reshape(B, T, G, N // G, S)
-        out_BTGRH = jnp.einsum("btgrs,bsgh->btgrh", probs.astype(v_BSGH.dtype), v_BSGH)
-        y_BTD = jnp.einsum("btnh,nhd->btd", out_BTGRH.reshape(B, T, N, H), self.o_proj[...])
+        k_BTGH, v_BTGH = self.keys(xn_BTD, cos_BTH, sin_BTH)
+        out_BTNH = attend(q_BTNH, k_BTGH, v_BTGH)
+        y_BTD = jnp.einsum("btnh,nhd->btd", out_BTNH.astype(v_BTGH.dtype), self.o_proj[...])
         return y_BTD if self.o_bias is None else y_BTD + self.o_bias[...]
+
+
+def attend_masked(ctx_k_BSGH, ctx_v_BSGH, mask_BTK):
+    """An ``attend`` over the context's keys then the block's, under ``mask_BTK`` [B, T, S + T] (the
+    core's dense form). A query that sees no key (a dropped block) gives zeros: it attends
+    everywhere, then is zeroed, so neither values nor gradients turn NaN."""
+    seen_BT = jnp.any(mask_BTK, axis=-1)
+
+    def attend(q_BTNH, k_BTGH, v_BTGH):
+        k_BKGH = jnp.concatenate([ctx_k_BSGH, k_BTGH.astype(ctx_k_BSGH.dtype)], axis=1)
+        v_BKGH = jnp.concatenate([ctx_v_BSGH, v_BTGH.astype(ctx_v_BSGH.dtype)], axis=1)
+        out_BTNH, _ = core.dense(*core.grouped(q_BTNH, k_BKGH, v_BKGH), mask_BTK | ~seen_BT[:, :, None])
+        return jnp.where(seen_BT[:, :, None, None], out_BTNH, 0.0)
+    return attend
 
 
 class DFlashLayer(nnx.Module):
@@ -107,12 +113,8 @@ class DFlashLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.mlp = SwiGLU(D, cfg.intermediate_size, dtype, rngs)
 
-    def __call__(self, x_BTD, cos_BTH, sin_BTH, ctx_k_BSGH, ctx_v_BSGH, mask_BTK):
-        xn_BTD = self.input_layernorm(x_BTD)
-        k_BTGH, v_BTGH = self.self_attn.keys(xn_BTD, cos_BTH, sin_BTH)
-        k_BKGH = jnp.concatenate([ctx_k_BSGH, k_BTGH.astype(ctx_k_BSGH.dtype)], axis=1)
-        v_BKGH = jnp.concatenate([ctx_v_BSGH, v_BTGH.astype(ctx_v_BSGH.dtype)], axis=1)
-        h_BTD = x_BTD + self.self_attn(xn_BTD, cos_BTH, sin_BTH, k_BKGH, v_BKGH, mask_BTK)
+    def __call__(self, x_BTD, cos_BTH, sin_BTH, attend):
+        h_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos_BTH, sin_BTH, attend)
         return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
 
 
@@ -146,15 +148,13 @@ class DFlashDraft(nnx.Module):
         cos, sin = self._rope(positions_BS)
         return [layer.self_attn.keys(ctx_BSD, cos, sin) for layer in self.layers]
 
-    def __call__(self, noise_BTD, positions_BT, ctx_kv, masks: dict) -> jax.Array:
+    def __call__(self, noise_BTD, positions_BT, attends) -> jax.Array:
         """The block's outputs ``norm(x)`` [B, T, D]. ``noise_BTD``: the block's token embeddings at
-        ``positions_BT``; ``ctx_kv``: :meth:`context_keys` (or a cache of them); ``masks``: per layer
-        type, [B, T, S + T] over the context keys then the block's (see :func:`block_mask`)."""
+        ``positions_BT``; ``attends``: one ``attend`` per layer (see :class:`DFlashAttention`)."""
         cos, sin = self._rope(positions_BT)
         x_BTD = noise_BTD.astype(self.dtype)
-        for layer, (k_BSGH, v_BSGH) in zip(self.layers, ctx_kv):
-            mask_BTK = masks[SLIDING if layer.sliding else "full_attention"]
-            x_BTD = layer(x_BTD, cos, sin, k_BSGH, v_BSGH, mask_BTK)
+        for layer, attend in zip(self.layers, attends):
+            x_BTD = layer(x_BTD, cos, sin, attend)
         return self.norm(x_BTD)
 
     def forward_blocks(self, aux_BSX, embed_VD, ids_BS, anchor_BN, keep_BN) -> jax.Array:
@@ -170,11 +170,12 @@ class DFlashDraft(nnx.Module):
         ids_BT = jnp.where(keep_BN[:, :, None], ids_BT, mask_id).reshape(B, -1)
         positions_BT = (anchor_BN[:, :, None] + offsets).reshape(B, -1)
         positions_BS = jnp.broadcast_to(jnp.arange(S), (B, S))
-        masks = {"full_attention": block_mask(anchor_BN, keep_BN, S, bs)}
-        if self.cfg.sliding_window is not None:
-            masks[SLIDING] = block_mask(anchor_BN, keep_BN, S, bs, self.cfg.sliding_window)
-        noise_BTD = jnp.take(embed_VD, ids_BT, axis=0)
-        return self(noise_BTD, positions_BT, self.context_keys(aux_BSX, positions_BS), masks)
+        full = block_mask(anchor_BN, keep_BN, S, bs)
+        sliding = None if self.cfg.sliding_window is None else block_mask(anchor_BN, keep_BN, S, bs,
+                                                                          self.cfg.sliding_window)
+        attends = [attend_masked(k_BSGH, v_BSGH, sliding if layer.sliding else full)
+                   for layer, (k_BSGH, v_BSGH) in zip(self.layers, self.context_keys(aux_BSX, positions_BS))]
+        return self(jnp.take(embed_VD, ids_BT, axis=0), positions_BT, attends)
 
     # ------------------------------------------------------------------ serving (the decode loop)
     def init_cache(self, batch: int, capacity: int) -> tuple[KVCache, ...]:
@@ -194,19 +195,38 @@ class DFlashDraft(nnx.Module):
     def propose(self, last_B, anchor_B, cache: tuple[KVCache, ...], embed_VD) -> jax.Array:
         """The block's outputs [B, block, D] for the block anchored at ``anchor_B`` (the position of
         ``last_B``, the newest token, whose target states are not known yet): offset j >= 1 guesses
-        the token at anchor + j. The cache holds the context at positions before the anchor."""
+        the token at anchor + j. The cache holds the context at positions before the anchor.
+
+        A full layer reads the filled context slots a block at a time (the core's blockwise form,
+        every query at position anchor - 1: cost follows the longest row, not the capacity) and its
+        block densely, one softmax over both (``core.merge``); a sliding layer gathers only the
+        W - 1 slots before the anchor that any of its queries may see."""
         cfg = self.cfg
         B, bs = last_B.shape[0], cfg.block_size
-        S = cache[0].capacity
         ids_BT = jnp.concatenate([last_B[:, None], jnp.full((B, bs - 1), cfg.require_mask_token(), last_B.dtype)], 1)
         off_T = jnp.arange(bs)
         positions_BT = anchor_B[:, None] + off_T[None, :]
-        slots_S = jnp.arange(S)
-        ctx_BTS = jnp.broadcast_to(slots_S[None, None, :] < anchor_B[:, None, None], (B, bs, S))
-        masks = {"full_attention": jnp.concatenate([ctx_BTS, jnp.ones((B, bs, bs), bool)], axis=-1)}
-        if cfg.sliding_window is not None:
-            low_BT = positions_BT - (cfg.sliding_window - 1)
-            own_TT = jnp.broadcast_to(off_T[None, :] <= off_T[:, None], (B, bs, bs))
-            masks[SLIDING] = jnp.concatenate([ctx_BTS & (slots_S[None, None, :] >= low_BT[:, :, None]), own_TT], -1)
-        noise_BTD = jnp.take(embed_VD, ids_BT, axis=0)
-        return self(noise_BTD, positions_BT, [(c.k_BSGH, c.v_BSGH) for c in cache], masks)
+        return self(jnp.take(embed_VD, ids_BT, axis=0), positions_BT,
+                    [self._serving_attend(c, layer.sliding, anchor_B) for layer, c in zip(self.layers, cache)])
+
+    def _serving_attend(self, cache: KVCache, sliding: bool, anchor_B):
+        bs, S = self.cfg.block_size, cache.capacity
+        B = anchor_B.shape[0]
+        off_T = jnp.arange(bs)
+        if sliding:   # slots anchor - W + 1 .. anchor - 1, each seen from the offsets the window reaches
+            W = self.cfg.sliding_window
+            slots_BW = anchor_B[:, None] - (W - 1) + jnp.arange(W - 1)[None, :]
+            rows_BW = jnp.arange(B)[:, None]
+            k_BWGH, v_BWGH = (x[rows_BW, jnp.clip(slots_BW, 0, S - 1)] for x in (cache.k_BSGH, cache.v_BSGH))
+            low_BT = anchor_B[:, None] + off_T[None, :] - (W - 1)
+            ctx_BTW = (slots_BW[:, None, :] >= 0) & (slots_BW[:, None, :] >= low_BT[:, :, None])
+            own_BTT = jnp.broadcast_to(off_T[None, :] <= off_T[:, None], (B, bs, bs))
+            return attend_masked(k_BWGH, v_BWGH, jnp.concatenate([ctx_BTW, own_BTT], axis=-1))
+
+        def attend(q_BTNH, k_BTGH, v_BTGH):
+            seen_BT = jnp.broadcast_to(anchor_B[:, None] - 1, (B, bs))   # context slots 0..anchor-1
+            ctx = core.blockwise(*core.grouped(q_BTNH, cache.k_BSGH, cache.v_BSGH), seen_BT, S,
+                                 core.key_block(S, bs, q_BTNH.shape[2]))
+            own = core.dense(*core.grouped(q_BTNH, k_BTGH, v_BTGH), None, keys=bs)
+            return core.merge(*ctx, *own)
+        return attend

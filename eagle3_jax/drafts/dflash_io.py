@@ -115,11 +115,13 @@ def check_pairing(cfg: DFlashConfig, tcfg, fc_in: int | None, where: str) -> tup
     if cfg.vocab_size != tcfg.vocab_size:
         raise ConfigError(f"{where}: vocab_size={cfg.vocab_size} but the target's is {tcfg.vocab_size}")
     if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < tcfg.vocab_size:
-        raise ConfigError(f"{where}: mask_token_id={cfg.mask_token_id} outside the target vocab 0..{tcfg.vocab_size - 1}")
+        raise ConfigError(f"{where}: mask_token_id={cfg.mask_token_id} outside the target vocab "
+                          f"0..{tcfg.vocab_size - 1}")
     if fc_in is not None and fc_in != len(ids) * tcfg.hidden_size:
         raise CheckpointError(
             f"{where}: fc.weight takes {fc_in} inputs but {len(ids)} target layers {list(ids)} x hidden "
-            f"{tcfg.hidden_size} = {len(ids) * tcfg.hidden_size}; the config's target_layer_ids do not match the weights")
+            f"{tcfg.hidden_size} = {len(ids) * tcfg.hidden_size}; the config's target_layer_ids do not match the "
+            "weights")
     return ids
 
 
