@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from eagle3_jax.config import DTYPES, DraftConfig, MeshConfig, TargetConfig
 from eagle3_jax.config.peagle import PEagleConfig, read_draft_config
 from eagle3_jax.contracts import check_pairing, resolve_aux_ids
+from eagle3_jax.drafts.dflash_config import DFlashConfig, is_dflash_dir
+from eagle3_jax.drafts.dflash_config import check_pairing as check_dflash_pairing
 from eagle3_jax.errors import CheckpointError, ConfigError
 
 # Probe text for tokenizer agreement: prose, code, digits and non-ASCII, where vocabularies differ.
@@ -94,6 +96,8 @@ def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None
         dcfg = draft
     else:
         draft_dir = os.fspath(draft)
+        if is_dflash_dir(draft_dir):   # a block draft: its own contracts (drafts/dflash_config.py)
+            return _check_dflash(facts, tcfg, target_dir, draft_dir)
         dcfg = read_draft_config(draft_dir)   # the chain draft or a P-EAGLE one, by its architecture
     facts.draft, facts.draft_dtype = dcfg, _torch_dtype(dcfg.hf_config)
     if dcfg.hf_config.get("quantization_config"):
@@ -129,6 +133,24 @@ def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None
 
 
 # ---------------------------------------------------------------------- the pieces
+def _check_dflash(facts: PairFacts, tcfg: TargetConfig, target_dir, draft_dir: str) -> PairFacts:
+    """A DFlash draft's layer ids, widths, vocab and MASK token against the target, from its
+    config.json and its fc header."""
+    dcfg = DFlashConfig.from_path(draft_dir)
+    facts.draft, facts.draft_dtype = dcfg, _torch_dtype(dcfg.hf_config)
+    fc = _draft_headers(draft_dir).get("fc.weight")
+    if fc is None:
+        raise CheckpointError(f"{draft_dir}: no fc.weight; a DFlash draft fuses the target's states with fc")
+    facts.fc_in_width = fc.shape[1]
+    facts.aux_layer_ids = check_dflash_pairing(dcfg, tcfg, fc.shape[1], _where(draft_dir))
+    if dcfg.mask_token_id is None:
+        facts.notes.append(f"{_where(draft_dir)}: DFlash draft without dflash_config.mask_token_id: it cannot "
+                           "propose until one is set")
+    if target_dir is not None:
+        _check_tokenizers(target_dir, draft_dir)
+    return facts
+
+
 def _where(path) -> str:
     return os.path.join(path, "config.json") if path else "config.json"
 

@@ -116,7 +116,8 @@ def test_config_errors_name_the_fix(tmp_path):
     assert DFlashConfig.from_hf_dict(base).layer_types == ("full_attention", "full_attention")
     for change, words in [({"layer_types": ["full_attention", "sliding_attention"]}, "sliding_window"),
                           ({"dflash_config": {"projector_type": "domino"}}, "Domino"),
-                          ({"block_size": 1}, "block_size=1")]:
+                          ({"block_size": 1}, "block_size=1"),
+                          ({"dflash_config": {"attention_mode": "mla"}}, "MLA attention")]:
         with pytest.raises(ConfigError, match=words):
             DFlashConfig.from_hf_dict({**base, **change})
     cfg = DFlashConfig.from_hf_dict({**base, "dflash_config": {"target_layer_ids": [0, 1, 2]}})
@@ -135,3 +136,19 @@ def test_wrong_layer_ids_are_refused_before_weights(tiny_target, tmp_path):
                                                                             "target_layer_ids": ids}}))
         with pytest.raises((ConfigError, e3.CheckpointError), match=words):
             e3.load_draft(bad, tiny_target)
+
+
+def test_preflight_checks_a_dflash_pair(tiny_target, tmp_path):
+    from eagle3_jax import preflight
+
+    _specforge_draft(tmp_path / "sf", tiny_target.config, LAYOUTS["full_and_sliding"], seed=6)
+    facts = preflight.check_pair(tiny_target.config, tmp_path / "sf")
+    assert isinstance(facts.draft, DFlashConfig) and facts.aux_layer_ids == (0, 1, 2) and facts.fc_in_width == 192
+    cfg = json.loads((tmp_path / "sf" / "config.json").read_text())
+    cfg["dflash_config"]["mask_token_id"] = 999
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").symlink_to(tmp_path / "sf" / "model.safetensors")
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="mask_token_id=999 outside the target vocab"):
+        preflight.check_pair(tiny_target.config, bad)

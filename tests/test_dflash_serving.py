@@ -158,3 +158,21 @@ def test_trained_dflash_draft_is_lossless_and_accepted(tiny_target, prompts_and_
     again = e3.load_draft(tmp_path / "d", tiny_target)
     for (p, a), (_, b) in zip(nnx.to_flat_state(draft.state), nnx.to_flat_state(again.state)):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(p))
+
+
+def test_serve_cli_runs_a_dflash_draft(tmp_path, tiny_target, tiny_target_dir):
+    """serve.py with a DFlash draft directory: preflight knows the kind, the job's outputs equal
+    target-only generation."""
+    from tests.serve_fixtures import (ModelCache, byte_target_dir, expected_text_records, prompt_rows, read_jsonl,
+                                      serve, write_jsonl)
+
+    target_dir = byte_target_dir(tiny_target_dir, tmp_path / "target")
+    e3.save_draft(build_dflash_draft(tiny_dflash_config(tiny_target.config), tiny_target, seed=1), tmp_path / "dflash")
+    models = ModelCache(tiny_target, {str(tmp_path / "dflash"): e3.load_draft(tmp_path / "dflash", tiny_target)})
+    inp = write_jsonl(tmp_path / "in.jsonl", prompt_rows())
+    assert serve(models, target_dir, inp, tmp_path / "out.jsonl", tmp_path / "dflash") == 0
+    expected = expected_text_records(tiny_target, target_dir, prompt_rows())
+    records = read_jsonl(tmp_path / "out.jsonl")
+    assert len(records) == len(expected)
+    for r in records:
+        assert (r["text"], r["num_tokens"], r["finish_reason"]) == expected[r["id"]], r["id"]

@@ -9,7 +9,8 @@ What config.json carries beyond Qwen3's fields:
 - ``layer_types``: ``full_attention`` or ``sliding_attention`` per layer, with ``sliding_window``.
 The draft has no embedding and no head: it reads the target's ``embed_tokens`` and ``lm_head``.
 Variants that add a head of their own (``dflash_config.projector_type``: Domino, DSpark) are other
-kinds and are refused here.
+kinds, and SpecForge's later MLA attention (``dflash_config.attention_mode: mla``, not in 0.2.0) is
+not implemented: both are refused here. ``block_size`` is read at the top level or in dflash_config.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Mapping
 
 from eagle3_jax.config.common import _require
 from eagle3_jax.config.target import RopeConfig
-from eagle3_jax.errors import ConfigError
+from eagle3_jax.errors import CheckpointError, ConfigError
 
 DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -81,6 +82,10 @@ class DFlashConfig:
             raise ConfigError(
                 f"{where}: dflash_config.projector_type={extra['projector_type']!r} is a DFlash variant with a head "
                 "of its own (Domino, DSpark), which is not implemented here; only plain DFlash drafts load")
+        if extra.get("attention_mode", "gqa") not in ("gqa", "mha"):
+            raise ConfigError(
+                f"{where}: dflash_config.attention_mode={extra['attention_mode']!r}: SpecForge's later MLA attention "
+                "for DFlash drafts (its PR 758, after 0.2.0) is not implemented here; only GQA/MHA drafts load")
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{where}: hidden_act={d['hidden_act']!r}; DFlash layers are SwiGLU (silu)")
         hidden = int(_require(d, "hidden_size", where))
@@ -101,7 +106,9 @@ class DFlashConfig:
             hidden_size=hidden, intermediate_size=int(_require(d, "intermediate_size", where)),
             num_attention_heads=heads, num_key_value_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(d.get("head_dim") or hidden // heads), num_hidden_layers=layers,
-            vocab_size=int(_require(d, "vocab_size", where)), block_size=int(_require(d, "block_size", where)),
+            vocab_size=int(_require(d, "vocab_size", where)),
+            block_size=int(_require({"block_size": d.get("block_size") or extra.get("block_size")}, "block_size",
+                                    where)),
             aux_layer_ids=None if ids is None else tuple(int(i) for i in ids),
             mask_token_id=None if mask is None else int(mask), layer_types=types,
             sliding_window=int(window) if SLIDING in types else None,
@@ -154,3 +161,32 @@ class DFlashConfig:
 
     def replace(self, **changes) -> "DFlashConfig":
         return dataclasses.replace(self, **changes)
+
+
+def resolve_ids(cfg: DFlashConfig, tcfg) -> tuple[int, ...]:
+    """The target layers the draft reads; with none in the config, SpecForge's spread over them."""
+    ids = cfg.aux_layer_ids or default_target_layer_ids(tcfg.num_hidden_layers, cfg.num_hidden_layers)
+    bad = [i for i in ids if not 0 <= i < tcfg.num_hidden_layers]
+    if bad:
+        raise ConfigError(f"dflash_config.target_layer_ids {list(ids)}: {bad} outside the target's layers "
+                          f"0..{tcfg.num_hidden_layers - 1} (id i is the output of layer i)")
+    return tuple(ids)
+
+
+def check_pairing(cfg: DFlashConfig, tcfg, fc_in: int | None, where: str) -> tuple[int, ...]:
+    """The wiring contracts of a DFlash draft and its target, before any weight is read."""
+    ids = resolve_ids(cfg, tcfg)
+    if cfg.hidden_size != tcfg.hidden_size:
+        raise ConfigError(f"{where}: DFlash hidden_size={cfg.hidden_size} but the target's is {tcfg.hidden_size}; "
+                          "the draft reads the target's embedding and head, so they must agree")
+    if cfg.vocab_size != tcfg.vocab_size:
+        raise ConfigError(f"{where}: vocab_size={cfg.vocab_size} but the target's is {tcfg.vocab_size}")
+    if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < tcfg.vocab_size:
+        raise ConfigError(f"{where}: mask_token_id={cfg.mask_token_id} outside the target vocab "
+                          f"0..{tcfg.vocab_size - 1}")
+    if fc_in is not None and fc_in != len(ids) * tcfg.hidden_size:
+        raise CheckpointError(
+            f"{where}: fc.weight takes {fc_in} inputs but {len(ids)} target layers {list(ids)} x hidden "
+            f"{tcfg.hidden_size} = {len(ids) * tcfg.hidden_size}; the config's target_layer_ids do not match the "
+            "weights")
+    return ids

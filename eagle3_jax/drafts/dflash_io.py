@@ -24,8 +24,8 @@ from eagle3_jax.checkpoint.hf_loader import load_state
 from eagle3_jax.checkpoint.target_map import Rule, _linear, _linear_in, _same
 from eagle3_jax.draft_handle import LoadedDraft
 from eagle3_jax.drafts.dflash import DFlashDraft
-from eagle3_jax.drafts.dflash_config import DFlashConfig
-from eagle3_jax.errors import CheckpointError, ConfigError
+from eagle3_jax.drafts.dflash_config import DFlashConfig, check_pairing
+from eagle3_jax.errors import CheckpointError
 from eagle3_jax.sharding import mesh_context, shard_state
 
 
@@ -94,37 +94,6 @@ def _blocks_call(graphdef, state, embed_VD, head_DV, ids_BS, aux_BSX, anchor_BN,
     return out_BTD, jnp.einsum("btd,dv->btv", out_BTD, head_DV).astype(jnp.float32)
 
 
-def resolve_ids(cfg: DFlashConfig, tcfg) -> tuple[int, ...]:
-    """The target layers the draft reads; with none in the config, SpecForge's spread over them."""
-    from eagle3_jax.drafts.dflash_config import default_target_layer_ids
-
-    ids = cfg.aux_layer_ids or default_target_layer_ids(tcfg.num_hidden_layers, cfg.num_hidden_layers)
-    bad = [i for i in ids if not 0 <= i < tcfg.num_hidden_layers]
-    if bad:
-        raise ConfigError(f"dflash_config.target_layer_ids {list(ids)}: {bad} outside the target's layers "
-                          f"0..{tcfg.num_hidden_layers - 1} (id i is the output of layer i)")
-    return tuple(ids)
-
-
-def check_pairing(cfg: DFlashConfig, tcfg, fc_in: int | None, where: str) -> tuple[int, ...]:
-    """The wiring contracts of a DFlash draft and its target, before any weight is read."""
-    ids = resolve_ids(cfg, tcfg)
-    if cfg.hidden_size != tcfg.hidden_size:
-        raise ConfigError(f"{where}: DFlash hidden_size={cfg.hidden_size} but the target's is {tcfg.hidden_size}; "
-                          "the draft reads the target's embedding and head, so they must agree")
-    if cfg.vocab_size != tcfg.vocab_size:
-        raise ConfigError(f"{where}: vocab_size={cfg.vocab_size} but the target's is {tcfg.vocab_size}")
-    if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < tcfg.vocab_size:
-        raise ConfigError(f"{where}: mask_token_id={cfg.mask_token_id} outside the target vocab "
-                          f"0..{tcfg.vocab_size - 1}")
-    if fc_in is not None and fc_in != len(ids) * tcfg.hidden_size:
-        raise CheckpointError(
-            f"{where}: fc.weight takes {fc_in} inputs but {len(ids)} target layers {list(ids)} x hidden "
-            f"{tcfg.hidden_size} = {len(ids) * tcfg.hidden_size}; the config's target_layer_ids do not match the "
-            "weights")
-    return ids
-
-
 def build_dflash_draft(cfg: DFlashConfig, target, dtype=None, seed: int = 0) -> LoadedDFlash:
     """A randomly initialised DFlash draft wired to ``target``."""
     from eagle3_jax.config import resolve_dtype
@@ -142,7 +111,10 @@ def load_dflash_draft(path: str | os.PathLike, target, dtype=None) -> LoadedDFla
     """A SpecForge-layout DFlash draft directory, checked against and wired to ``target``."""
     from eagle3_jax.config import resolve_dtype
 
+    from eagle3_jax import preflight
+
     where = os.fspath(path)
+    preflight.check_pair(target.config, path)   # config.json + headers only, before any tensor is read
     cfg = DFlashConfig.from_path(path)
     reader = CheckpointReader(path)
     if "fc.weight" not in reader:

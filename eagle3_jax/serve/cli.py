@@ -195,17 +195,16 @@ def generation_text(tok, tokens: list[int], finish_reason: str) -> str:
 def run(s: ServeSettings, models: Callable | None = None, engine_module=None) -> int:
     """Runs the job. ``models(settings, dtype) -> (target, draft)`` and ``engine_module`` (with
     ``Engine`` and ``Request``) replace the defaults in tests."""
-    from eagle3_jax.config import DraftConfig, TargetConfig
+    from eagle3_jax.config import TargetConfig
     from eagle3_jax.tokenizer import TokenizerError, check_vocab, load_tokenizer
 
     s.validate()
     target_cfg = TargetConfig.from_path(s.target)
-    if s.draft:
-        DraftConfig.from_path(s.draft)   # a wrong --draft path fails now, not after the target has loaded
     dtype, dtype_note = resolve_dtype_name(s.dtype, target_cfg)
     if dtype_note:
         log.info("--dtype %s: %s", s.dtype, dtype_note)
-    # before any output; load_target below keeps quantized weights as stored
+    # before any output or weight (a wrong --draft fails here, of any kind); load_target below keeps
+    # quantized weights as stored
     preflight.check_pair(s.target, s.draft, mesh=s.mesh, dtype=dtype, max_len=s.max_len, weights="native")
     tok = load_tokenizer(s.target)
     check_vocab(tok, target_cfg.vocab_size, s.target)
