@@ -15,12 +15,13 @@ from eagle3_jax import preflight
 from eagle3_jax.checkpoint.hf_loader import load_state
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 from eagle3_jax.checkpoint.target_map import is_ignored_key, target_rules
-from eagle3_jax.config import DraftConfig, TargetConfig, resolve_dtype
-from eagle3_jax.draft_handle import DraftOutput, LoadedDraft, check_and_wire
+from eagle3_jax.config import TargetConfig, resolve_dtype
+from eagle3_jax.drafts.eagle3.config import DraftConfig
+from eagle3_jax.drafts.loaded import DraftOutput, LoadedDraft, check_and_wire
 from eagle3_jax.errors import CheckpointError, ConfigError
 from eagle3_jax.metrics import GenerationStats
 from eagle3_jax.models.cache import MLACache
-from eagle3_jax.models.draft import Draft
+from eagle3_jax.drafts.eagle3.model import Draft
 from eagle3_jax.models.footprint import weight_bytes_by_kind
 from eagle3_jax.models.quantized import QuantLayout
 from eagle3_jax.models.target import Target
@@ -190,13 +191,13 @@ def load_draft(path: str | os.PathLike, target: LoadedTarget, dtype=None) -> Loa
     the target vocab, a shared embedding has the draft's width.
     """
     from eagle3_jax.checkpoint import store
-    from eagle3_jax.checkpoint.draft_io import read_draft_layout
-    from eagle3_jax.checkpoint.draft_map import draft_rules
-    from eagle3_jax.config.peagle import PEagleConfig, read_draft_config
+    from eagle3_jax.drafts.eagle3.layout import read_draft_layout
+    from eagle3_jax.drafts.eagle3.names import draft_rules
+    from eagle3_jax.drafts.peagle.config import PEagleConfig, read_draft_config
 
     path = os.fspath(path)
     if isinstance(read_draft_config(path), PEagleConfig):   # parallel drafting: its own layout and loader
-        from eagle3_jax.checkpoint.peagle_map import load_peagle_draft
+        from eagle3_jax.drafts.peagle.checkpoint import load_peagle_draft
 
         return load_peagle_draft(path, target, dtype)
     preflight.check_pair(target.config, path)   # config.json + headers only, before any tensor is read
@@ -302,11 +303,11 @@ def save_draft(draft: LoadedDraft, path: str | os.PathLike, config_overrides: di
     The config records the aux layer ids actually used, so the wiring travels with the weights.
     Staged beside ``path`` and renamed when complete, so a crash never leaves a complete-looking draft.
     """
-    from eagle3_jax.checkpoint.draft_io import write_draft
+    from eagle3_jax.drafts.eagle3.layout import write_draft
 
     flat = {tuple(p): np.asarray(jax.device_get(v.value)) for p, v in nnx.to_flat_state(draft.state)}
     if getattr(draft.model, "kind", None) == "peagle":   # SpecForge's PEagleDraftModel layout
-        from eagle3_jax.checkpoint.peagle_map import write_peagle
+        from eagle3_jax.drafts.peagle.checkpoint import write_peagle
 
         return write_peagle(path, draft.config, flat, draft.aux_layer_ids, resolve_dtype(dtype) if dtype else None,
                             dtype, config_overrides)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from eagle3_jax.config import DTYPES, DraftConfig, MeshConfig, TargetConfig
-from eagle3_jax.config.peagle import PEagleConfig, read_draft_config
+from eagle3_jax.config import DTYPES, MeshConfig, TargetConfig
+from eagle3_jax.drafts.eagle3.config import DraftConfig
+from eagle3_jax.drafts.peagle.config import PEagleConfig, read_draft_config
 from eagle3_jax.contracts import check_pairing, resolve_aux_ids
 from eagle3_jax.errors import CheckpointError, ConfigError
 

@@ -11,7 +11,7 @@ import optax
 from flax import nnx
 
 import eagle3_jax as e3
-from eagle3_jax.train.peagle_objective import CODSettings, cod_budget, cod_sample, pad_rollouts, peagle_loss
+from eagle3_jax.drafts.peagle.objective import CODSettings, cod_budget, cod_sample, pad_rollouts, peagle_loss
 
 
 def shifted_rows(target, draft: e3.LoadedDraft, seqs: np.ndarray, batch: int = 16):

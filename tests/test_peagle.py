@@ -12,10 +12,10 @@ import torch
 from flax import nnx
 from safetensors.torch import load_file
 
-from eagle3_jax.checkpoint.peagle_map import flat_params, read_peagle_state, write_peagle
-from eagle3_jax.config.peagle import PEagleConfig
+from eagle3_jax.drafts.peagle.checkpoint import flat_params, read_peagle_state, write_peagle
+from eagle3_jax.drafts.peagle.config import PEagleConfig
 from eagle3_jax.errors import CheckpointError, ConfigError
-from eagle3_jax.models.peagle import PEagleDraft, rollout_mask
+from eagle3_jax.drafts.peagle.model import PEagleDraft, rollout_mask
 
 D, LAYERS, N, G, H, V, W, TH, F = 32, 3, 4, 2, 8, 100, 40, 24, 64
 MASK_ID = 7

@@ -5,8 +5,8 @@ import pytest
 from flax import nnx
 
 import eagle3_jax as e3
-from eagle3_jax.checkpoint.peagle_map import build_peagle_draft, flat_params, load_peagle_draft, write_peagle
-from eagle3_jax.config.peagle import PEagleConfig
+from eagle3_jax.drafts.peagle.checkpoint import build_peagle_draft, flat_params, load_peagle_draft, write_peagle
+from eagle3_jax.drafts.peagle.config import PEagleConfig
 from tests.test_spec_sampling import TEMP, TOP_K, _chi2_pvalue, _sample_pairs, exact_joint, prompt  # noqa: F401
 
 

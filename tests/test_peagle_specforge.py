@@ -15,9 +15,9 @@ import torch
 from flax import nnx
 from safetensors.torch import load_file, save_file
 
-from eagle3_jax.checkpoint.peagle_map import flat_params, read_peagle_state, write_peagle
-from eagle3_jax.config.peagle import PEagleConfig
-from eagle3_jax.models.peagle import PEagleDraft
+from eagle3_jax.drafts.peagle.checkpoint import flat_params, read_peagle_state, write_peagle
+from eagle3_jax.drafts.peagle.config import PEagleConfig
+from eagle3_jax.drafts.peagle.model import PEagleDraft
 from tests.test_peagle import ANCHOR, DEPTH, MASK_ID, _ours, random_draft, tiny_config
 
 peagle = pytest.importorskip("specforge.modeling.draft.peagle")

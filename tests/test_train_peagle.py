@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 import eagle3_jax as e3
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.train import TrainConfig, run
-from eagle3_jax.train.peagle_objective import peagle_loss
+from eagle3_jax.drafts.peagle.objective import peagle_loss
 from eagle3_jax.train.peagle_trainer import PEagleTrainer
 from tests import spec_fixtures
 from tests.test_train import predictable_target, predictable_target_dir  # noqa: F401  (a peaked tiny target)

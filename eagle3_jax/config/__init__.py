@@ -5,11 +5,9 @@ One module a kind: ``target`` (TargetConfig, RopeConfig), ``draft`` (DraftConfig
 """
 
 from eagle3_jax.config.common import DTYPES, read_yaml_mapping, resolve_dtype
-from eagle3_jax.config.draft import DRAFT_ARCHITECTURES, UNSUPPORTED_DRAFT_FLAGS, DraftConfig
 from eagle3_jax.config.mesh import MESH_AXES, MeshConfig
 from eagle3_jax.config.target import (NESTED_TEXT_MODEL_TYPES, TARGET_ARCHITECTURES, TARGET_MODEL_TYPES, RopeConfig,
                                       TargetConfig)
 
-__all__ = ["DRAFT_ARCHITECTURES", "DTYPES", "MESH_AXES", "NESTED_TEXT_MODEL_TYPES", "TARGET_ARCHITECTURES",
-           "TARGET_MODEL_TYPES", "UNSUPPORTED_DRAFT_FLAGS", "DraftConfig", "MeshConfig", "RopeConfig", "TargetConfig",
-           "read_yaml_mapping", "resolve_dtype"]
+__all__ = ["DTYPES", "MESH_AXES", "NESTED_TEXT_MODEL_TYPES", "TARGET_ARCHITECTURES", "TARGET_MODEL_TYPES",
+           "MeshConfig", "RopeConfig", "TargetConfig", "read_yaml_mapping", "resolve_dtype"]

@@ -176,7 +176,8 @@ def generation_text(tok, tokens: list[int], finish_reason: str) -> str:
 def run(s: ServeSettings, models: Callable | None = None, engine_module=None) -> int:
     """Runs the job. ``models(settings, dtype) -> (target, draft)`` and ``engine_module`` (with
     ``Engine`` and ``Request``) replace the defaults in tests."""
-    from eagle3_jax.config import DraftConfig, TargetConfig
+    from eagle3_jax.config import TargetConfig
+    from eagle3_jax.drafts.eagle3.config import DraftConfig
     from eagle3_jax.tokenizer import TokenizerError, check_vocab, load_tokenizer
 
     s.validate()

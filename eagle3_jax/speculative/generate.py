@@ -29,7 +29,7 @@ from eagle3_jax.models.cache import KVCache, MLACache
 from eagle3_jax.sharding import constrain
 from eagle3_jax.speculative.accept import first_argmax, greedy_accept, rejection_accept, sample_from_probs, target_probs
 from eagle3_jax.speculative.prefill import chunked_draft, chunked_target
-from eagle3_jax.speculative.parallel import propose_parallel
+from eagle3_jax.drafts.peagle.propose import propose_parallel
 from eagle3_jax.speculative.static_graph import merge_models
 
 RUNNING, FINISH_EOS, FINISH_LENGTH, FINISH_CAPACITY = 0, 1, 2, 3

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from eagle3_jax import settings_io
-from eagle3_jax.config import DraftConfig, MeshConfig, TargetConfig
+from eagle3_jax.config import MeshConfig, TargetConfig
+from eagle3_jax.drafts.eagle3.config import DraftConfig
 from eagle3_jax.errors import ConfigError, SettingsError
 from eagle3_jax.settings_io import Layer
 from eagle3_jax.train.shapes import DraftShape, PEagleShape

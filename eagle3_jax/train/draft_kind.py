@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 import os
 
-from eagle3_jax.config import DraftConfig, TargetConfig
-from eagle3_jax.config.draft import DRAFT_ARCHITECTURES
-from eagle3_jax.config.peagle import PEAGLE_ARCHITECTURES, PEagleConfig, is_peagle_config
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.drafts.eagle3.config import DRAFT_ARCHITECTURES, DraftConfig
+from eagle3_jax.drafts.peagle.config import PEAGLE_ARCHITECTURES, PEagleConfig, is_peagle_config
 from eagle3_jax.errors import ConfigError, SettingsError
 from eagle3_jax.train.shapes import DraftShape, PEagleShape
 

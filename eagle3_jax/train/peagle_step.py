@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax.train.peagle_objective import CODSettings, cod_budget, cod_sample, pad_rollouts, peagle_loss
+from eagle3_jax.drafts.peagle.objective import CODSettings, cod_budget, cod_sample, pad_rollouts, peagle_loss
 from eagle3_jax.train.step import OptimizerSpec, accumulate, apply_update, micro_features
 from eagle3_jax.train.ttt import target_logits
 

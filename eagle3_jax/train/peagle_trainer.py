@@ -20,7 +20,7 @@ from flax import nnx
 
 from eagle3_jax import distributed
 from eagle3_jax.config import resolve_dtype
-from eagle3_jax.models.peagle import PEagleDraft
+from eagle3_jax.drafts.peagle.model import PEagleDraft
 from eagle3_jax.sharding import mesh_context
 from eagle3_jax.train import data as data_lib
 from eagle3_jax.train.draft_kind import resolve_mask_token_id

@@ -34,7 +34,7 @@ from eagle3_jax.checkpoint.staging import atomic_file
 from eagle3_jax.config import resolve_dtype
 from eagle3_jax.contracts import check_pairing
 from eagle3_jax.errors import ConfigError, SettingsError
-from eagle3_jax.models.draft import Draft
+from eagle3_jax.drafts.eagle3.model import Draft
 from eagle3_jax.sharding import DATA_AXIS, make_mesh, mesh_context, shard_state, state_shardings, train_param_sharding
 from eagle3_jax.train import data as data_lib, offline as offline_lib, pipeline as pipeline_lib
 from eagle3_jax.train.config import TrainConfig

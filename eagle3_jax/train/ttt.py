@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.models.attention import masked_softmax
-from eagle3_jax.models.draft import Draft
+from eagle3_jax.drafts.eagle3.model import Draft
 from eagle3_jax.sharding import constrain, constrain_leading, current_axis_size
 from eagle3_jax.train import blockwise
 

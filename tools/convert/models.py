@@ -10,11 +10,12 @@ from typing import Any, Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from eagle3_jax.checkpoint.draft_map import draft_rules
+from eagle3_jax.drafts.eagle3.names import draft_rules
 from eagle3_jax.checkpoint.quant_native import native_rules
 from eagle3_jax.checkpoint.target_map import is_ignored_key
-from eagle3_jax.config import DRAFT_ARCHITECTURES, TARGET_ARCHITECTURES, TARGET_MODEL_TYPES, DraftConfig, TargetConfig
-from eagle3_jax.config.peagle import PEAGLE_ARCHITECTURES, PEagleConfig
+from eagle3_jax.config import TARGET_ARCHITECTURES, TARGET_MODEL_TYPES, TargetConfig
+from eagle3_jax.drafts.eagle3.config import DRAFT_ARCHITECTURES, DraftConfig
+from eagle3_jax.drafts.peagle.config import PEAGLE_ARCHITECTURES, PEagleConfig
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.quantized import QuantLayout
 
@@ -77,11 +78,11 @@ def target_spec(hf: dict, architecture: str, dtype=jnp.float32, where: str = "co
 
 def draft_spec(hf: dict, architecture: str, wiring: dict, dtype=jnp.float32,
                where: str = "config.json") -> ModelSpec:
-    from eagle3_jax.models.draft import Draft
+    from eagle3_jax.drafts.eagle3.model import Draft
 
     if architecture in PEAGLE_ARCHITECTURES:   # parallel drafting: SpecForge's PEagleDraftModel layout
-        from eagle3_jax.checkpoint.peagle_map import peagle_rules
-        from eagle3_jax.models.peagle import PEagleDraft
+        from eagle3_jax.drafts.peagle.checkpoint import peagle_rules
+        from eagle3_jax.drafts.peagle.model import PEagleDraft
 
         cfg, n_aux = PEagleConfig.from_hf_dict(hf, where), int(wiring["n_aux"])
         return ModelSpec(DRAFT, architecture, cfg, peagle_rules(cfg, n_aux), "", lambda k: False,

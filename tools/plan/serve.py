@@ -35,10 +35,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from eagle3_jax import tpu
 from eagle3_jax.checkpoint.quant_native import layout_from_config
-from eagle3_jax.config import DraftConfig, MeshConfig, TargetConfig, resolve_dtype
+from eagle3_jax.config import MeshConfig, TargetConfig, resolve_dtype
+from eagle3_jax.drafts.eagle3.config import DraftConfig
 from eagle3_jax.contracts import check_pairing, resolve_aux_ids
 from eagle3_jax.errors import ConfigError
-from eagle3_jax.models.draft import Draft
+from eagle3_jax.drafts.eagle3.model import Draft
 from eagle3_jax.models.moe import default_kernel
 from eagle3_jax.models.quantized import QuantLayout
 from eagle3_jax.models.target import Target

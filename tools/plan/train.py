@@ -12,9 +12,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from eagle3_jax.config import resolve_dtype
-from eagle3_jax.config import DraftConfig, TargetConfig
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.drafts.eagle3.config import DraftConfig
 from eagle3_jax.errors import ConfigError
-from eagle3_jax.models.draft import Draft
+from eagle3_jax.drafts.eagle3.model import Draft
 from eagle3_jax.sharding import DATA_AXIS, data_parallel_size, sharding_for, state_shardings, train_param_sharding
 from tools.plan.common import PlanSettings, ProgramMemory, compile_program, itemsize
 

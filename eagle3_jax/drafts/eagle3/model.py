@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from eagle3_jax.config import DraftConfig
+from eagle3_jax.drafts.eagle3.config import DraftConfig
 from eagle3_jax.models.attention import attend_filled_gqa, masked_softmax
 from eagle3_jax.models.cache import KVCache
 from eagle3_jax.models.layers import RMSNorm, SwiGLU, apply_rope, param, rope_cos_sin, rope_inv_freq

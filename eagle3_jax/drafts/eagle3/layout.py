@@ -18,7 +18,7 @@ import numpy as np
 
 from eagle3_jax.checkpoint import store
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
-from eagle3_jax.checkpoint.draft_map import iter_draft_tensors
+from eagle3_jax.drafts.eagle3.names import iter_draft_tensors
 from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
 from eagle3_jax.checkpoint.staging import staged_dir, write_json_atomic
 from eagle3_jax.errors import CheckpointError

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from eagle3_jax.config import DraftConfig
+from eagle3_jax.drafts.eagle3.config import DraftConfig
 from eagle3_jax.contracts import check_pairing, resolve_aux_ids
-from eagle3_jax.models.draft import Draft
+from eagle3_jax.drafts.eagle3.model import Draft
 from eagle3_jax.sharding import mesh_context
 
 

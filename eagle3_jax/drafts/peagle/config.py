@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from eagle3_jax.config.draft import DraftConfig
+from eagle3_jax.drafts.eagle3.config import DraftConfig
 from eagle3_jax.config.target import RopeConfig
 from eagle3_jax.errors import ConfigError
 

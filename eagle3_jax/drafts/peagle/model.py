@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from eagle3_jax.config.peagle import PEagleConfig
+from eagle3_jax.drafts.peagle.config import PEagleConfig
 from eagle3_jax.models.attention import masked_softmax
 from eagle3_jax.models.cache import KVCache, causal_slot_mask
-from eagle3_jax.models.draft import Buffer, DraftStep
+from eagle3_jax.drafts.eagle3.model import Buffer, DraftStep
 from eagle3_jax.models.layers import RMSNorm, SwiGLU, apply_rope, param, rope_cos_sin, rope_inv_freq
 
 

@@ -19,11 +19,11 @@ from flax import nnx
 
 from eagle3_jax.checkpoint import store
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
-from eagle3_jax.checkpoint.draft_io import write_staged
-from eagle3_jax.checkpoint.draft_map import _cast
+from eagle3_jax.drafts.eagle3.layout import write_staged
+from eagle3_jax.drafts.eagle3.names import _cast
 from eagle3_jax.checkpoint.hf_loader import load_state
 from eagle3_jax.checkpoint.target_map import Rule, _linear, _linear_in, _same
-from eagle3_jax.config.peagle import PEagleConfig
+from eagle3_jax.drafts.peagle.config import PEagleConfig
 from eagle3_jax.errors import CheckpointError
 
 
@@ -105,10 +105,10 @@ def write_peagle(path: str | os.PathLike, cfg: PEagleConfig, flat: Mapping[tuple
 
 def build_peagle_draft(cfg: PEagleConfig, target, dtype=None, seed: int = 0):
     """A randomly initialised P-EAGLE draft wired to ``target`` (an ``api.LoadedTarget``)."""
-    from eagle3_jax.draft_handle import LoadedDraft, check_and_wire
+    from eagle3_jax.drafts.loaded import LoadedDraft, check_and_wire
     from eagle3_jax.config import resolve_dtype
     from eagle3_jax.contracts import resolve_aux_ids
-    from eagle3_jax.models.peagle import PEagleDraft
+    from eagle3_jax.drafts.peagle.model import PEagleDraft
     from eagle3_jax.sharding import shard_state
 
     dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
@@ -124,9 +124,9 @@ def build_peagle_draft(cfg: PEagleConfig, target, dtype=None, seed: int = 0):
 def load_peagle_draft(path: str | os.PathLike, target, dtype=None, mask_token_id: int | None = None):
     """A SpecForge-layout P-EAGLE draft directory, checked against and wired to ``target``: aux ids
     exist, fc's width is n_aux x target hidden, vocabularies and d2t agree, before any weight is read."""
-    from eagle3_jax.draft_handle import LoadedDraft, check_and_wire
+    from eagle3_jax.drafts.loaded import LoadedDraft, check_and_wire
     from eagle3_jax.config import resolve_dtype
-    from eagle3_jax.models.peagle import PEagleDraft
+    from eagle3_jax.drafts.peagle.model import PEagleDraft
 
     from eagle3_jax import preflight
 

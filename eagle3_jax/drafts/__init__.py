@@ -1,0 +1,1 @@
+"""Draft kinds: one package a kind (``eagle3``, ``peagle``)."""

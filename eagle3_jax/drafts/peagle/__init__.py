@@ -1,0 +1,1 @@
+"""The P-EAGLE parallel draft (SpecForge ``PEagleDraftModel``)."""
