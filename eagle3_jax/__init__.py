@@ -3,7 +3,7 @@
 from eagle3_jax.api import (DraftOutput, ForwardOutput, GenerationResult, Generator, LoadedDraft, LoadedTarget,
                             build_draft, build_target, load_draft, load_target, save_draft)
 from eagle3_jax.config import MeshConfig, RopeConfig, TargetConfig
-from eagle3_jax.drafts.eagle3.config import DraftConfig
+from eagle3_jax.drafts import DraftConfig
 from eagle3_jax.metrics import AcceptanceCollapseWarning, GenerationStats
 from eagle3_jax.errors import CheckpointError, ConfigError, Eagle3Error
 from eagle3_jax.sharding import make_mesh

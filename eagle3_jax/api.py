@@ -8,20 +8,17 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from eagle3_jax import preflight
+from eagle3_jax import drafts, preflight
 from eagle3_jax.checkpoint.hf_loader import load_state
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 from eagle3_jax.checkpoint.target_map import is_ignored_key, target_rules
 from eagle3_jax.config import TargetConfig, resolve_dtype
-from eagle3_jax.drafts.eagle3.config import DraftConfig
-from eagle3_jax.drafts.loaded import DraftOutput, LoadedDraft, check_and_wire
-from eagle3_jax.errors import CheckpointError, ConfigError
+from eagle3_jax.drafts.loaded import DraftOutput, LoadedDraft
+from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import GenerationStats
 from eagle3_jax.models.cache import MLACache
-from eagle3_jax.drafts.eagle3.model import Draft
 from eagle3_jax.models.footprint import weight_bytes_by_kind
 from eagle3_jax.models.quantized import QuantLayout
 from eagle3_jax.models.target import Target
@@ -169,63 +166,23 @@ def load_target(path: str | os.PathLike, dtype="float32", mesh=None, moe_kernel:
 
 
 # ====================================================================== draft
-def build_draft(cfg: DraftConfig, target: LoadedTarget, dtype=None, seed: int = 0) -> LoadedDraft:
-    """A randomly initialized draft for ``target`` (tests, training from scratch)."""
-    from eagle3_jax.contracts import resolve_aux_ids
-
-    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
-    ids = resolve_aux_ids(cfg, target.config)
-    model = Draft(cfg, len(ids), dtype, nnx.Rngs(seed))
-    check_and_wire(cfg, target, model.fc.value.shape[0], None, None)
-    if target.mesh is not None:
-        graphdef, state = nnx.split(model)
-        model = nnx.merge(graphdef, shard_state(state, target.mesh))
-    return LoadedDraft(model, target, ids)
+def build_draft(cfg, target: LoadedTarget, dtype=None, seed: int = 0) -> LoadedDraft:
+    """A randomly initialized draft of ``cfg``'s kind for ``target`` (tests, training from scratch)."""
+    return drafts.of_config(cfg).build(cfg, target, dtype, seed)
 
 
-def load_draft(path: str | os.PathLike, target: LoadedTarget, dtype=None) -> LoadedDraft:
-    """Loads an EAGLE-3 draft directory (config.json + safetensors, SpecForge/SGLang layout) for ``target``.
+def load_draft(path: str | os.PathLike, target: LoadedTarget, dtype=None,
+               checked: preflight.PairFacts | None = None) -> LoadedDraft:
+    """Loads a draft directory of any registered kind (config.json + safetensors in the SpecForge /
+    SGLang layout, or one converted by ``tools.convert``) for ``target``.
 
     Every wiring contract is checked before a single weight is placed: aux layer ids exist in the
     target, fc's input width equals len(ids) x target hidden, vocabularies agree, d2t stays inside
-    the target vocab, a shared embedding has the draft's width.
+    the target vocab, a shared embedding has the draft's width. ``checked``: what
+    ``preflight.check_pair`` found for this target and draft, when the caller ran it already.
     """
-    from eagle3_jax.checkpoint import store
-    from eagle3_jax.drafts.eagle3.layout import read_draft_layout
-    from eagle3_jax.drafts.eagle3.names import draft_rules
-    from eagle3_jax.drafts.peagle.config import PEagleConfig, read_draft_config
-
-    path = os.fspath(path)
-    if isinstance(read_draft_config(path), PEagleConfig):   # parallel drafting: its own layout and loader
-        from eagle3_jax.drafts.peagle.checkpoint import load_peagle_draft
-
-        return load_peagle_draft(path, target, dtype)
-    preflight.check_pair(target.config, path)   # config.json + headers only, before any tensor is read
-    cfg = DraftConfig.from_path(path)
-    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
-    reader = None if store.is_jax_checkpoint(path) else CheckpointReader(path)
-    layout = read_draft_layout(path, reader)
-    own_embedding, maps, d2t = layout.own_embedding, layout.vocab_maps, layout.d2t()
-    ids = check_and_wire(cfg, target, layout.fc_in, d2t, layout.embed_width)
-    if "d2t" not in maps and cfg.draft_vocab_size != cfg.vocab_size:
-        raise CheckpointError(
-            f"{path}: draft_vocab_size={cfg.draft_vocab_size} < vocab_size={cfg.vocab_size} but the checkpoint has no "
-            "d2t tensor mapping draft ids to target ids; re-export the draft with its vocab map")
-    fill = {}
-    if "d2t" not in maps:
-        fill[("d2t",)] = np.zeros((cfg.draft_vocab_size,), np.int32)
-    if "t2d" not in maps:
-        t2d = np.zeros((cfg.vocab_size,), bool)
-        t2d[np.arange(cfg.draft_vocab_size) + (d2t if d2t is not None else 0)] = True
-        fill[("t2d",)] = t2d
-    abstract = nnx.eval_shape(lambda: Draft(cfg, len(ids), dtype, None, own_embedding=own_embedding))
-    graphdef, abstract_state = nnx.split(abstract)
-    if reader is None:
-        state = store.restore_state(path, abstract_state, target.mesh, kind="draft", fill=fill)
-    else:
-        state = load_state(reader, draft_rules(cfg, len(ids), own_embedding, maps), abstract_state,
-                           mesh=target.mesh, where=path, fill=fill)
-    return LoadedDraft(nnx.merge(graphdef, state), target, ids)
+    facts = checked if checked is not None else preflight.check_pair(target.config, path)
+    return drafts.of_config(facts.draft).load(path, facts.draft, target, dtype)
 
 
 # ====================================================================== generation
@@ -295,7 +252,7 @@ class Generator:
 
 def save_draft(draft: LoadedDraft, path: str | os.PathLike, config_overrides: dict | None = None,
                dtype: str | None = None) -> None:
-    """Writes the draft in the SpecForge / SGLang layout (config.json + model.safetensors).
+    """Writes the draft in its kind's SpecForge / SGLang layout (config.json + model.safetensors).
 
     ``dtype`` ("bfloat16", "float16", "float32") casts the floating-point weights on the way out and
     is recorded as the config's ``torch_dtype``; None keeps the draft's own dtype.
@@ -303,14 +260,5 @@ def save_draft(draft: LoadedDraft, path: str | os.PathLike, config_overrides: di
     The config records the aux layer ids actually used, so the wiring travels with the weights.
     Staged beside ``path`` and renamed when complete, so a crash never leaves a complete-looking draft.
     """
-    from eagle3_jax.drafts.eagle3.layout import write_draft
-
-    flat = {tuple(p): np.asarray(jax.device_get(v.value)) for p, v in nnx.to_flat_state(draft.state)}
-    if getattr(draft.model, "kind", None) == "peagle":   # SpecForge's PEagleDraftModel layout
-        from eagle3_jax.drafts.peagle.checkpoint import write_peagle
-
-        return write_peagle(path, draft.config, flat, draft.aux_layer_ids, resolve_dtype(dtype) if dtype else None,
-                            dtype, config_overrides)
-    write_draft(path, draft.config, flat, draft.aux_layer_ids, draft.model.embed_tokens is not None,
-                out_dtype=resolve_dtype(dtype) if dtype is not None else None, dtype_name=dtype,
-                config_overrides=config_overrides)
+    drafts.of_module(draft.model).save(draft, path, resolve_dtype(dtype) if dtype is not None else None, dtype,
+                                       config_overrides)

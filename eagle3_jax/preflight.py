@@ -16,9 +16,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from eagle3_jax import drafts
 from eagle3_jax.config import DTYPES, MeshConfig, TargetConfig
-from eagle3_jax.drafts.eagle3.config import DraftConfig
-from eagle3_jax.drafts.peagle.config import PEagleConfig, read_draft_config
+from eagle3_jax.drafts import DraftConfig
 from eagle3_jax.contracts import check_pairing, resolve_aux_ids
 from eagle3_jax.errors import CheckpointError, ConfigError
 
@@ -90,12 +90,10 @@ def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None
     if draft is None:
         return facts
 
-    draft_dir = None
-    if isinstance(draft, DraftConfig):
-        dcfg = draft
-    else:
+    draft_dir, dcfg = None, draft   # a config of any kind: a draft about to be trained
+    if isinstance(draft, (str, os.PathLike)):
         draft_dir = os.fspath(draft)
-        dcfg = read_draft_config(draft_dir)   # the chain draft or a P-EAGLE one, by its architecture
+        dcfg = drafts.read_config(draft_dir)   # the kind its architecture names
     facts.draft, facts.draft_dtype = dcfg, _torch_dtype(dcfg.hf_config)
     if dcfg.hf_config.get("quantization_config"):
         raise ConfigError(
@@ -112,9 +110,7 @@ def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None
     check_pairing(dcfg, tcfg, fc_in, len(facts.aux_layer_ids), None, embed_width)
     if tensors is not None:
         _check_draft_tensors(tensors, dcfg, draft_dir)
-    if isinstance(dcfg, PEagleConfig) and dcfg.mask_token_id is None:
-        facts.notes.append(f"{_where(draft_dir)}: P-EAGLE draft without mask_token_id in config.json; pass the id it "
-                           "was trained with when loading it")
+    facts.notes += drafts.of_config(dcfg).notes(dcfg, _where(draft_dir))
     if dcfg.head_dim % 2:
         raise ConfigError(f"{_where(draft_dir)}: draft head_dim={dcfg.head_dim} is odd, but rotary embeddings "
                           "rotate pairs of dimensions; use an even head_dim")

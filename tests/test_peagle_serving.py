@@ -5,6 +5,7 @@ import pytest
 from flax import nnx
 
 import eagle3_jax as e3
+from eagle3_jax import drafts
 from eagle3_jax.drafts.peagle.checkpoint import build_peagle_draft, flat_params, load_peagle_draft, write_peagle
 from eagle3_jax.drafts.peagle.config import PEagleConfig
 from tests.test_spec_sampling import TEMP, TOP_K, _chi2_pvalue, _sample_pairs, exact_joint, prompt  # noqa: F401
@@ -47,7 +48,7 @@ def reference(tiny_target, prompts):
 @pytest.mark.parametrize("k,batch", [(1, 8), (8, 1)])
 def test_random_peagle_is_lossless(tiny_target, peagle_dir, prompts, reference, k, batch):
     draft = e3.load_draft(peagle_dir, tiny_target)   # dispatches on the architecture
-    assert draft.model.kind == "peagle"
+    assert drafts.of_module(draft.model).name == "peagle"
     gen = e3.Generator(tiny_target, draft, num_draft_tokens=k, max_len=40, batch_size=batch)
     res = gen.generate(prompts if batch > 1 else prompts[:2], 20)
     assert res.tokens == reference.tokens[:len(res.tokens)]

@@ -23,12 +23,9 @@ def run(cfg: TrainConfig, progress: bool = True):
         from eagle3_jax.train.offline import prepare_offline
 
         return prepare_offline(cfg, progress=progress)
-    if cfg.resolved_draft_kind == "peagle":
-        from eagle3_jax.train.peagle_trainer import PEagleTrainer as Trainer
-    else:
-        from eagle3_jax.train.trainer import Trainer
+    from eagle3_jax.train.draft_kind import trainer_class
 
-    trainer = Trainer(cfg, progress=progress)
+    trainer = trainer_class(cfg._draft_file_and_kind()[1])(cfg, progress=progress)
     try:
         return trainer.train()
     finally:

@@ -105,26 +105,33 @@ class TrainConfig:
     def target_config(self) -> TargetConfig:
         return TargetConfig.from_path(self.target)
 
-    def resolved_aux_ids(self, tcfg: TargetConfig | None = None) -> tuple[int, ...]:
-        tcfg = tcfg or self.target_config()
+    def _draft_file_and_kind(self):
+        from eagle3_jax.train.draft_kind import read_draft_file, resolve_kind
+
+        file = read_draft_file(self)
+        return file, resolve_kind(self, file)
+
+    def resolved_aux_ids(self, tcfg: TargetConfig | None = None, file: dict | None = None) -> tuple[int, ...]:
+        """``aux_layer_ids``, else the draft_config_file's (``file``: its JSON) eagle_config ids, else
+        the target's default ids."""
         if self.aux_layer_ids is not None:
             return self.aux_layer_ids
-        from eagle3_jax.train.draft_kind import file_aux_ids
+        from eagle3_jax.train.draft_kind import file_aux_ids, read_draft_file
 
-        ids = file_aux_ids(self)   # a draft_config_file's eagle_config ids, when it names them
-        return ids if ids is not None else tcfg.default_aux_layer_ids()
+        ids = file_aux_ids(file if file is not None else read_draft_file(self))
+        return ids if ids is not None else (tcfg or self.target_config()).default_aux_layer_ids()
 
     @property
     def resolved_draft_kind(self) -> str:
-        from eagle3_jax.train.draft_kind import resolve_kind
-
-        return resolve_kind(self)
+        return self._draft_file_and_kind()[1].name
 
     def draft_config(self, tcfg: TargetConfig | None = None) -> DraftConfig:
-        """The draft config.json this run trains and exports (a ``PEagleConfig`` for P-EAGLE)."""
+        """The draft config.json this run trains and exports (its kind's config class)."""
         from eagle3_jax.train.draft_kind import build_draft_config
 
-        return build_draft_config(self, tcfg or self.target_config())
+        tcfg = tcfg or self.target_config()
+        file, kind = self._draft_file_and_kind()
+        return build_draft_config(self, tcfg, kind, file, self.resolved_aux_ids(tcfg, file))
 
     def to_dict(self) -> dict:
         d = json.loads(json.dumps(dataclasses.asdict(self)))
@@ -237,9 +244,10 @@ class TrainConfig:
         tcfg = self.target_config()
         from eagle3_jax.train.draft_kind import check_draft_settings
 
-        check_draft_settings(self, tcfg)
+        file, kind = self._draft_file_and_kind()
+        check_draft_settings(self, tcfg, kind, file)
         try:
-            ids = tcfg.check_aux_layer_ids(self.resolved_aux_ids(tcfg), where="aux_layer_ids")
+            ids = tcfg.check_aux_layer_ids(self.resolved_aux_ids(tcfg, file), where="aux_layer_ids")
         except ConfigError as e:
             raise SettingsError(str(e)) from None
         if not ids:

@@ -1,5 +1,5 @@
-"""What an EAGLE-3 draft directory holds, read once for the loader and the converter alike, and the
-writer of the SpecForge / SGLang layout.
+"""An EAGLE-3 draft directory: what it holds (read once for the loader and the converter alike),
+its loader, and the writer of the SpecForge / SGLang layout.
 
 A draft's config.json does not say everything its wiring needs: the fc width (so the number of
 target aux states it fuses), whether it ships its own embedding, and which vocab maps it stores
@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable
 
 import numpy as np
+from flax import nnx
 
 from eagle3_jax.checkpoint import store
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
-from eagle3_jax.drafts.eagle3.names import iter_draft_tensors
-from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
-from eagle3_jax.checkpoint.staging import staged_dir, write_json_atomic
+from eagle3_jax.checkpoint.hf_loader import load_state
+from eagle3_jax.config import resolve_dtype
+from eagle3_jax.contracts import resolve_aux_ids
+from eagle3_jax.drafts.eagle3.config import DraftConfig
+from eagle3_jax.drafts.eagle3.model import Draft
+from eagle3_jax.drafts.eagle3.names import draft_rules, iter_draft_tensors
+from eagle3_jax.drafts.loaded import LoadedDraft, check_and_wire, host_params, placed, write_staged
 from eagle3_jax.errors import CheckpointError
 
 VOCAB_MAPS = ("d2t", "t2d")
@@ -81,37 +86,67 @@ def read_draft_layout(path: str | os.PathLike, reader: CheckpointReader | None =
                        tuple(m for m in VOCAB_MAPS if m in reader), reader.read)
 
 
-def write_draft(path: str | os.PathLike, cfg, flat: Mapping[tuple, np.ndarray], aux_layer_ids, own_embedding: bool,
-                out_dtype=None, dtype_name: str | None = None, config_overrides: dict | None = None) -> None:
-    """Writes a draft's parameters (``flat``: our param path -> host array) in the SpecForge / SGLang
-    layout: config.json (recording ``aux_layer_ids``) + model.safetensors, staged beside ``path``.
+def load(path: str | os.PathLike, cfg: DraftConfig, target, dtype=None) -> LoadedDraft:
+    """The draft at ``path`` (config ``cfg``, already read and preflighted) for ``target``: every
+    wiring contract is checked before a single weight is placed (aux ids exist in the target, fc's
+    input width is len(ids) x target hidden, vocabularies agree, d2t stays inside the target vocab,
+    a shared embedding has the draft's width)."""
+    path = os.fspath(path)
+    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
+    reader = None if store.is_jax_checkpoint(path) else CheckpointReader(path)
+    layout = read_draft_layout(path, reader)
+    own_embedding, maps, d2t = layout.own_embedding, layout.vocab_maps, layout.d2t()
+    ids = check_and_wire(cfg, target, layout.fc_in, d2t, layout.embed_width)
+    if "d2t" not in maps and cfg.draft_vocab_size != cfg.vocab_size:
+        raise CheckpointError(
+            f"{path}: draft_vocab_size={cfg.draft_vocab_size} < vocab_size={cfg.vocab_size} but the checkpoint has no "
+            "d2t tensor mapping draft ids to target ids; re-export the draft with its vocab map")
+    fill = {}
+    if "d2t" not in maps:
+        fill[("d2t",)] = np.zeros((cfg.draft_vocab_size,), np.int32)
+    if "t2d" not in maps:
+        t2d = np.zeros((cfg.vocab_size,), bool)
+        t2d[np.arange(cfg.draft_vocab_size) + (d2t if d2t is not None else 0)] = True
+        fill[("t2d",)] = t2d
+    abstract = nnx.eval_shape(lambda: Draft(cfg, len(ids), dtype, None, own_embedding=own_embedding))
+    graphdef, abstract_state = nnx.split(abstract)
+    if reader is None:
+        state = store.restore_state(path, abstract_state, target.mesh, kind="draft", fill=fill)
+    else:
+        state = load_state(reader, draft_rules(cfg, len(ids), own_embedding, maps), abstract_state,
+                           mesh=target.mesh, where=path, fill=fill)
+    return LoadedDraft(nnx.merge(graphdef, state), target, ids)
 
-    ``out_dtype`` casts floating-point weights and is recorded as ``torch_dtype`` = ``dtype_name``.
-    """
-    write_staged(path, cfg, flat, aux_layer_ids,
-                 lambda cast: iter_draft_tensors(cfg, dict(cast), len(aux_layer_ids), own_embedding),
+
+def build(cfg: DraftConfig, target, dtype=None, seed: int = 0) -> LoadedDraft:
+    """A randomly initialized draft for ``target`` (tests, training from scratch)."""
+    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
+    ids = resolve_aux_ids(cfg, target.config)
+    model = Draft(cfg, len(ids), dtype, nnx.Rngs(seed))
+    check_and_wire(cfg, target, model.fc.value.shape[0], None, None)
+    return LoadedDraft(placed(model, target.mesh), target, ids)
+
+
+def save(draft: LoadedDraft, path: str | os.PathLike, out_dtype=None, dtype_name: str | None = None,
+         config_overrides: dict | None = None) -> None:
+    """config.json (recording the aux ids) + model.safetensors in the SpecForge / SGLang layout,
+    staged beside ``path``; ``out_dtype`` casts floating-point weights (``torch_dtype`` = ``dtype_name``)."""
+    own_embedding, n_aux = draft.model.embed_tokens is not None, len(draft.aux_layer_ids)
+    write_staged(path, draft.config, host_params(draft), draft.aux_layer_ids,
+                 lambda cast: iter_draft_tensors(draft.config, dict(cast), n_aux, own_embedding),
                  out_dtype, dtype_name, config_overrides)
 
 
-def write_staged(path, cfg, flat: Mapping[tuple, np.ndarray], aux_layer_ids, tensors, out_dtype=None,
-                 dtype_name: str | None = None, config_overrides: dict | None = None) -> None:
-    """The export every draft kind shares: refuses an existing ``path``, records the aux ids (and
-    ``torch_dtype`` when ``out_dtype`` casts the floating-point weights) in config.json, and writes
-    ``tensors(flat)`` (checkpoint name, array) pairs into a directory renamed to ``path`` when complete."""
-    path = os.fspath(path)
-    if os.path.exists(path):
-        raise CheckpointError(f"{path} already exists; remove it or choose another output directory")
-    hf = cfg.to_hf_dict()
-    hf.setdefault("eagle_config", {})
-    hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(aux_layer_ids)
-    hf["eagle_config"].setdefault("use_aux_hidden_state", True)
-    if out_dtype is not None:
-        flat = {k: (v.astype(out_dtype) if np.issubdtype(v.dtype, np.floating) or v.dtype.name == "bfloat16" else v)
-                for k, v in flat.items()}
-        hf["torch_dtype"] = dtype_name
-    hf.update(config_overrides or {})
-    with staged_dir(path) as tmp:
-        with CheckpointWriter(tmp) as writer:
-            for name, arr in tensors(flat):
-                writer.add(name, arr)
-        write_json_atomic(tmp / "config.json", hf, fsync=False)
+def wiring(path, reader: CheckpointReader, cfg: DraftConfig) -> dict:
+    """What tools.convert records beside the config to rebuild the name table (``DraftLayout.wiring``)."""
+    return read_draft_layout(path, reader).wiring(cfg.target_hidden_size)
+
+
+def convert_table(cfg: DraftConfig, wiring: dict, dtype) -> tuple[list, dict]:
+    """(name table, our path -> abstract variable) of the tensors a stored draft with ``wiring`` has."""
+    n_aux, own = int(wiring["n_aux"]), bool(wiring["own_embedding"])
+    rules = draft_rules(cfg, n_aux, own, tuple(wiring["vocab_maps"]))
+    _, state = nnx.split(nnx.eval_shape(lambda: Draft(cfg, n_aux, dtype, None, own_embedding=own)))
+    # A draft without a stored vocab map gets the identity one the model builds; it is not a tensor.
+    ruled = {r.path for r in rules}
+    return rules, {tuple(p): v for p, v in nnx.to_flat_state(state) if tuple(p) in ruled}

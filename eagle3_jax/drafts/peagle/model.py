@@ -112,8 +112,6 @@ class PEagleDraft(nnx.Module):
     catch-up are shared; :meth:`propose` adds the parallel guesses. It always carries its own
     token embedding (P-EAGLE trains it), so the target's embedding argument is ignored."""
 
-    kind = "peagle"
-
     def __init__(self, cfg: PEagleConfig, n_aux: int, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         D, W, V = cfg.hidden_size, cfg.draft_vocab_size, cfg.vocab_size
         X = n_aux * cfg.target_hidden_size
