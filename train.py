@@ -57,12 +57,12 @@ def main(argv=None) -> int:
         # Before anything touches JAX's devices: the trainer's mesh spans every process's devices.
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         cfg = TrainConfig.load(args.config, args.overrides)
-        check_setup(cfg)
+        plan = check_setup(cfg)
     except Eagle3Error as e:   # the command line, the config or the pair they name: nothing has run
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
     try:
-        result = run(cfg, progress=not args.no_progress and distributed.is_writer())
+        result = run(cfg, progress=not args.no_progress and distributed.is_writer(), plan=plan)
     except Eagle3Error as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 1)

@@ -56,7 +56,7 @@ class PairFacts:
 
 
 def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None = None,
-               weights: str | None = None) -> PairFacts:
+               weights: str | None = None, target_config: TargetConfig | None = None) -> PairFacts:
     """Checks everything that needs no weights; raises on the first failure.
 
     ``target``: a checkpoint directory or an already-read TargetConfig. ``draft``: a draft directory,
@@ -64,7 +64,8 @@ def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None
     ``"auto"``/``"none"``, a MeshConfig, a jax Mesh or None. ``dtype``: the compute dtype name (or
     ``"auto"``). ``max_len``: the prompt + generation capacity the run asks for. ``weights``: how
     the run will load the target (``"native"``: a quantization_config whose weights cannot be held
-    as stored is refused here, naming its field; None: not checked).
+    as stored is refused here, naming its field; None: not checked). ``target_config``: the config
+    the caller already read from the ``target`` directory (not read again).
     """
     from eagle3_jax.checkpoint.quant import QuantScheme
 
@@ -73,7 +74,7 @@ def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None
         tcfg = target
     else:
         target_dir = os.fspath(target)
-        tcfg = TargetConfig.from_path(target_dir)
+        tcfg = target_config if target_config is not None else TargetConfig.from_path(target_dir)
     facts = PairFacts(target=tcfg, target_dtype=_torch_dtype(tcfg.hf_config))
     facts.quantization = QuantScheme.from_hf_config(tcfg.hf_config, _where(target_dir)).method
     if weights == "native":

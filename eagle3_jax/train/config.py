@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from eagle3_jax import settings_io
 from eagle3_jax.config import MeshConfig, TargetConfig
-from eagle3_jax.drafts.eagle3.config import DraftConfig
+from eagle3_jax.drafts import DraftConfig, DraftKind
 from eagle3_jax.errors import ConfigError, SettingsError
 from eagle3_jax.settings_io import Layer
 from eagle3_jax.train.shapes import DraftShape, PEagleShape
@@ -133,9 +133,11 @@ class TrainConfig:
         file, kind = self._draft_file_and_kind()
         return build_draft_config(self, tcfg, kind, file, self.resolved_aux_ids(tcfg, file))
 
-    def to_dict(self) -> dict:
+    def to_dict(self, draft_kind: str | None = None) -> dict:
+        """The settings as a checkpoint records them, with ``draft_kind`` resolved (unset and the
+        default kind are one kind to a resumed run); ``draft_kind``: already resolved."""
         d = json.loads(json.dumps(dataclasses.asdict(self)))
-        d["draft_kind"] = self.resolved_draft_kind   # unset and "eagle3" are one kind to a resumed run
+        d["draft_kind"] = draft_kind or self.resolved_draft_kind
         return d
 
     # ------------------------------------------------------------------ reading
@@ -158,7 +160,12 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> TargetConfig:
-        """Every check that needs no model: files, ranges, and the target's config.json. Returns it."""
+        """Every check that needs no model (``resolve``); returns the target's config."""
+        return self.resolve().target
+
+    def resolve(self) -> "TrainPlan":
+        """Every check that needs no model: files, ranges, the target's config.json and the draft's
+        kind and config, each file read once; the run's ``TrainPlan``."""
         positive = ("max_len", "batch_size", "grad_accum", "ttt_steps", "total_steps", "save_every", "log_every", "keep",
                     "eval_new_tokens", "eval_draft_tokens")
         for name in positive:
@@ -242,7 +249,7 @@ class TrainConfig:
                     "each data-parallel device needs the same number of rows")
 
         tcfg = self.target_config()
-        from eagle3_jax.train.draft_kind import check_draft_settings
+        from eagle3_jax.train.draft_kind import build_draft_config, check_draft_settings
 
         file, kind = self._draft_file_and_kind()
         check_draft_settings(self, tcfg, kind, file)
@@ -265,10 +272,26 @@ class TrainConfig:
             v = getattr(s, name)
             if v is not None and v < 1:
                 raise SettingsError(f"draft.{name} must be >= 1, found {v}")
-        dcfg = self.draft_config(tcfg)  # heads vs kv heads, vocab sizes
+        dcfg = build_draft_config(self, tcfg, kind, file, ids)  # heads vs kv heads, vocab sizes
         if dcfg.head_dim % 2:
             raise SettingsError(f"draft head_dim must be even for rotary pairs, found {dcfg.head_dim}")
-        return tcfg
+        return TrainPlan(self, tcfg, kind, dcfg, ids)
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """A training run resolved once, at its start (``TrainConfig.resolve``): the settings, the
+    target's config, the draft's kind, the config it trains and exports, and the aux layer ids.
+    Everything downstream reads these instead of reading the config files again."""
+
+    settings: TrainConfig
+    target: TargetConfig
+    kind: DraftKind
+    draft: DraftConfig
+    aux_ids: tuple[int, ...]
+
+    def to_dict(self) -> dict:
+        return self.settings.to_dict(self.kind.name)
 
 
 # ---------------------------------------------------------------------- reading helpers

@@ -19,10 +19,10 @@ DEFAULT_PEAGLE_LAYERS = 4   # SpecForge's P-EAGLE recipe (configs/qwen3-8b-peagl
 def check_train(cfg, tcfg, file: dict | None) -> None:
     """The run's ``peagle.*`` settings (and the EAGLE-3 loss settings it cannot use)."""
     s = cfg.peagle
-    if file is not None and s.num_hidden_layers is not None and file.get("num_hidden_layers") is not None \
-            and int(file["num_hidden_layers"]) != s.num_hidden_layers:
+    stored = (file or {}).get("num_hidden_layers")
+    if s.num_hidden_layers is not None and stored is not None and int(stored) != s.num_hidden_layers:
         raise SettingsError(f"peagle.num_hidden_layers={s.num_hidden_layers} but draft_config_file "
-                            f"{cfg.draft_config_file} says num_hidden_layers={file['num_hidden_layers']}; set it in one place")
+                            f"{cfg.draft_config_file} says num_hidden_layers={stored}; set it in one place")
     if cfg.lk_loss_type is not None:
         raise SettingsError(f"lk_loss_type '{cfg.lk_loss_type}' is EAGLE-3's acceptance-aware TTT loss; a P-EAGLE "
                             "draft trains on SpecForge's soft-label cross-entropy. Unset lk_loss_type")
