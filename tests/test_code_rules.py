@@ -114,3 +114,29 @@ def test_the_kind_comparison_finder_finds_them():
     assert _kind_comparisons('x = k in ("eagle3", "other")', names, classes) == [1]
     assert _kind_comparisons('ok = isinstance(c, cfgs.PEagleConfig)', names, classes) == [1]
     assert _kind_comparisons('path = os.path.join(d, "peagle")\nif mode == "train": pass', names, classes) == []
+
+
+# Boxes and what they never import (DESIGN.md's layering): the registry sits above the model math
+# and the file formats and below everything that dispatches through it; training never reaches
+# for the public facade.
+NEVER_IMPORTS = {
+    "eagle3_jax.drafts": ("eagle3_jax.api", "eagle3_jax.loading", "eagle3_jax.preflight", "eagle3_jax.speculative",
+                          "eagle3_jax.train", "eagle3_jax.serve", "tools"),
+    "eagle3_jax.models": ("eagle3_jax.drafts",),
+    "eagle3_jax.config": ("eagle3_jax.drafts",),
+    "eagle3_jax.checkpoint": ("eagle3_jax.drafts",),
+    "eagle3_jax.train": ("eagle3_jax.api",),
+}
+
+
+def test_lower_boxes_never_import_higher_ones():
+    mods = _modules()
+    bad = []
+    for m, path in mods.items():
+        for box, banned in NEVER_IMPORTS.items():
+            if m == box or m.startswith(box + "."):
+                bad += [(m, i) for i in _imports(path, mods)
+                        if any(i == b or i.startswith(b + ".") for b in banned)]
+        if m.startswith("eagle3_jax.train") and "eagle3_jax" in _imports(path, mods):
+            bad.append((m, "eagle3_jax (the facade)"))
+    assert not bad, f"imports across the layering: {bad}"
