@@ -169,7 +169,8 @@ def test_auto_prices_peagle_rounds_and_stays_lossless(tiny_target, trained, monk
     monkeypatch.setattr(session_mod, "PROBE_REPEATS", 1)
     probed = []
     real = session_mod.probe_costs
-    monkeypatch.setattr(session_mod, "probe_costs", lambda s, *a: probed.append(s.draft.model.kind) or real(s, *a))
+    monkeypatch.setattr(session_mod, "probe_costs", lambda s, *a: probed.append(drafts.of_module(s.draft.model).name)
+                        or real(s, *a))
     draft, seqs = trained
     prompts = [s[:6].tolist() for s in seqs[:4]]
     expected = e3.Generator(tiny_target, None, max_len=40).generate(prompts, 16).tokens
