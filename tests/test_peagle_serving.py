@@ -6,7 +6,8 @@ from flax import nnx
 
 import eagle3_jax as e3
 from eagle3_jax import drafts
-from eagle3_jax.drafts.peagle.checkpoint import build_peagle_draft, flat_params, load_peagle_draft, write_peagle
+from eagle3_jax.drafts.loaded import host_params
+from eagle3_jax.drafts.peagle.checkpoint import build_peagle_draft, load_peagle_draft, write_peagle
 from eagle3_jax.drafts.peagle.config import PEagleConfig
 from tests.test_spec_sampling import TEMP, TOP_K, _chi2_pvalue, _sample_pairs, exact_joint, prompt  # noqa: F401
 
@@ -36,7 +37,7 @@ def peagle_dir(tiny_target, tmp_path_factory):
     draft = build_peagle_draft(peagle_config(tiny_target.config), tiny_target, seed=3)
     draft.model.d2t[...] = jnp.arange(64, dtype=jnp.int32) + 1
     path = tmp_path_factory.mktemp("peagle") / "draft"
-    write_peagle(path, draft.config, flat_params(draft.model), draft.aux_layer_ids)
+    write_peagle(path, draft.config, host_params(draft.model), draft.aux_layer_ids)
     return path
 
 

@@ -1,7 +1,8 @@
 """Frozen configuration dataclasses, read from Hugging Face ``config.json`` files and YAML.
 
-One module a kind: ``target`` (TargetConfig, RopeConfig), ``draft`` (DraftConfig), ``mesh``
-(MeshConfig), ``common`` (YAML mappings, dtype names). Import them from here.
+One module a kind: ``target`` (TargetConfig, RopeConfig), ``mesh`` (MeshConfig), ``common`` (YAML
+mappings, dtype names). Import them from here; a draft's config belongs to its kind
+(``eagle3_jax.drafts``).
 """
 
 from eagle3_jax.config.common import DTYPES, read_yaml_mapping, resolve_dtype

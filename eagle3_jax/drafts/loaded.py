@@ -68,9 +68,10 @@ def placed(model, mesh):
     return nnx.merge(graphdef, shard_state(state, mesh))
 
 
-def host_params(draft: LoadedDraft) -> dict[tuple, np.ndarray]:
-    """The draft's state as our param path -> host array (what the name tables export)."""
-    return {tuple(p): np.asarray(jax.device_get(v.value)) for p, v in nnx.to_flat_state(draft.state)}
+def host_params(model) -> dict[tuple, np.ndarray]:
+    """A draft module's state as our param path -> host array (the keys of the name tables)."""
+    _, state = nnx.split(model)
+    return {tuple(p): np.asarray(jax.device_get(v[...])) for p, v in nnx.to_flat_state(state)}
 
 
 def write_staged(path, cfg, flat: Mapping[tuple, np.ndarray], aux_layer_ids, tensors, out_dtype=None,

@@ -132,7 +132,7 @@ def save(draft: LoadedDraft, path: str | os.PathLike, out_dtype=None, dtype_name
     """config.json (recording the aux ids) + model.safetensors in the SpecForge / SGLang layout,
     staged beside ``path``; ``out_dtype`` casts floating-point weights (``torch_dtype`` = ``dtype_name``)."""
     own_embedding, n_aux = draft.model.embed_tokens is not None, len(draft.aux_layer_ids)
-    write_staged(path, draft.config, host_params(draft), draft.aux_layer_ids,
+    write_staged(path, draft.config, host_params(draft.model), draft.aux_layer_ids,
                  lambda cast: iter_draft_tensors(draft.config, dict(cast), n_aux, own_embedding),
                  out_dtype, dtype_name, config_overrides)
 

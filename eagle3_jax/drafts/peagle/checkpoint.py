@@ -91,12 +91,6 @@ def iter_peagle_tensors(cfg: PEagleConfig, flat_params: Mapping[tuple, np.ndarra
             yield key, arr
 
 
-def flat_params(model) -> dict[tuple, np.ndarray]:
-    """Our P-EAGLE module's state as path -> host array (the rule tables' keys)."""
-    _, state = nnx.split(model)
-    return {tuple(k): np.asarray(v[...]) for k, v in nnx.to_flat_state(state)}
-
-
 def write_peagle(path: str | os.PathLike, cfg: PEagleConfig, flat: Mapping[tuple, np.ndarray], aux_layer_ids,
                  out_dtype=None, dtype_name: str | None = None, config_overrides: dict | None = None) -> None:
     """config.json (recording ``aux_layer_ids`` and the MASK token id) + model.safetensors in
@@ -108,7 +102,7 @@ def write_peagle(path: str | os.PathLike, cfg: PEagleConfig, flat: Mapping[tuple
 
 def save(draft: LoadedDraft, path: str | os.PathLike, out_dtype=None, dtype_name: str | None = None,
          config_overrides: dict | None = None) -> None:
-    write_peagle(path, draft.config, host_params(draft), draft.aux_layer_ids, out_dtype, dtype_name, config_overrides)
+    write_peagle(path, draft.config, host_params(draft.model), draft.aux_layer_ids, out_dtype, dtype_name, config_overrides)
 
 
 def build_peagle_draft(cfg: PEagleConfig, target, dtype=None, seed: int = 0) -> LoadedDraft:
