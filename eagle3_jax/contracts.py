@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from eagle3_jax.config import DraftConfig, TargetConfig
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.drafts.eagle3.config import DraftConfig
 from eagle3_jax.errors import ConfigError
 
 

@@ -15,9 +15,10 @@ import torch
 from flax import nnx
 from safetensors.torch import load_file, save_file
 
-from eagle3_jax.checkpoint.peagle_map import flat_params, read_peagle_state, write_peagle
-from eagle3_jax.config.peagle import PEagleConfig
-from eagle3_jax.models.peagle import PEagleDraft
+from eagle3_jax.drafts.loaded import host_params
+from eagle3_jax.drafts.peagle.checkpoint import read_peagle_state, write_peagle
+from eagle3_jax.drafts.peagle.config import PEagleConfig
+from eagle3_jax.drafts.peagle.model import PEagleDraft
 from tests.test_peagle import ANCHOR, DEPTH, MASK_ID, _ours, random_draft, tiny_config
 
 peagle = pytest.importorskip("specforge.modeling.draft.peagle")
@@ -59,7 +60,7 @@ def inputs():
 def test_specforge_loads_our_export_strictly_and_agrees(tmp_path, inputs):
     cfg = tiny_config()
     ours = random_draft(cfg, seed=1)
-    write_peagle(tmp_path / "d", cfg, flat_params(ours), aux_layer_ids=(0, 1, 2))
+    write_peagle(tmp_path / "d", cfg, host_params(ours), aux_layer_ids=(0, 1, 2))
     theirs = _specforge_model(tmp_path / "d")
     theirs.load_state_dict(load_file(str(tmp_path / "d" / "model.safetensors")), strict=True)
     ids, aux = inputs

@@ -13,9 +13,10 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import eagle3_jax as e3
+from eagle3_jax import drafts
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.train import TrainConfig, run
-from eagle3_jax.train.peagle_objective import peagle_loss
+from eagle3_jax.drafts.peagle.objective import peagle_loss
 from eagle3_jax.train.peagle_trainer import PEagleTrainer
 from tests import spec_fixtures
 from tests.test_train import predictable_target, predictable_target_dir  # noqa: F401  (a peaked tiny target)
@@ -113,7 +114,7 @@ def test_kill_and_resume_equals_uninterrupted_and_export_loads_strictly(predicta
     assert hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
     assert hf["mask_token_id"] == resumed.dcfg.mask_token_id and hf["draft_vocab_size"] == 128
     loaded = e3.load_draft(out, predictable_target)   # strict: any missing or extra tensor is an error
-    assert loaded.model.kind == "peagle" and loaded.aux_layer_ids == (0, 1, 2)
+    assert drafts.of_module(loaded.model).name == "peagle" and loaded.aux_layer_ids == (0, 1, 2)
     trained = dict(nnx.to_flat_state(nnx.state(resumed.draft_model())))
     for path, v in nnx.to_flat_state(nnx.state(loaded.model)):
         np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(trained[path][...]), err_msg=str(path))

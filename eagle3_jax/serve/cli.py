@@ -11,6 +11,7 @@ same command to finish).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import os
@@ -140,16 +141,17 @@ def resolve_mesh(spec: str):
     return make_mesh(spec)
 
 
-def load_models(s: ServeSettings, dtype: str):
+def load_models(s: ServeSettings, dtype: str, facts: preflight.PairFacts | None = None):
+    """``facts``: what ``preflight.check_pair`` found for this pair (configs read once, not checked again)."""
     import eagle3_jax as e3
 
     mesh = resolve_mesh(s.mesh)
     log.info("loading target %s (%s%s)", s.target, dtype, f", mesh {dict(mesh.shape)}" if mesh is not None else "")
-    target = e3.load_target(s.target, dtype=dtype, mesh=mesh)
+    target = e3.load_target(s.target, dtype=dtype, mesh=mesh, config=facts.target if facts else None)
     draft = None
     if s.draft:
         log.info("loading draft %s", s.draft)
-        draft = e3.load_draft(s.draft, target)
+        draft = e3.load_draft(s.draft, target, checked=facts)
     return target, draft
 
 
@@ -195,18 +197,18 @@ def generation_text(tok, tokens: list[int], finish_reason: str) -> str:
 def run(s: ServeSettings, models: Callable | None = None, engine_module=None) -> int:
     """Runs the job. ``models(settings, dtype) -> (target, draft)`` and ``engine_module`` (with
     ``Engine`` and ``Request``) replace the defaults in tests."""
-    from eagle3_jax.config import DraftConfig, TargetConfig
+    from eagle3_jax.config import TargetConfig
     from eagle3_jax.tokenizer import TokenizerError, check_vocab, load_tokenizer
 
     s.validate()
     target_cfg = TargetConfig.from_path(s.target)
-    if s.draft:
-        DraftConfig.from_path(s.draft)   # a wrong --draft path fails now, not after the target has loaded
     dtype, dtype_note = resolve_dtype_name(s.dtype, target_cfg)
     if dtype_note:
         log.info("--dtype %s: %s", s.dtype, dtype_note)
-    # before any output; load_target below keeps quantized weights as stored
-    preflight.check_pair(s.target, s.draft, mesh=s.mesh, dtype=dtype, max_len=s.max_len, weights="native")
+    # Before any output, and the one read of each config: load_models takes what it found (and
+    # load_target keeps quantized weights as stored).
+    facts = preflight.check_pair(s.target, s.draft, mesh=s.mesh, dtype=dtype, max_len=s.max_len, weights="native",
+                                 target_config=target_cfg)
     tok = load_tokenizer(s.target)
     check_vocab(tok, target_cfg.vocab_size, s.target)
     log.info("%s", tok.describe())
@@ -257,7 +259,8 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
             requests.append(engine_module.Request(key=rec.key, prompt=ids))
             by_key[rec.key] = rec
         if requests:
-            _generate(s, tok, dtype, requests, by_key, out, stats, models or load_models, engine_module)
+            _generate(s, tok, dtype, requests, by_key, out, stats,
+                      models or functools.partial(load_models, facts=facts), engine_module)
 
     print(summary_table(stats, already, len(bad)))
     _write_metrics(s, stats, already, len(bad), dtype)

@@ -5,8 +5,9 @@ Positions. Let a row's target cache hold positions 0..n-1 and ``last`` be the to
 (emitted, not yet run through the target). The draft cache holds, at position p, the pair
 (token at p+1, target aux state at p) — the pairing SpecForge trains with. One round:
 
-  1. draft: d1 comes from the draft output at position n-1 (kept from the previous round);
-     steps j = 1..K-1 feed (d_j, own hidden) at position n-1+j and give d_{j+1};
+  1. draft: d1 comes from the draft output at position n-1 (kept from the previous round), d2..dK
+     from the draft kind's proposal (``drafts``: the chain feeds d_j and its own hidden state back at
+     position n-1+j; P-EAGLE guesses them in one pass);
   2. verify: the target extends [last, d1..dK] at positions n..n+K -> logits, aux;
   3. accept a in 0..K drafts; emit d1..da plus the target's token c (correction or bonus);
   4. catch up: the draft re-reads positions n..n+K with the target's true aux states and the
@@ -25,11 +26,11 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax import drafts
 from eagle3_jax.models.cache import KVCache, MLACache
 from eagle3_jax.sharding import constrain
 from eagle3_jax.speculative.accept import first_argmax, greedy_accept, rejection_accept, sample_from_probs, target_probs
 from eagle3_jax.speculative.prefill import chunked_draft, chunked_target
-from eagle3_jax.speculative.parallel import propose_parallel
 from eagle3_jax.speculative.static_graph import merge_models
 
 RUNNING, FINISH_EOS, FINISH_LENGTH, FINISH_CAPACITY = 0, 1, 2, 3
@@ -216,6 +217,7 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
     """One round of the loop body: speculative with a draft, plain decoding without."""
     aux_ids = program.aux_layer_ids
     embed_VD = target.embed_tokens[...]
+    kind = drafts.of_module(draft) if draft is not None else None   # how it proposes and catches up
 
     def draft_pick(key, logits_BW):
         """The draft's token and its distribution q (zeros at greedy, where nothing reads it)."""
@@ -231,22 +233,8 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
         rows_B = jnp.arange(B)
         key, k_draft, k_accept = _split(s.key, 3, sp)
         draft_keys = _split(k_draft, K, sp)
-        if getattr(draft, "kind", "chain") == "peagle":   # all K guesses from one pass (parallel.py)
-            d_BK, q_BKW, dcache = propose_parallel(draft, s.dlogits_BW, s.dcache, s.lengths_B, draft_keys, draft_pick)
-        else:
-            d_ids, q_list = [], []
-            d_B, q_BW = draft_pick(draft_keys[0], s.dlogits_BW)
-            d_ids.append(d_B)
-            q_list.append(q_BW)
-            hidden_BD, dcache = s.dhidden_BD, s.dcache
-            for j in range(1, K):
-                pos_B1 = (s.lengths_B - 1 + j)[:, None]
-                step = draft(draft.to_target_ids(d_B)[:, None], hidden_BD[:, None], pos_B1, embed_VD, dcache)
-                hidden_BD, dcache = step.hidden_BTD[:, 0], step.cache
-                d_B, q_BW = draft_pick(draft_keys[j], step.logits_BTW[:, 0])
-                d_ids.append(d_B)
-                q_list.append(q_BW)
-            d_BK, q_BKW = jnp.stack(d_ids, axis=1), jnp.stack(q_list, axis=1)
+        d_BK, q_BKW, dcache = kind.propose(draft, s.dlogits_BW, s.dhidden_BD, s.dcache, s.lengths_B, draft_keys,
+                                           draft_pick, embed_VD)
         drafts_BK = draft.to_target_ids(d_BK)
 
         ids_BK1 = jnp.concatenate([s.last_B[:, None], drafts_BK], axis=1)
@@ -266,7 +254,7 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
         tokens_BN, n_out_B, finish_B, n_emit_B = _emit(s, out_BK1, n_acc_B + 1, sp.eos_E)
 
         # Catch-up: the draft re-reads positions n..n+K with the target's true aux states.
-        cstep = draft(out_BK1, draft.fuse(tout.aux_BTX), pos_BK1, embed_VD, dcache, with_logits=False)
+        cstep = kind.catch_up(draft, out_BK1, tout.aux_BTX, pos_BK1, embed_VD, dcache)
         seed_hidden_BD = cstep.hidden_BTD[rows_B, n_acc_B]   # the next round's d1 comes from here
         # The state's layout is K_max wide (every K of the session shares it); this round fills 0..K-1.
         hit_BK = (jnp.arange(K)[None, :] < n_acc_B[:, None]) & running_B[:, None]

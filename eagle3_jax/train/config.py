@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from eagle3_jax import settings_io
-from eagle3_jax.config import DraftConfig, MeshConfig, TargetConfig
+from eagle3_jax.config import MeshConfig, TargetConfig
+from eagle3_jax.drafts import DraftConfig, DraftKind
 from eagle3_jax.errors import ConfigError, SettingsError
 from eagle3_jax.settings_io import Layer
 from eagle3_jax.train.shapes import DraftShape, PEagleShape
@@ -104,30 +105,39 @@ class TrainConfig:
     def target_config(self) -> TargetConfig:
         return TargetConfig.from_path(self.target)
 
-    def resolved_aux_ids(self, tcfg: TargetConfig | None = None) -> tuple[int, ...]:
-        tcfg = tcfg or self.target_config()
+    def _draft_file_and_kind(self):
+        from eagle3_jax.train.draft_kind import read_draft_file, resolve_kind
+
+        file = read_draft_file(self)
+        return file, resolve_kind(self, file)
+
+    def resolved_aux_ids(self, tcfg: TargetConfig | None = None, file: dict | None = None) -> tuple[int, ...]:
+        """``aux_layer_ids``, else the draft_config_file's (``file``: its JSON) eagle_config ids, else
+        the target's default ids."""
         if self.aux_layer_ids is not None:
             return self.aux_layer_ids
-        from eagle3_jax.train.draft_kind import file_aux_ids
+        from eagle3_jax.train.draft_kind import file_aux_ids, read_draft_file
 
-        ids = file_aux_ids(self)   # a draft_config_file's eagle_config ids, when it names them
-        return ids if ids is not None else tcfg.default_aux_layer_ids()
+        ids = file_aux_ids(file if file is not None else read_draft_file(self))
+        return ids if ids is not None else (tcfg or self.target_config()).default_aux_layer_ids()
 
     @property
     def resolved_draft_kind(self) -> str:
-        from eagle3_jax.train.draft_kind import resolve_kind
-
-        return resolve_kind(self)
+        return self._draft_file_and_kind()[1].name
 
     def draft_config(self, tcfg: TargetConfig | None = None) -> DraftConfig:
-        """The draft config.json this run trains and exports (a ``PEagleConfig`` for P-EAGLE)."""
+        """The draft config.json this run trains and exports (its kind's config class)."""
         from eagle3_jax.train.draft_kind import build_draft_config
 
-        return build_draft_config(self, tcfg or self.target_config())
+        tcfg = tcfg or self.target_config()
+        file, kind = self._draft_file_and_kind()
+        return build_draft_config(self, tcfg, kind, file, self.resolved_aux_ids(tcfg, file))
 
-    def to_dict(self) -> dict:
+    def to_dict(self, draft_kind: str | None = None) -> dict:
+        """The settings as a checkpoint records them, with ``draft_kind`` resolved (unset and the
+        default kind are one kind to a resumed run); ``draft_kind``: already resolved."""
         d = json.loads(json.dumps(dataclasses.asdict(self)))
-        d["draft_kind"] = self.resolved_draft_kind   # unset and "eagle3" are one kind to a resumed run
+        d["draft_kind"] = draft_kind or self.resolved_draft_kind
         return d
 
     # ------------------------------------------------------------------ reading
@@ -151,7 +161,12 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> TargetConfig:
-        """Every check that needs no model: files, ranges, and the target's config.json. Returns it."""
+        """Every check that needs no model (``resolve``); returns the target's config."""
+        return self.resolve().target
+
+    def resolve(self) -> "TrainPlan":
+        """Every check that needs no model: files, ranges, the target's config.json and the draft's
+        kind and config, each file read once; the run's ``TrainPlan``."""
         positive = ("max_len", "batch_size", "grad_accum", "ttt_steps", "total_steps", "save_every", "log_every", "keep",
                     "eval_new_tokens", "eval_draft_tokens")
         for name in positive:
@@ -243,11 +258,12 @@ class TrainConfig:
                     "each data-parallel device needs the same number of rows")
 
         tcfg = self.target_config()
-        from eagle3_jax.train.draft_kind import check_draft_settings
+        from eagle3_jax.train.draft_kind import build_draft_config, check_draft_settings
 
-        check_draft_settings(self, tcfg)
+        file, kind = self._draft_file_and_kind()
+        check_draft_settings(self, tcfg, kind, file)
         try:
-            ids = tcfg.check_aux_layer_ids(self.resolved_aux_ids(tcfg), where="aux_layer_ids")
+            ids = tcfg.check_aux_layer_ids(self.resolved_aux_ids(tcfg, file), where="aux_layer_ids")
         except ConfigError as e:
             raise SettingsError(str(e)) from None
         if not ids:
@@ -265,10 +281,26 @@ class TrainConfig:
             v = getattr(s, name)
             if v is not None and v < 1:
                 raise SettingsError(f"draft.{name} must be >= 1, found {v}")
-        dcfg = self.draft_config(tcfg)  # heads vs kv heads, vocab sizes
+        dcfg = build_draft_config(self, tcfg, kind, file, ids)  # heads vs kv heads, vocab sizes
         if dcfg.head_dim % 2:
             raise SettingsError(f"draft head_dim must be even for rotary pairs, found {dcfg.head_dim}")
-        return tcfg
+        return TrainPlan(self, tcfg, kind, dcfg, ids)
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """A training run resolved once, at its start (``TrainConfig.resolve``): the settings, the
+    target's config, the draft's kind, the config it trains and exports, and the aux layer ids.
+    Everything downstream reads these instead of reading the config files again."""
+
+    settings: TrainConfig
+    target: TargetConfig
+    kind: DraftKind
+    draft: DraftConfig
+    aux_ids: tuple[int, ...]
+
+    def to_dict(self) -> dict:
+        return self.settings.to_dict(self.kind.name)
 
 
 # ---------------------------------------------------------------------- reading helpers

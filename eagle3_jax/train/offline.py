@@ -169,15 +169,17 @@ def read_offline_meta(root: str) -> dict:
     return meta
 
 
-def offline_meta_for(cfg, tcfg, data_digest: str) -> dict:
-    """The facts a prepared directory must agree with to be reused by a run of ``cfg``."""
+def offline_meta_for(plan, data_digest: str) -> dict:
+    """The facts a prepared directory must agree with to be reused by a run (a ``TrainPlan``)."""
+    cfg, tcfg = plan.settings, plan.target
     return {"format": OFFLINE_FORMAT, "target_hidden_size": tcfg.hidden_size, "vocab_size": tcfg.vocab_size,
-            "num_hidden_layers": tcfg.num_hidden_layers, "aux_layer_ids": list(cfg.resolved_aux_ids(tcfg)),
+            "num_hidden_layers": tcfg.num_hidden_layers, "aux_layer_ids": list(plan.aux_ids),
             "max_len": cfg.max_len, "data_sha256": data_digest, "storage": storage_dtype(cfg).name}
 
 
-def check_offline_meta(meta: dict, cfg, tcfg, root: str) -> None:
-    want = offline_meta_for(cfg, tcfg, meta.get("data_sha256", ""))
+def check_offline_meta(meta: dict, plan, root: str) -> None:
+    cfg = plan.settings
+    want = offline_meta_for(plan, meta.get("data_sha256", ""))
     for k, v in want.items():
         if k not in ("data_sha256", "storage") and meta.get(k) != v:
             raise ConfigError(
@@ -187,22 +189,23 @@ def check_offline_meta(meta: dict, cfg, tcfg, root: str) -> None:
         raise ConfigError(f"{root} was prepared from different data than {cfg.data}; rerun mode=prepare")
 
 
-def prepare_offline(cfg, progress: bool = True) -> str:
-    """``mode=prepare``: runs the target once over the data and writes what training needs."""
+def prepare_offline(cfg, progress: bool = True, plan=None) -> str:
+    """``mode=prepare``: runs the target once over the data and writes what training needs
+    (``plan``: the run's ``TrainPlan`` when the caller resolved it already)."""
     from tqdm import tqdm
 
-    import eagle3_jax as e3
+    from eagle3_jax import distributed
+    from eagle3_jax.loading import load_target
     from eagle3_jax.sharding import mesh_context
 
-    from eagle3_jax import distributed
-
-    tcfg = cfg.validate()
+    plan = plan if plan is not None else cfg.resolve()
+    tcfg = plan.target
     if distributed.is_multi_process():
         raise ConfigError("mode=prepare runs in a single process (it writes one offline directory); run it without "
                           "--coordinator / EAGLE3_COORDINATOR, then train with several processes from its output")
     root = cfg.offline_dir
     digest = file_digest(cfg.data)
-    meta = offline_meta_for(cfg, tcfg, digest)
+    meta = offline_meta_for(plan, digest)
     if os.path.isfile(os.path.join(root, "meta.json")):
         try:
             existing = read_offline_meta(root)
@@ -215,8 +218,8 @@ def prepare_offline(cfg, progress: bool = True) -> str:
         raise ConfigError(f"offline_dir {root} is not empty; give an empty or new directory to prepare into")
     tok = load_tokenizer(cfg.target)
     examples = read_examples(cfg.data, tok, cfg.max_len, tcfg.vocab_size)
-    target = e3.load_target(cfg.target, dtype=cfg.resolved_target_dtype, mesh=cfg.mesh)
-    aux_ids = cfg.resolved_aux_ids(tcfg)
+    target = load_target(cfg.target, dtype=cfg.resolved_target_dtype, mesh=cfg.mesh, config=tcfg)
+    aux_ids = plan.aux_ids
     N, T, D, V = len(examples), cfg.max_len, tcfg.hidden_size, tcfg.vocab_size
     X = len(aux_ids) * D
     dtype = np.dtype(jnp.dtype(target.dtype))

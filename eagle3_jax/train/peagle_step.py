@@ -2,7 +2,7 @@
 SpecForge's shifted pairing, COD-sampled rollouts, SpecForge's loss, and the shared AdamW update.
 
 Pairing. The trainer's rows are the target's view: token x_t, its aux states aux[t] and final
-hidden state at t (logits[t] guess x_{t+1}). peagle_objective reads rows in SpecForge's shifted
+hidden state at t (logits[t] guess x_{t+1}). drafts/peagle/objective.py reads rows in SpecForge's shifted
 capture: position t carries ids[t] = x_{t+1}, aux[t], target[t] = logits[t+1]. The shift keeps T
 positions, the last one filled as SpecForge's padding does (id 0, zero logits: a uniform label).
 Which positions count (``loss_convention``, as for EAGLE-3):
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax.train.peagle_objective import CODSettings, cod_budget, cod_sample, pad_rollouts, peagle_loss
+from eagle3_jax.drafts.peagle.objective import CODSettings, cod_budget, cod_sample, pad_rollouts, peagle_loss
 from eagle3_jax.train.step import OptimizerSpec, accumulate, apply_update, micro_features
 from eagle3_jax.train.ttt import target_logits
 

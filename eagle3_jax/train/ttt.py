@@ -43,9 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax.drafts.eagle3.model import Draft
 from eagle3_jax.models import attention_core as core
 from eagle3_jax.models import chunks
-from eagle3_jax.models.draft import Draft
 from eagle3_jax.sharding import constrain, constrain_leading, current_axis_size
 
 CONVENTIONS = ("ours", "specforge")

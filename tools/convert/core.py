@@ -36,11 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle3_jax import drafts
 from eagle3_jax.checkpoint import quant, quant_native, store
 from eagle3_jax.checkpoint.hf_loader import check_keys
 from eagle3_jax.checkpoint.staging import staged_dir, write_json_atomic
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
-from eagle3_jax.checkpoint.draft_io import read_draft_layout
 from eagle3_jax.checkpoint.safetensors_format import DTYPES, INDEX_FILE_NAME, dtype_code, parse_size
 from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
 from eagle3_jax.config import TargetConfig
@@ -132,10 +132,8 @@ def hf_spec(src: Path, reader: CheckpointReader, dtype=jnp.float32, weights: str
         if weights == "native":
             layout = quant_native.detect_layout(reader, TargetConfig.from_hf_dict(hf, where), where=str(src))
         return target_spec(hf, arch, dtype, where, quant=layout)
-    from eagle3_jax.config.peagle import read_draft_config
-
-    wiring = read_draft_layout(src, reader).wiring(read_draft_config(src).target_hidden_size)
-    return draft_spec(hf, arch, wiring, dtype, where)
+    cfg = drafts.read_config(hf, where)
+    return draft_spec(hf, arch, drafts.of_config(cfg).wiring(src, reader, cfg), dtype, where)
 
 
 def jax_spec(src: Path, meta: dict, dtype=jnp.float32) -> ModelSpec:

@@ -160,7 +160,7 @@ def diagnose(target_dir: str, draft_dir: str, prompts: str | None = None, num_pr
              progress=None) -> DoctorReport:
     """Static checks, then greedy acceptance of every plausible wiring of the draft's weights."""
     import eagle3_jax as e3
-    from eagle3_jax.api import LoadedDraft
+    from eagle3_jax.drafts import LoadedDraft
     from eagle3_jax.speculative.session import PROMPT_BUCKET
     from eagle3_jax.tokenizer import load_tokenizer
 
@@ -175,9 +175,9 @@ def diagnose(target_dir: str, draft_dir: str, prompts: str | None = None, num_pr
     max_len = prompt_len + max_new_tokens + num_draft_tokens + 2
 
     say(f"loading target {target_dir} ({dtype})")
-    target = e3.load_target(target_dir, dtype=dtype, mesh=mesh)
+    target = e3.load_target(target_dir, dtype=dtype, mesh=mesh, config=tcfg)
     say(f"loading draft {draft_dir}")
-    draft = e3.load_draft(draft_dir, target)
+    draft = e3.load_draft(draft_dir, target, checked=facts)
     wirings = candidate_wirings(draft.aux_layer_ids, tcfg.num_hidden_layers, facts.num_aux_layers)
     generated: list[list[int]] = []
     for w in wirings:

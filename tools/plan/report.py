@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax.config import resolve_dtype
-from eagle3_jax.config import DraftConfig, TargetConfig
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.drafts.eagle3.config import DraftConfig
 from eagle3_jax import tpu
 from tools.plan.serve import PROGRAM_DOC, Plan, compile_dtype
 

@@ -33,12 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from eagle3_jax import tpu
+from eagle3_jax import drafts, tpu
 from eagle3_jax.checkpoint.quant_native import layout_from_config
-from eagle3_jax.config import DraftConfig, MeshConfig, TargetConfig, resolve_dtype
+from eagle3_jax.config import MeshConfig, TargetConfig, resolve_dtype
 from eagle3_jax.contracts import check_pairing, resolve_aux_ids
+from eagle3_jax.drafts import DraftConfig
 from eagle3_jax.errors import ConfigError
-from eagle3_jax.models.draft import Draft
 from eagle3_jax.models.moe import default_kernel
 from eagle3_jax.models.quantized import QuantLayout
 from eagle3_jax.models.target import Target
@@ -173,12 +173,12 @@ def choose_draft(target: TargetConfig, path: str | None = None) -> tuple[DraftCo
     """The draft to plan for: the given config.json, a published shape for this target, or one
     derived from the target's own widths."""
     if path:
-        return DraftConfig.from_path(path), path
+        return drafts.read_config(path), path
     for name in sorted(os.listdir(DRAFTS_DIR)):
         if not name.endswith(".json"):
             continue
         p = os.path.join(DRAFTS_DIR, name)
-        cfg = DraftConfig.from_path(p)
+        cfg = drafts.read_config(p)
         ids = cfg.aux_layer_ids or ()
         if (cfg.vocab_size == target.vocab_size and cfg.target_hidden_size == target.hidden_size
                 and all(0 <= i < target.num_hidden_layers for i in ids)):
@@ -289,7 +289,7 @@ def plan(s: PlanSettings, log=None) -> Plan:
         held = layout if dtype == planned or layout is None else dataclasses.replace(
             layout, int4_scale_dtype=jnp.dtype(dtype).name)
         t = _abstract_model(lambda: Target(cfg, dtype, None, mesh=mesh, moe_kernel=moe_kernel, quant=held), mesh)
-        d = _abstract_model(lambda: Draft(dcfg, len(aux_ids), dtype, None), mesh)
+        d = _abstract_model(lambda: drafts.of_config(dcfg).module(dcfg, len(aux_ids), dtype, None), mesh)
         return t, d
 
     def loop_state(t, d, dtype):

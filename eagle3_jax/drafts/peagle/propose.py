@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 
 
-def propose_parallel(draft, dlogits_BW: jax.Array, dcache, lengths_B: jax.Array, keys, pick):
-    """(draft ids [B, K] in the draft vocab, their distributions [B, K, W], the draft cache).
+def propose_parallel(draft, dlogits_BW: jax.Array, dhidden_BD, dcache, lengths_B: jax.Array, keys, pick, embed_VD):
+    """(draft ids [B, K] in the draft vocab, their distributions [B, K, W], the draft cache); the
+    anchor's hidden state and the target's embedding are not needed (the draft embeds its own MASK).
 
     ``lengths_B`` is each row's target length n: the anchor is n - 1 and the guessed positions are
     n .. n + K - 2. ``pick(key, logits_BW) -> (ids_B, q_BW)`` chooses a token (greedy or sampled)."""

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.models.peagle import rollout_mask
+from eagle3_jax.drafts.peagle.model import rollout_mask
 
 
 @dataclass(frozen=True)
