@@ -41,8 +41,9 @@ class TrainConfig:
     target: str
     out_dir: str | None = None
     data: str | None = None
-    # Which draft trains: "eagle3" (the chain draft, TTT loss) or "peagle" (parallel drafting,
-    # SpecForge's P-EAGLE objective); None = eagle3, or what draft_config_file's architecture says.
+    # Which kind of draft trains (a name in eagle3_jax.drafts.NAMES: the EAGLE-3 chain draft, TTT
+    # loss, or P-EAGLE, SpecForge's parallel-drafting objective); None = what draft_config_file's
+    # architecture says, else the registry's default kind (EAGLE-3).
     draft_kind: str | None = None
     draft_config_file: str | None = None   # a draft config.json whose architecture and sizes the run takes
     draft: DraftShape = field(default_factory=DraftShape)

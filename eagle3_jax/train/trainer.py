@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from eagle3_jax import distributed
+from eagle3_jax import distributed, drafts
 from eagle3_jax.checkpoint.staging import atomic_file
 from eagle3_jax.config import resolve_dtype
 from eagle3_jax.contracts import check_pairing
@@ -47,9 +47,11 @@ from eagle3_jax.train.vocab import VocabMap, build_vocab_map, load_or_build, tok
 log = logging.getLogger("eagle3_jax")
 
 # Keys a checkpoint cannot be resumed under if they changed: they alter the parameters' shapes,
-# the data order, or what a step means.
-RESUME_INVARIANTS = ("draft_kind", "draft_config_file", "draft", "peagle", "aux_layer_ids", "draft_vocab_size",
-                     "max_len", "batch_size", "grad_accum", "seed", "dtype", "hidden_source", "ttt_steps")
+# the data order, or what a step means (every draft kind's own settings among them).
+RESUME_INVARIANTS = ("draft_kind", "draft_config_file", "draft",
+                     *(k.settings_key for k in drafts.KINDS if k.settings_key),
+                     "aux_layer_ids", "draft_vocab_size", "max_len", "batch_size", "grad_accum", "seed", "dtype",
+                     "hidden_source", "ttt_steps")
 # Settings that only say where and how the finished draft is written or how the run reports:
 # rerunning a finished run with new ones re-exports it, which is their whole effect.
 OUTPUT_ONLY = ("export_dir", "export_dtype", "log_every", "save_every", "keep", "mesh")
