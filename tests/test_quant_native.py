@@ -174,7 +174,8 @@ def test_tiled_quantized_matmul_equals_whole_matrix(kind):
     """Several input tiles per matmul (the tiny checkpoints above fit in one)."""
     import jax
 
-    from eagle3_jax.models.quantized import QuantLayout, expert_stack, quantized_matmul
+    from eagle3_jax.kernels.dequant import quantized_matmul
+    from eagle3_jax.models.quantized import QuantLayout, expert_stack
 
     layout = QuantLayout(experts=kind, int4_scale_dtype="float32", fp8_block=(16, 16))
     stack = expert_stack(2, 24, 160, ("expert", None, None), layout, nnx.Rngs(0))

@@ -39,7 +39,7 @@ from eagle3_jax.config import MeshConfig, TargetConfig, resolve_dtype
 from eagle3_jax.contracts import check_pairing, resolve_aux_ids
 from eagle3_jax.drafts import DraftConfig
 from eagle3_jax.errors import ConfigError
-from eagle3_jax.models.moe import default_kernel
+from eagle3_jax.kernels.experts import pick as pick_kernel
 from eagle3_jax.models.quantized import QuantLayout
 from eagle3_jax.models.target import Target
 from eagle3_jax.sharding import make_mesh
@@ -262,7 +262,7 @@ def plan(s: PlanSettings, log=None) -> Plan:
     mesh = tpu.topology_mesh(s.topology, s.mesh) if on_tpu else make_mesh(mesh_cfg)
     hbm = s.hbm or (tpu.chip_hbm_bytes(s.topology) if on_tpu else None)
     # The expert kernel the product picks for the platform compiled for, not for this host.
-    moe_kernel = s.moe_kernel or default_kernel(s.platform)
+    moe_kernel = s.moe_kernel or pick_kernel(None, s.platform)
     dcfg, draft_source = choose_draft(full, s.draft)
     if cfg.num_hidden_layers < full.num_hidden_layers:
         # A cut target keeps the full model's draft (same widths, same cache), tapping layers it has.
