@@ -136,7 +136,7 @@ def test_spec_with_int4_target_is_lossless(int4_dirs, trained_draft_dir, mesh_sp
 
 @pytest.mark.parametrize("kind", ["int4", "fp8"])
 def test_quantized_round_trip_hf_jax_hf_is_byte_identical(int4_dirs, fp8_dirs, tmp_path, ids, kind):
-    from tools.convert.core import inspect, to_hf, to_jax
+    from tools.convert import inspect, to_hf, to_jax
 
     qdir = (int4_dirs if kind == "int4" else fp8_dirs)[0]
     meta = to_jax(qdir, tmp_path / "jax", progress=False)
