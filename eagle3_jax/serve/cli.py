@@ -199,6 +199,7 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
     from eagle3_jax.tokenizer import TokenizerError, check_vocab, load_tokenizer
 
     s.validate()
+    s.check_paths()
     target_cfg = TargetConfig.from_path(s.target)
     if s.draft:
         DraftConfig.from_path(s.draft)   # a wrong --draft path fails now, not after the target has loaded
