@@ -201,6 +201,7 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
     from eagle3_jax.tokenizer import TokenizerError, check_vocab, load_tokenizer
 
     s.validate()
+    s.check_paths()
     target_cfg = TargetConfig.from_path(s.target)
     dtype, dtype_note = resolve_dtype_name(s.dtype, target_cfg)
     if dtype_note:

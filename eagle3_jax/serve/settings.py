@@ -93,9 +93,6 @@ class ServeSettings:
             problems.append("--input PROMPTS.jsonl is required")
         if not self.output:
             problems.append("--output OUT.jsonl is required")
-        for flag, path in (("--target", self.target), ("--draft", self.draft), ("--input", self.input)):
-            if path and not os.path.exists(path):
-                problems.append(f"{flag} {path} does not exist")
         if self.input and self.output and os.path.abspath(self.input) == os.path.abspath(self.output):
             problems.append("--output must differ from --input")
         if self.max_new_tokens < 1:
@@ -122,6 +119,14 @@ class ServeSettings:
             problems.append(f"emit must be one of {', '.join(EMIT_CHOICES)}, found '{self.emit}'")
         if problems:
             raise SettingsError("invalid serve settings: " + "; ".join(problems))
+
+    def check_paths(self) -> None:
+        """The paths the command line names exist (a typo is a bad command line, exit 2)."""
+        missing = [f"{flag} {path} does not exist" for flag, path in
+                   (("--target", self.target), ("--draft", self.draft), ("--input", self.input))
+                   if path and not os.path.exists(path)]
+        if missing:
+            raise SettingsError("; ".join(missing))
 
     def fingerprint(self, dtype: str, eos_token_ids, tokenizer_kind: str) -> dict:
         fp = {"target": os.path.abspath(self.target) if self.target else None, "dtype": dtype,
