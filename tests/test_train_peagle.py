@@ -119,9 +119,9 @@ def test_kill_and_resume_equals_uninterrupted_and_export_loads_strictly(predicta
     for path, v in nnx.to_flat_state(nnx.state(loaded.model)):
         np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(trained[path][...]), err_msg=str(path))
 
-    peagle = pytest.importorskip("specforge.modeling.draft.peagle")
     import torch
     from safetensors.torch import load_file as load_torch
+    from specforge.modeling.draft import peagle
     from transformers import LlamaConfig
 
     theirs = peagle.PEagleDraftModel(LlamaConfig.from_pretrained(str(out))).float()
@@ -136,7 +136,8 @@ def test_kill_and_resume_equals_uninterrupted_and_export_loads_strictly(predicta
 def test_step_pairs_the_rows_as_specforge_captures_them(predictable_target_dir, predictable_target,  # noqa: F811
                                                          rows_file, tmp_path, convention):
     """The step's loss against peagle_loss on rows built here from the target's public forward:
-    ids and logits shifted by one with SpecForge's zero padding, the mask per convention."""
+    ids and logits shifted by one with SpecForge's zero padding, the mask per convention; specforge
+    averages the rows' own means (one row a device), ours weighs every sampled token alike."""
     trainer = PEagleTrainer(_config(predictable_target_dir, rows_file, tmp_path / "run", loss_convention=convention),
                             progress=False)
     batch = trainer.next_batch()
@@ -156,7 +157,7 @@ def test_step_pairs_the_rows_as_specforge_captures_them(predictable_target_dir, 
         guessed = valid[a] & (depth[a] > 0)
         assert guessed.any() and mask_s[np.nonzero(guessed)[0], pos[guessed]].all()  # rollouts reach loss positions
         loss, _ = peagle_loss(draft, ids_s, np.asarray(out.aux_hidden), target_s, mask_s, anchor[a], depth[a],
-                              valid[a], num_depths=4)
+                              valid[a], num_depths=4, row_means=convention == "specforge")
         expected.append(float(loss))
     assert trainer.run_step(batch)["loss"] == pytest.approx(np.mean(expected), rel=1e-5)
     trainer.close()

@@ -61,7 +61,11 @@ class TrainConfig:
     # ("blockwise" over attention_block keys a block: memory linear in the row; "efficient" scores
     # whole rows) and the positions a chunk of the head and loss (None: whole rows). Rows no longer
     # than a block or a chunk run as one.
+    # specforge_batch: with loss_convention=specforge, the rows SpecForge collates on one device (its
+    # training.batch_size, default 1): each group of that many rows is divided by its rows x its
+    # longest row, and the groups are averaged, as SpecForge averages its devices' losses.
     loss_convention: str = "ours"
+    specforge_batch: int = 1
     lk_loss_type: str | None = None
     kl_scale: float = 1.0
     kl_decay: float = 1.0
@@ -168,8 +172,8 @@ class TrainConfig:
     def resolve(self) -> "TrainPlan":
         """Every check that needs no model: files, ranges, the target's config.json and the draft's
         kind and config, each file read once; the run's ``TrainPlan``."""
-        positive = ("max_len", "batch_size", "grad_accum", "ttt_steps", "total_steps", "save_every", "log_every", "keep",
-                    "eval_new_tokens", "eval_draft_tokens")
+        positive = ("max_len", "batch_size", "specforge_batch", "grad_accum", "ttt_steps", "total_steps", "save_every",
+                    "log_every", "keep", "eval_new_tokens", "eval_draft_tokens")
         for name in positive:
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1, found {getattr(self, name)}")
@@ -201,6 +205,9 @@ class TrainConfig:
 
         if self.loss_convention not in CONVENTIONS:
             raise SettingsError(f"loss_convention '{self.loss_convention}' is not one of {CONVENTIONS}")
+        if self.batch_size % self.specforge_batch:
+            raise SettingsError(f"specforge_batch={self.specforge_batch} (SpecForge's rows per device) must divide "
+                                f"batch_size={self.batch_size}")
         if self.lk_loss_type is not None and self.lk_loss_type not in LK_LOSS_TYPES:
             raise SettingsError(f"lk_loss_type '{self.lk_loss_type}' is not one of {LK_LOSS_TYPES} (or unset: "
                                 "the soft-label cross-entropy alone)")

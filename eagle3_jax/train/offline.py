@@ -126,7 +126,7 @@ def _open(root: str, name: str):
 
 
 class OfflineSource:
-    """Rows of a prepared offline directory: ids, loss mask, aux and final hidden states."""
+    """Rows of a prepared offline directory: ids, loss mask, aux and final hidden states, length."""
 
     ARRAYS = ("ids", "loss_mask", "aux", "hidden")
 
@@ -134,6 +134,9 @@ class OfflineSource:
         self.root = root
         self.meta = read_offline_meta(root)
         self._arrays = {k: _open(root, k) for k in self.ARRAYS}
+        # stores prepared before lengths were kept: every row counts as full (check_offline_meta
+        # refuses them where the length matters, loss_convention=specforge)
+        self._length = _open(root, "length") if has_lengths(root) else None
         self._scales = ({k: _open(root, k + "_scale") for k in SCALED}
                         if self.meta.get("storage") == "float8_e4m3fn" else {})
 
@@ -142,6 +145,8 @@ class OfflineSource:
 
     def __getitem__(self, i: int) -> dict:
         row = {k: self._arrays[k][int(i)].read().result() for k in self.ARRAYS}
+        row["length"] = np.int32(self._length[int(i)].read().result() if self._length is not None
+                                 else row["ids"].shape[0])
         if self._scales:
             for k in SCALED:
                 row[k] = decode(row[k], self._scales[k][int(i)].read().result())
@@ -156,6 +161,10 @@ class OfflineSource:
 
     def head(self) -> tuple[np.ndarray, np.ndarray]:
         return _open(self.root, "embed").read().result(), _open(self.root, "lm_head").read().result()
+
+
+def has_lengths(root: str) -> bool:
+    return os.path.isfile(os.path.join(root, "length", "zarr.json"))
 
 
 def read_offline_meta(root: str) -> dict:
@@ -185,6 +194,9 @@ def check_offline_meta(meta: dict, plan, root: str) -> None:
             raise ConfigError(
                 f"{root} was prepared with {k}={meta.get(k)!r} but this run has {k}={v!r}; rerun mode=prepare "
                 "with this config (into an empty offline_dir)")
+    if cfg.loss_convention == "specforge" and not has_lengths(root):
+        raise ConfigError(f"{root} was prepared without the rows' lengths, which loss_convention=specforge divides "
+                          "by; rerun mode=prepare into an empty offline_dir, or train with loss_convention=ours")
     if cfg.data is not None and os.path.isfile(cfg.data) and file_digest(cfg.data) != meta["data_sha256"]:
         raise ConfigError(f"{root} was prepared from different data than {cfg.data}; rerun mode=prepare")
 
@@ -251,6 +263,8 @@ def prepare_offline(cfg, progress: bool = True, plan=None) -> str:
     }
     if store.name == "float8_e4m3fn":
         arrays.update({k + "_scale": _create(work, k + "_scale", (N, T), np.float32, (1, T), resume) for k in SCALED})
+    # known before the target runs: written whole on every (re)start
+    _create(work, "length", (N,), np.int32, (N,)).write(np.asarray([len(ex.ids) for ex in examples], np.int32)).result()
     if not resume:
         embed_VD, lm_head_DV = target_head(target.model)
         _create(work, "embed", (V, D), dtype, (min(V, 4096), D)).write(np.asarray(jax.device_get(embed_VD))).result()

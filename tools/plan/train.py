@@ -93,7 +93,8 @@ def plan_train(s: PlanSettings, cfg: TargetConfig, dcfg: DraftConfig, aux_ids, m
     V, D, T, A, R = cfg.vocab_size, cfg.hidden_size, s.train_len, s.train_accum, s.train_batch
     rows = NamedSharding(mesh, P(None, DATA_AXIS))
     batch = {"ids": jax.ShapeDtypeStruct((A, R, T), jnp.int32, sharding=rows),
-             "loss_mask": jax.ShapeDtypeStruct((A, R, T), jnp.bool_, sharding=rows)}
+             "loss_mask": jax.ShapeDtypeStruct((A, R, T), jnp.bool_, sharding=rows),
+             "length": jax.ShapeDtypeStruct((A, R), jnp.int32, sharding=rows)}
     tdtype = tstate["embed_tokens"].value.dtype
     if s.hidden_source == "online":
         embed = tstate["embed_tokens"].value

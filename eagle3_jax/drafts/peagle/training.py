@@ -26,6 +26,9 @@ def check_train(cfg, tcfg, file: dict | None) -> None:
     if cfg.lk_loss_type is not None:
         raise SettingsError(f"lk_loss_type '{cfg.lk_loss_type}' is EAGLE-3's acceptance-aware TTT loss; a P-EAGLE "
                             "draft trains on SpecForge's soft-label cross-entropy. Unset lk_loss_type")
+    if cfg.specforge_batch != 1:
+        raise SettingsError(f"specforge_batch={cfg.specforge_batch}: SpecForge trains P-EAGLE one row a device, and "
+                            "the specforge convention averages the rows' own losses; leave specforge_batch at 1")
     if s.num_hidden_layers is not None and s.num_hidden_layers < 1:
         raise SettingsError(f"peagle.num_hidden_layers must be >= 1, found {s.num_hidden_layers}")
     if s.num_depths < 1:
