@@ -5,7 +5,8 @@ its own (``tools/plan/rounds.one_round``) with this machine's compiler, priced e
 ``python -m tools.plan --speedup`` prices TPU rounds (compiler flops and bytes, expert kernels
 replaced by the uniform routing model, uncounted loop trips added: ``tools/plan/uncounted.py``),
 and timed: rounds run back to back on a state whose rows hold ``--context`` filled slots (zeros:
-a round's cost does not depend on the values). The chip figures are the vendor's for a known GPU
+a round's cost does not depend on the values); "host CPU ms" is this process's CPU time per round
+(all threads: on a CPU the work itself, which a busy host's waiting does not inflate). The chip figures are the vendor's for a known GPU
 (``tools/plan/roofline.CHIPS``) and, on a CPU, this CPU's own, measured here (streaming read and
 float32 matmul); both are printed.
 
@@ -63,7 +64,7 @@ def measure_device(repeats: int = 5) -> dict:
         return amount / statistics.median(times)
 
     return {"read_bytes_per_s": rate(read, x, x.nbytes), "matmul_flops_per_s": rate(mm, a, 2.0 * n ** 3),
-            "matmul_dtype": str(a.dtype)}
+            "matmul_dtype": str(a.dtype), "load_average": load_average()}
 
 
 def device_chip(measured: dict) -> Chip:
@@ -162,21 +163,22 @@ def run_cell(models: Models, batch: int, k: int, args, chip: Chip) -> dict:
     priced = rounds.priced_cell(counted, pair.experts(), uncounted.moe_layers(models.cfg), batch * (k + 1),
                                 UNIFORM, chip)
     run, draft_state = kept["compiled"], ds if k else None   # called with the traced arguments only
-    times = []
+    times, cpu = [], []
     for _ in range(args.repeats):
         state = run(ts, draft_state, make(), sp)   # a warm-up round
         jax.block_until_ready(state)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.rounds):
             state = run(ts, draft_state, state, sp)
         jax.block_until_ready(state)
         times.append((time.perf_counter() - t0) / args.rounds)
+        cpu.append((time.process_time() - c0) / args.rounds)
     measured = statistics.median(times)
     return {"batch": batch, "k": k, "measured_s": measured, "roofline_s": priced["seconds"],
             "ratio": measured / priced["seconds"], "bound": priced["bound"], "bytes": priced["bytes"],
             "flops": priced["flops"], "compiler_bytes": rc.bytes_accessed, "compiler_flops": rc.flops,
             "kernels": rc.hlo.kernels, "while_loops": rc.hlo.while_loops, "compile_s": rc.compile_s,
-            "runs": times}
+            "runs": times, "process_cpu_s": statistics.median(cpu)}
 
 
 def cell_order(batches, ks):
@@ -192,12 +194,14 @@ def cell_order(batches, ks):
     return out
 
 
-HEAD = ["B", "K", "measured ms", "roofline ms", "measured / roofline", "bound", "GB", "GFLOP", "compile s"]
+HEAD = ["B", "K", "measured ms", "roofline ms", "measured / roofline", "bound", "GB", "GFLOP", "host CPU ms",
+        "compile s"]
 
 
 def row_of(r: dict) -> list:
     return [r["batch"], r["k"], f"{r['measured_s'] * 1e3:.3f}", f"{r['roofline_s'] * 1e3:.3f}", f"{r['ratio']:.2f}",
-            r["bound"], f"{r['bytes'] / 1e9:.3f}", f"{r['flops'] / 1e9:.2f}", f"{r['compile_s']:.1f}"]
+            r["bound"], f"{r['bytes'] / 1e9:.3f}", f"{r['flops'] / 1e9:.2f}", f"{r['process_cpu_s'] * 1e3:.3f}",
+            f"{r['compile_s']:.1f}"]
 
 
 def main(argv=None) -> int:
@@ -207,8 +211,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16", help="--model's weights and caches")
     ap.add_argument("--tiny", action="store_true", help="the tiny config with FP8 experts, 2 batches, K 0-2: a smoke run")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--ks", default="0,1,2,3,4,5,6")
+    ap.add_argument("--batches", default=None, help="default 1,8,32 (--tiny: 2)")
+    ap.add_argument("--ks", default=None, help="default 0,1,2,3,4,5,6 (--tiny: 0,1)")
     ap.add_argument("--context", type=int, default=512, help="filled slots per row")
     ap.add_argument("--headroom", type=int, default=256, help="capacity beyond the context")
     ap.add_argument("--rounds", type=int, default=10, help="rounds per timed run")
@@ -221,14 +225,16 @@ def main(argv=None) -> int:
     if args.tiny:
         fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
         models = random_models(str(TINY_CONFIG), None, "float32", fp8)
-        args.batches, args.ks, args.context, args.headroom, args.rounds, args.repeats = "1,2", "0,1,2", 48, 16, 2, 1
+        args.batches, args.ks = args.batches or "2", args.ks or "0,1"
+        args.context, args.headroom, args.rounds, args.repeats = 48, 16, 2, 1
     elif args.pair:
         models = demo_models(args.pair)
     elif args.model:
         models = random_models(args.model, args.layers, args.dtype)
     else:
         ap.error("give --pair DIR, --model CONFIG or --tiny")
-    args.ks = parse_list(args.ks)
+    args.ks = parse_list(args.ks or "0,1,2,3,4,5,6")
+    args.batches = args.batches or "1,8,32"
     measured = measure_device()
     chip = device_chip(measured)
     print(f"# {models.name}; {jax.devices()[0].device_kind} via jax {jax.__version__} on {machine()}, load average "

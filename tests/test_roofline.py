@@ -129,3 +129,38 @@ def test_speedup_table_on_the_tpu_compiler(tmp_path):
     # per-layer extrapolation from the 2- and 3-layer cuts against the 4-layer compile
     est = full["cells"][4, 2]
     assert est.flops == pytest.approx(deep.flops, rel=0.05) and est.bytes == pytest.approx(deep.bytes, rel=0.05)
+
+
+def synthetic_full():
+    """Full-depth counted costs shaped like a memory-bound MoE decode: weights read once a round,
+    draft weights once per draft pass, a per-row cache read; one MoE layer of 64 experts."""
+    def cell(b, k):
+        return rounds.Counted(flops=2e9 * b * (k + 1), bytes=10e9 + 0.3e9 * k + 0.02e9 * b * (1 + 0.1 * k),
+                              collective_bytes=1e6 * b * (k + 1), argument_bytes=50e9 + 0.2e9 * b)
+    experts = uncounted.ExpertLayer(expert_bytes=20e6, row_flops=1e8, row_bytes=1e4, n_experts=64, top_k=4, groups=8)
+    cells = {(b, k): cell(b, k) for b in (1, 128) for k in (0, 1, 6)}
+    return {"cells": cells, "cuts": (2, 3), "layers": 10, "moe_layers": 9, "experts": experts, "compiled": {}}
+
+
+def test_report_on_synthetic_costs_names_a_best_k_per_batch():
+    from tools.plan.serve import PlanSettings
+
+    grid = rounds.GridSettings(compile_batches=(1, 128), step_batches=(64, 256))
+    settings = PlanSettings(model="m.json", mesh="data=1,expert=8,tensor=1", platform="tpu", topology="v5p:2x2x2")
+    lines, obj = speedup.report("m.json", settings, grid, synthetic_full(), CHIPS["v5p"], 1, hbm=70e9)
+    json.dumps(obj)   # serializable as it is
+    assert obj["k_by_batch"].keys() == {"1", "8", "32", "128"}
+    for table in obj["tables"]:
+        rows = {(r["batch"], r["k"]): r for r in table["rounds"]}
+        assert {(b, 0) for b in (64, 256)} <= rows.keys()
+        for acc in table["acceptances"]:
+            for b, best in acc["best"].items():
+                per_k = acc["speedup"][b]
+                assert best["speedup"] == max(per_k) and per_k[best["k"]] == best["speedup"]
+                assert per_k[0] == 1.0
+        # more tokens per round read more experts: rounds cost more as K grows at every batch
+        assert all(rows[b, k]["seconds"] < rows[b, k + 1]["seconds"] for b in grid.batches for k in range(6))
+        regen = {r["batch"]: r for r in table["regeneration"]}
+        assert regen.keys() == {32, 64, 128, 256}
+        assert regen[256]["tokens_per_s"] > regen[32]["tokens_per_s"]
+    assert any("does not fit" in line for line in lines)   # 50 GB + 0.2 GB a row passes 70 GB by 128 rows

@@ -83,10 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "best K per batch (tools/plan/speedup.py; --platform tpu; --json writes the K table)")
     p.add_argument("--speedup-batches", default="1,8,32,128", help="batch sizes of the --speedup table")
     p.add_argument("--compile-batches", default=None,
-                   help="batches --speedup compiles (default: the first, the last and 32 between); the others are "
-                        "interpolated linearly")
+                   help="batches --speedup compiles (default: the first and the last); the others are interpolated "
+                        "linearly in tokens")
     p.add_argument("--context", type=int, default=2048,
                    help="filled cache slots per row when the priced rounds run (--speedup); --max-len is the capacity")
+    p.add_argument("--round-store", default=None, metavar="PATH",
+                   help="--speedup: keep compiled round costs in this JSON file and reuse them (a rerun compiles "
+                        "only what is missing)")
+    p.add_argument("--check", action="store_true",
+                   help="--speedup: also compile one deeper cut and one interpolated cell, and print how far the "
+                        "extrapolation and interpolation land")
     p.add_argument("--train", action="store_true",
                    help="also plan the draft training step (eagle3_jax.train.trainer.train_step)")
     p.add_argument("--train-batch", type=int, default=8, help="training rows per micro-batch")
@@ -127,7 +133,8 @@ def _speedup(args, meshes, start) -> int:
         grid = speedup.grid_from(args.speedup_batches, args.context, args.max_len, args.compile_batches)
         # Mosaic kernels refuse bf16 operands at float32 contract precision: compile what the product runs.
         with jax.default_matmul_precision("default"):
-            lines, obj = speedup.run(settings, grid, lambda m: print(f"[speedup] {m}", file=sys.stderr, flush=True))
+            lines, obj = speedup.run(settings, grid, lambda m: print(f"[speedup] {m}", file=sys.stderr, flush=True),
+                                     store=args.round_store, check=args.check)
     except (Eagle3Error, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -169,9 +169,43 @@ def counted_cost(rc: RoundCost, pair: Pair, shape: uncounted.Shape) -> Counted:
                    collective_bytes=rc.hlo.collective_bytes, argument_bytes=float(rc.argument_bytes))
 
 
-def compile_cut(settings, layers: int, cells: list[tuple[int, int]], grid: GridSettings, log) -> dict:
-    """{(batch, K): (RoundCost, Counted)} of the target cut to ``layers`` layers, one program per cell;
-    also ``"experts"``: the ExpertLayer of the cut (None without routed experts)."""
+class Store:
+    """Round costs already compiled, kept in a JSON file by what determines them (model, slice, mesh,
+    dtypes, kernel, layers, batch, K, capacity, the state's largest K): a long run that stops keeps
+    what it compiled, and a rerun compiles only what is missing. No file: nothing kept."""
+
+    def __init__(self, path: str | None):
+        import json
+        import os
+
+        self.path = path
+        self.rounds = json.load(open(path)) if path and os.path.isfile(path) else {}
+
+    @staticmethod
+    def key(s, layers: int, b: int, k: int, grid: GridSettings) -> str:
+        return "|".join(map(str, (s.model, s.platform, s.topology, s.mesh, s.dtype, s.weights, s.moe_kernel, s.draft,
+                                  layers, b, k, grid.capacity, max(grid.ks))))
+
+    def get(self, key: str) -> RoundCost | None:
+        d = self.rounds.get(key)
+        return None if d is None else RoundCost(**dict(d, hlo=HloCosts(**d["hlo"])))
+
+    def put(self, key: str, rc: RoundCost) -> None:
+        import json
+
+        self.rounds[key] = rc.to_json()
+        if self.path:
+            with open(self.path + ".tmp", "w") as f:
+                json.dump(self.rounds, f, indent=1)
+            import os
+            os.replace(self.path + ".tmp", self.path)
+
+
+def compile_cut(settings, layers: int, cells: list[tuple[int, int]], grid: GridSettings, log,
+                store: Store | None = None) -> dict:
+    """{(batch, K): (RoundCost, Counted)} of the target cut to ``layers`` layers, one program per cell
+    (read from ``store`` where it has them); also ``"experts"``: the ExpertLayer of the cut (None
+    without routed experts)."""
     from tools.plan import serve
     from tools.plan.common import _leaves
 
@@ -188,7 +222,12 @@ def compile_cut(settings, layers: int, cells: list[tuple[int, int]], grid: GridS
                         su.compiled, _leaves(ts, taxes, "target."))
             out.setdefault("experts", pair.experts())
             for k in sorted(k for bb, k in cells if bb == b):
-                rc = compile_round(((tg, ts), (dg, ds)), state, su.sp, su.static["program"], k, layers)
+                key = Store.key(settings, layers, b, k, grid)
+                rc = store.get(key) if store else None
+                if rc is None:
+                    rc = compile_round(((tg, ts), (dg, ds)), state, su.sp, su.static["program"], k, layers)
+                    if store:
+                        store.put(key, rc)
                 shape = uncounted.Shape(rows=b // data, k=k, context=grid.context, capacity=grid.capacity)
                 out[b, k] = (rc, counted_cost(rc, pair, shape))
                 log(f"{layers} layers, batch {b}, K={k}: {rc.bytes_accessed / 1e9:,.2f} GB, "
@@ -200,7 +239,7 @@ def compiled_cells(grid: GridSettings) -> list[tuple[int, int]]:
     return [(b, k) for b in grid.compile_batches for k in grid.compile_ks]
 
 
-def full_depth(settings, grid: GridSettings, log, extra_cells=()) -> dict:
+def full_depth(settings, grid: GridSettings, log, extra_cells=(), store: Store | None = None) -> dict:
     """Compiles the grid's cells at the two cuts and extrapolates per layer to the full target:
     {"cells": {(b, k): Counted at full depth}, "cuts": (L1, L2), "layers": L, "moe_layers": n,
     "experts": ExpertLayer, "compiled": {(L, b, k): RoundCost}}. ``extra_cells`` are compiled too
@@ -210,7 +249,7 @@ def full_depth(settings, grid: GridSettings, log, extra_cells=()) -> dict:
     full = serve.target_config(dataclasses.replace(settings, layers=None))
     cuts = grid.cuts or cut_layers(full)
     cells = compiled_cells(grid) + [c for c in extra_cells if c not in compiled_cells(grid)]
-    per_cut = [compile_cut(settings, n, cells, grid, log) for n in cuts]
+    per_cut = [compile_cut(settings, n, cells, grid, log, store) for n in cuts]
     t = (full.num_hidden_layers - cuts[0]) / (cuts[1] - cuts[0])
     return {"cells": {c: per_cut[0][c][1].lerp(per_cut[1][c][1], t) for c in cells},
             "cuts": cuts, "layers": full.num_hidden_layers, "moe_layers": uncounted.moe_layers(full),

@@ -173,7 +173,7 @@ def report(model: str, settings, grid, full, chip, data, hbm: int | None) -> tup
            "max_len": grid.capacity, "batches": list(grid.batches), "ks": list(grid.ks),
            "compiled": {"cuts": list(full["cuts"]), "layers": full["layers"], "batches": list(grid.compile_batches),
                         "ks": list(grid.compile_ks),
-                        "programs": [dict(layers=n, **rc.to_json()) for (n, _, _), rc in sorted(full["compiled"].items())]},
+                        "programs": [rc.to_json() for _, rc in sorted(full["compiled"].items())]},
            "default": {"routing": tables[0]["routing"], "acceptance": default["acceptance"]},
            "k_by_batch": {b: v["k"] for b, v in default["best"].items()},
            "tables": tables}
@@ -186,7 +186,8 @@ def _table(head: list[str], body: list[list[str]]) -> list[str]:
     return [fmt(head), "|" + "|".join("-" * (w + 1) + ":" for w in width) + "|"] + [fmt(r) for r in body]
 
 
-def run(settings, grid: rounds.GridSettings, log) -> tuple[list[str], dict]:
+def run(settings, grid: rounds.GridSettings, log, store: str | None = None, check: bool = False
+        ) -> tuple[list[str], dict]:
     """Compiles and prices; returns (lines to print, JSON object)."""
     from eagle3_jax import tpu
     from eagle3_jax.config import MeshConfig
@@ -195,15 +196,49 @@ def run(settings, grid: rounds.GridSettings, log) -> tuple[list[str], dict]:
     data = MeshConfig.parse(settings.mesh).data
     if any(b % data for b in grid.batches):
         raise SystemExit(f"--speedup batches {list(grid.batches)} must split over data={data}")
-    full = rounds.full_depth(settings, grid, log)
+    kept = rounds.Store(store)
+    full = rounds.full_depth(settings, grid, log, store=kept)
     hbm = tpu.chip_hbm_bytes(settings.topology) if settings.platform == "tpu" else None
-    return report(settings.model, settings, grid, full, chip, data, hbm)
+    lines, obj = report(settings.model, settings, grid, full, chip, data, hbm)
+    if check:
+        checks = scaling_checks(settings, grid, full, log, kept)
+        obj["checks"] = checks
+        lines += ["", "## checks of the extrapolation and interpolation (compiler costs, experts excluded)",
+                  *_table(["check", "cell", "predicted GB", "compiled GB", "predicted TFLOP", "compiled TFLOP"],
+                          [[c["check"], f"B={c['batch']} K={c['k']}", f"{c['predicted_bytes'] / 1e9:,.2f}",
+                            f"{c['compiled_bytes'] / 1e9:,.2f}", f"{c['predicted_flops'] / 1e12:,.3f}",
+                            f"{c['compiled_flops'] / 1e12:,.3f}"] for c in checks])]
+    return lines, obj
+
+
+def scaling_checks(settings, grid, full, log, store) -> list[dict]:
+    """One deeper compile (the dense layers plus four MoE layers) against the per-layer
+    extrapolation from the two cuts, and one cell between compiled batches and Ks (B = 32, K = 3,
+    both cuts, extrapolated) against its interpolation."""
+    out = []
+    L1, L2 = full["cuts"]
+    deep = L2 + 2
+    b, k = grid.compile_batches[0], grid.compile_ks[-1]
+    got = rounds.compile_cut(settings, deep, [(b, k)], grid, log, store)[b, k][1]
+    t = (deep - L1) / (L2 - L1)
+    c1 = rounds.compile_cut(settings, L1, [(b, k)], grid, log, store)[b, k][1]
+    c2 = rounds.compile_cut(settings, L2, [(b, k)], grid, log, store)[b, k][1]
+    want = c1.lerp(c2, t)
+    out.append({"check": f"{deep} layers from {L1} and {L2}", "batch": b, "k": k, "predicted_bytes": want.bytes,
+                "compiled_bytes": got.bytes, "predicted_flops": want.flops, "compiled_flops": got.flops})
+    b, k = 32, 3
+    if (b, k) not in full["cells"] and grid.compile_batches[0] < b < grid.compile_batches[-1]:
+        cuts = [rounds.compile_cut(settings, n, [(b, k)], grid, log, store)[b, k][1] for n in (L1, L2)]
+        got = cuts[0].lerp(cuts[1], (full["layers"] - L1) / (L2 - L1))
+        want = rounds.interpolate(full["cells"], b, k)
+        out.append({"check": "interpolated cell", "batch": b, "k": k, "predicted_bytes": want.bytes,
+                    "compiled_bytes": got.bytes, "predicted_flops": want.flops, "compiled_flops": got.flops})
+    return out
 
 
 def grid_from(batches: str, context: int, max_len: int, compile_batches: str | None) -> rounds.GridSettings:
     bs = tuple(int(x) for x in batches.split(",") if x)
-    cb = tuple(int(x) for x in compile_batches.split(",")) if compile_batches else tuple(
-        sorted({bs[0], bs[-1]} | ({32} if bs[0] < 32 < bs[-1] else set())))
+    cb = tuple(int(x) for x in compile_batches.split(",")) if compile_batches else (bs[0], bs[-1])
     if context + 8 > max_len:
         raise SystemExit(f"--context {context} needs --max-len above {context + 8}, found {max_len}")
     return dataclasses.replace(rounds.GridSettings(), batches=bs, compile_batches=cb, context=context,
