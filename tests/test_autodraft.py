@@ -16,7 +16,17 @@ from eagle3_jax.metrics import compile_log
 from eagle3_jax.speculative import autodraft, session as session_mod
 from eagle3_jax.speculative.autodraft import Acceptance, AutoDraft, RoundCosts
 from eagle3_jax.speculative.engine import Engine, Request
+from eagle3_jax.speculative.policy import Run
 from eagle3_jax.speculative.session import SamplingSettings, bucket_prompt_len, prompt_buckets
+
+
+def run_of(k, iterations, seconds, row_rounds, round_tokens, accepted):
+    """A bounded run of one taught row (seconds 0: it compiled)."""
+    acc = np.zeros((1, len(accepted)), np.int64)
+    acc[0] = accepted
+    return Run(k=k, seconds=seconds or None, iterations=iterations, admitted=0, taught_B=np.array([k > 0]),
+               rounds_B=np.array([row_rounds]), round_tokens_B=np.array([round_tokens]),
+               emitted_B=np.array([round_tokens]), accepted_BK=acc, finished_B=np.array([False]))
 
 
 def flat_costs(n, step=0.1):
@@ -52,7 +62,7 @@ def test_the_last_wave_is_priced_by_its_slowest_row():
     wave = autodraft.Wave(np.array([60, 60]), accepted, offered)
     # row 1's tau(4) is ~2.24, tau(2) ~2.2: the wave lasts 60 / 2.24 rounds at K = 4, 60 / 2.2 at K = 2
     assert wave.tau(4, acc.conditional()) == pytest.approx(2.24, abs=0.02)
-    assert auto.choose(wave) == 2 and auto.next_k(wave=wave) == 2
+    assert auto.choose(wave) == 2 and auto.choose_next(wave=wave) == 2
     # a row with little left does not hold the wave: row 1 has 2 tokens to go, row 0 sixty
     assert auto.choose(autodraft.Wave(np.array([60, 2]), accepted, offered)) == 4
     # a row seen only at position 1, where it accepts half of what the pool does, is priced at half
@@ -76,10 +86,10 @@ def test_a_one_row_wave_is_priced_by_the_pool_not_a_borrowed_row():
     acc.observe(4, 4000, [2200, 1300, 700, 400])     # a_1 = 0.55: no K pays
     auto = AutoDraft(costs, 4, acc)
     lucky = (np.array([95, 90, 85, 80]), np.array([100, 95, 90, 85]))   # one past row accepting ~0.95
-    auto.rows_finished([lucky[0]], [lucky[1]])
+    auto.past_rows.append(lucky)
     fresh = lambda n: autodraft.Wave(np.full(n, 60), np.zeros((n, 4)), np.zeros((n, 4)))
     assert auto.choose() == 0 and auto.choose(fresh(1)) == 0
-    assert auto.next_k(wave=fresh(1)) == 0
+    assert auto.choose_next(wave=fresh(1)) == 0
     assert auto._with_past(fresh(1)).offered_BK.sum() == 0   # the row keeps its own (no) counts
     # two fresh rows both borrow the lucky row: then the wave looks like it, and speculation pays
     assert auto._with_past(fresh(2)).offered_BK[:, 0].tolist() == [100, 100]
@@ -108,17 +118,17 @@ def test_the_upper_bound_explores_and_the_data_end_it():
     with every draft accepted is never tried."""
     costs = RoundCosts({0: 1.0, 1: 1.6, 2: 2.2})
     auto = AutoDraft(costs, 2, Acceptance(2))
-    assert auto.rate(2, autodraft.UCB_Z) > auto.rate(0) and auto.next_k() > 0
+    assert auto.rate(2, autodraft.UCB_Z) > auto.rate(0) and auto.choose_next() > 0
     for _ in range(10):                             # runs at K = 2 that accept 30 % per position
-        auto.observe(2, 16, 16 * 2.2, 16, 0, [5, 1])
+        auto.observe(run_of(2, 16, 16 * 2.2, 16, 0, [5, 1]))
     assert auto.choose() == 0
-    assert auto.next_k(drafted_rows=True) == 0
+    assert auto.choose_next(drafted_rows=True) == 0
     hopeless = AutoDraft(RoundCosts({0: 1.0, 1: 5.0, 2: 9.0}), 2, Acceptance(2))
-    assert hopeless.acceptance.tau(2, 10.0) == 3.0 and {hopeless.next_k() for _ in range(50)} == {0}
+    assert hopeless.acceptance.tau(2, 10.0) == 3.0 and {hopeless.choose_next() for _ in range(50)} == {0}
     # rows without a current draft state never speculate, whatever the model says
     keen = Acceptance(2)
     keen.observe(2, 1000, [1000, 1000])
-    assert AutoDraft(costs, 2, keen).next_k(drafted_rows=False) == 0
+    assert AutoDraft(costs, 2, keen).choose_next(drafted_rows=False) == 0
 
 
 def test_speculation_must_beat_target_only_by_the_margin():
@@ -137,20 +147,20 @@ def test_live_round_costs_outvote_the_probe():
     acc = Acceptance(2)
     acc.observe(1, 1000, [500])
     auto = AutoDraft(costs, 2, acc)
-    auto.observe(0, 3, 3.75, 3, 3, [0, 0])          # 3 rounds: too short a run to time
+    auto.observe(run_of(0, 3, 3.75, 3, 3, [0, 0]))          # 3 rounds: too short a run to time
     assert costs.live(0) is None and costs.cost(0) == 1.0
-    auto.observe(0, 8, 10.0, 8, 8, [0, 0])          # target-only at 1.25 s: the machine is 25 % slower
+    auto.observe(run_of(0, 8, 10.0, 8, 8, [0, 0]))          # target-only at 1.25 s: the machine is 25 % slower
     assert costs.cost(0) == pytest.approx(1.25)
     assert costs.cost(2) == pytest.approx(1.2 * 1.25)   # not run: its probe, scaled the same
-    auto.observe(1, 10, 20.0, 10, 15, [5, 0])       # K = 1 rounds at 2 s live
+    auto.observe(run_of(1, 10, 20.0, 10, 15, [5, 0]))       # K = 1 rounds at 2 s live
     assert costs.cost(1) == pytest.approx(2.0)
-    auto.observe(1, 5, 0.0, 5, 6, [1, 0])           # a run that compiled: teaches acceptance, not cost
+    auto.observe(run_of(1, 5, 0.0, 5, 6, [1, 0]))           # a run that compiled: teaches acceptance, not cost
     assert costs.cost(1) == pytest.approx(2.0) and acc.offered[0] == 1015
     for _ in range(autodraft.LIVE_RUNS):            # K = 1's window holds its latest runs only
-        auto.observe(1, 10, 10.0, 10, 15, [5, 0])
+        auto.observe(run_of(1, 10, 10.0, 10, 15, [5, 0]))
     assert costs.cost(1) == pytest.approx(1.0) and costs.cost(0) == pytest.approx(1.25)   # K = 0 keeps its own
     for _ in range(autodraft.LIVE_AGE):             # K = 1 only, for long: K = 0's runs age out
-        auto.observe(1, 10, 10.0, 10, 15, [5, 0])
+        auto.observe(run_of(1, 10, 10.0, 10, 15, [5, 0]))
     assert costs.live(0) is None and costs.cost(0) == pytest.approx(1.0 / 1.1)
 
 
@@ -161,11 +171,11 @@ def test_a_k_whose_runs_aged_out_keeps_its_measured_ratio_to_target_only():
     acc = Acceptance(2)
     acc.observe(2, 1000, [600, 420])                # tau(2) ~2.0: pays 1.8 steps, not 2.4
     auto = AutoDraft(costs, 2, acc)
-    auto.observe(0, 16, 16.0, 16, 16, [0, 0])       # c(0) = 1.0 live
-    auto.observe(2, 16, 38.4, 16, 32, [10, 7])      # c(2) = 2.4 live
+    auto.observe(run_of(0, 16, 16.0, 16, 16, [0, 0]))       # c(0) = 1.0 live
+    auto.observe(run_of(2, 16, 38.4, 16, 32, [10, 7]))      # c(2) = 2.4 live
     assert costs.ratio[2] == pytest.approx(2.4)
     for _ in range(autodraft.LIVE_AGE):             # target-only only, on a machine 10 % slower
-        auto.observe(0, 16, 17.6, 16, 16, [0, 0])
+        auto.observe(run_of(0, 16, 17.6, 16, 16, [0, 0]))
     assert costs.live(2) is None and costs.cost(0) == pytest.approx(1.1)
     assert costs.cost(2) == pytest.approx(2.4 * 1.1)
     assert costs.cost(1) == pytest.approx(1.4 * 1.1)   # never timed: the probe, scaled by the drift
@@ -180,20 +190,20 @@ def test_a_doubtful_choice_retimes_target_only_live():
     acc.observe(2, 1000, [700, 490])                # tau(2) ~ 2.2
     auto = AutoDraft(RoundCosts({0: 1.0, 1: 1.6, 2: 1.8}), 2, acc)
     assert auto.choose() == 2 and auto.predicted(2) < 1.0 + autodraft.RETIME_BELOW
-    auto.observe(2, 16, 16 * 1.8, 16, 35, [11, 8])  # K = 2 runs live as probed: c(0) still the probe's
-    assert auto.next_k(all_new=False) == 2          # older rows would lose their draft state
-    assert auto.next_k(all_new=True) == 0           # a fresh batch: time target-only
-    auto.observe(0, 16, 16 * 0.6, 16, 16, [0, 0])   # it runs at 0.6 s, not the probe's 1.0: K = 2 loses
+    auto.observe(run_of(2, 16, 16 * 1.8, 16, 35, [11, 8]))  # K = 2 runs live as probed: c(0) still the probe's
+    assert auto.choose_next(all_new=False) == 2          # older rows would lose their draft state
+    assert auto.choose_next(all_new=True) == 0           # a fresh batch: time target-only
+    auto.observe(run_of(0, 16, 16 * 0.6, 16, 16, [0, 0]))   # it runs at 0.6 s, not the probe's 1.0: K = 2 loses
     assert auto.costs.live(0) == pytest.approx(0.6) and auto.choose() == 0
     # a load that came and went: K = 2 pays again once target-only's time is old news, which is
     # when a doubtful choice times target-only once more
-    auto.observe(0, 16, 16 * 1.2, 16, 16, [0, 0])
-    assert auto.choose() == 2 and auto.next_k(all_new=True) == 2   # c(0) timed just now
+    auto.observe(run_of(0, 16, 16 * 1.2, 16, 16, [0, 0]))
+    assert auto.choose() == 2 and auto.choose_next(all_new=True) == 2   # c(0) timed just now
     for _ in range(autodraft.RETIME_AFTER + 1):
-        auto.observe(2, 16, 16 * 1.8, 16, 35, [11, 8])
-    assert auto.next_k(all_new=True) == 0
+        auto.observe(run_of(2, 16, 16 * 1.8, 16, 35, [11, 8]))
+    assert auto.choose_next(all_new=True) == 0
     clear = AutoDraft(RoundCosts({0: 1.0, 1: 1.1, 2: 1.2}), 2, acc)   # predicted 1.8x: no check
-    assert clear.predicted(2) > 1.0 + autodraft.RETIME_BELOW and clear.next_k(all_new=True) == 2
+    assert clear.predicted(2) > 1.0 + autodraft.RETIME_BELOW and clear.choose_next(all_new=True) == 2
 
 
 def test_report_says_measured_only_for_costs_timed_here():
@@ -202,18 +212,18 @@ def test_report_says_measured_only_for_costs_timed_here():
     acc = Acceptance(1)
     acc.observe(1, 100, [60])
     auto = AutoDraft(RoundCosts({0: 1.0, 1: 1.5}, probe_seconds=2.0), 1, acc)
-    auto.observe(1, 10, 20.0, 10, 16, [6])          # K = 1 at 2 s per round
+    auto.observe(run_of(1, 10, 20.0, 10, 16, [6]))          # K = 1 at 2 s per round
     c = auto.report()
     assert c.num_draft_tokens == 1 and c.round_seconds_per_k == {1: pytest.approx(2.0)}
     assert math.isnan(c.measured_speedup)           # target-only only probed
     assert c.predicted_speedup == pytest.approx(acc.tau(1) * (1.0 * 2.0 / 1.5) / 2.0)   # c(0) scaled by drift
     assert c.calibration_seconds == 2.0 and c.compiled_programs == 2
-    auto.observe(0, 10, 12.5, 10, 10, [0])          # target-only rounds at 1.25 s, live
+    auto.observe(run_of(0, 10, 12.5, 10, 10, [0]))          # target-only rounds at 1.25 s, live
     assert auto.report().num_draft_tokens == 0 and auto.report().measured_speedup == 1.0
-    auto.observe(1, 10, 20.0, 10, 16, [6])
+    auto.observe(run_of(1, 10, 20.0, 10, 16, [6]))
     assert auto.report().measured_speedup == pytest.approx(acc.tau(1) * 1.25 / 2.0)
     fresh = AutoDraft(RoundCosts({0: 1.0, 1: 1.5}), 1, Acceptance(1))
-    fresh.observe(1, 2, 0.1, 2, 2, [0])             # too short to time: K = 1 has no live cost
+    fresh.observe(run_of(1, 2, 0.1, 2, 2, [0]))             # too short to time: K = 1 has no live cost
     assert math.isnan(fresh.report().measured_speedup) and fresh.report().predicted_speedup > 0
 
 
@@ -240,7 +250,7 @@ def test_forced_switches_stay_lossless(tiny_target, draft, monkeypatch):
     choice = eng.draft_choice
     # a switch back from K = 0 waits for rows with a current draft state, so not every forced K runs
     assert 0 in choice.rounds_per_k and len([k for k in choice.rounds_per_k if k > 0]) >= 2
-    assert eng.policy.speculative_stats().mean_accept_length > 1.2   # multi-token acceptance was exercised
+    assert eng.speculative_stats.mean_accept_length > 1.2   # multi-token acceptance was exercised
 
 
 def test_generator_auto_probes_once_per_shape_and_matches_target_only(tiny_target, draft, monkeypatch, tmp_path):
@@ -296,11 +306,11 @@ def test_acceptance_is_learned_only_from_rows_with_a_current_draft(tiny_target, 
     monkeypatch.setattr(session_mod, "probe_costs", flat_costs(3, 0.0))
     asked = []
 
-    def next_k(self, drafted_rows=True, all_new=False, wave=None):   # target-only for the first run, K = 2 after
+    def choose_next(self, drafted_rows=True, all_new=False, wave=None):   # target-only for the first run, K = 2 after
         asked.append(drafted_rows)
         return 0 if len(asked) == 1 else 2
 
-    monkeypatch.setattr(AutoDraft, "next_k", next_k)
+    monkeypatch.setattr(AutoDraft, "choose_next", choose_next)
     trained = np.random.default_rng(0).integers(2, tiny_target.config.vocab_size, size=(48, 6)).tolist()
     prompts = trained[:2]
     ref = e3.Generator(tiny_target, None, max_len=40)
@@ -330,7 +340,7 @@ def test_acceptance_is_learned_per_sampling_setting(tiny_target, draft, monkeypa
     greedy, hot = SamplingSettings(0.0), SamplingSettings(1.0)
     p1, p1_hot, p2_hot = session.program(1, 8, greedy), session.program(1, 8, hot), session.program(2, 8, hot)
     a_greedy = session.policy(p1, greedy.traced(), greedy)
-    a_greedy.observe(2, 10, 1.0, 10, 30, [10, 10])          # greedy: every draft token accepted
+    a_greedy.observe(run_of(2, 10, 1.0, 10, 30, [10, 10]))          # greedy: every draft token accepted
     a_hot = session.policy(p1_hot, hot.traced(), hot)
     assert a_hot.acceptance is not a_greedy.acceptance and a_hot.acceptance.offered.sum() == 0
     assert session.policy(p2_hot, hot.traced(), hot).acceptance is a_hot.acceptance

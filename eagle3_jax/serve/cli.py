@@ -285,23 +285,20 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
 
     with logging_redirect_tqdm(), tqdm(total=len(requests), unit="prompt", desc="serve", dynamic_ncols=True,
                                        mininterval=0.5) as bar:
-        stats.compile.on_compile = lambda: bar.set_postfix_str(compiling[0], refresh=True)
         stats.start_clock()
-        with stats.compile:
+        with stats.compiling(lambda: bar.set_postfix_str(compiling[0], refresh=True)):
             for fin in engine.run(handed_to_engine(requests)):
                 rec = by_key[fin.key]
                 tau = round(fin.accept_length, 4) if k and fin.rounds else None
                 out.append(result_record(rec, s.emit, generation_text(tok, fin.tokens, fin.finish_reason),
                                          len(fin.tokens), fin.finish_reason, tau))
                 stats.add(fin.finish_reason, fin.stats, failure=FAIL_GENERATION)
-                stats.engine_compile_intervals = list(getattr(engine, "compile_intervals", ()))
                 stats.draft_choice = getattr(engine, "draft_choice", None)
                 stats.tick()
                 compiling[0] = "compiling…"
                 bar.set_postfix_str(stats.postfix(), refresh=False)
                 bar.update(1)
                 watchdog.maybe_check(stats)
-        stats.engine_compile_intervals = list(getattr(engine, "compile_intervals", ()))
         stats.draft_choice = getattr(engine, "draft_choice", None)
         stats.tick()
     # The engine itself runs the acceptance check on its totals when the run ends.

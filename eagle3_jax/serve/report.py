@@ -10,67 +10,12 @@ the generation wall time. ``tokens_per_second`` is tokens / ``seconds``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import time
 
 from eagle3_jax.checkpoint.staging import write_json_atomic
-from jax import monitoring
-
-from eagle3_jax.metrics import (BACKEND_COMPILE_EVENT, TRACE_EVENT, WATCHDOG_MIN_ROUNDS, GenerationStats,
-                                check_acceptance, union_length)
-
-# JAX reports each compilation as timed phases: trace, lower to MLIR, XLA compile (and load).
-LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"   # trace and backend events: metrics
-
-
-class CompileClock:
-    """Sums the wall time JAX spends compiling while active (a context manager): for each
-    compilation, from the start of its tracing to the end of its XLA compile, so the host work
-    between the phases counts too (a trace that compiles nothing counts its own duration).
-    ``on_compile`` is called when tracing starts, so a progress line can say that it is compiling
-    instead of stalling silently."""
-
-    def __init__(self, on_compile=None):
-        self.seconds = 0.0
-        self.intervals: list[tuple[float, float]] = []   # (start, end) in time.perf_counter() seconds
-        self.on_compile = on_compile
-        self._pending: tuple[float, float] | None = None   # (start, end) of phases not yet closed by a compile
-
-    def _on_phase_start(self, event: str, value: float, **_) -> None:
-        # JAX announces each timed phase with its start time as a scalar event.
-        if event == TRACE_EVENT and self.on_compile is not None:
-            self.on_compile()
-
-    def _on_span(self, event: str, start: float, end: float, **_) -> None:
-        if event == TRACE_EVENT:
-            self._flush()
-            self._pending = (start, end)
-        elif event == LOWER_EVENT and self._pending is None:
-            self._pending = (start, end)
-        elif event == BACKEND_COMPILE_EVENT:
-            self._add(end - (self._pending[0] if self._pending is not None else start))
-            self._pending = None
-
-    def _add(self, seconds: float) -> None:
-        # The events' own clock may not be perf_counter's: the interval is placed ending now.
-        now = time.perf_counter()
-        self.seconds += seconds
-        self.intervals.append((now - seconds, now))
-
-    def _flush(self) -> None:
-        if self._pending is not None:
-            self._add(self._pending[1] - self._pending[0])
-            self._pending = None
-
-    def __enter__(self):
-        monitoring.register_scalar_listener(self._on_phase_start)
-        monitoring.register_event_time_span_listener(self._on_span)
-        return self
-
-    def __exit__(self, *exc):
-        monitoring.unregister_scalar_listener(self._on_phase_start)
-        monitoring.unregister_event_time_span_listener(self._on_span)
-        self._flush()
+from eagle3_jax.metrics import WATCHDOG_MIN_ROUNDS, CompileTally, GenerationStats, check_acceptance, compile_log
 
 
 class RunStats:
@@ -86,16 +31,27 @@ class RunStats:
         self.generation = GenerationStats.empty(num_draft_tokens)
         self.started = time.perf_counter()
         self.load_seconds = 0.0
-        self.compile = CompileClock()
-        self.engine_compile_intervals: list[tuple[float, float]] = []
+        self._compile_mark: int | None = None   # compile_log().count when generation started
         self.draft_choice = None   # under --num-draft-tokens auto: the engine's latest DraftChoice
 
     @property
+    def compiles(self) -> CompileTally:
+        """What generation compiled or loaded from the compile cache (metrics.CompileLog)."""
+        return compile_log().since(self._compile_mark) if self._compile_mark is not None else CompileTally()
+
+    @property
     def compile_seconds(self) -> float:
-        # JAX's compile events, joined with the engine's calls that compiled (which also hold each
-        # new program's first execution, about 0.5 s on a CPU, and auto's calibration): the length
-        # of the union of both sets of intervals, so nothing counts twice.
-        return union_length(self.compile.intervals + self.engine_compile_intervals)
+        return self.compiles.seconds
+
+    @contextlib.contextmanager
+    def compiling(self, on_trace):
+        """While active, ``on_trace()`` is called whenever JAX starts tracing (a compile follows)."""
+        log = compile_log()
+        log.on_trace.append(on_trace)
+        try:
+            yield
+        finally:
+            log.on_trace.remove(on_trace)
 
     def add(self, finish_reason: str, stats: GenerationStats | None = None, failure: str | None = None) -> None:
         """One finished prompt: its finish reason, unless it failed before generating its stats, and
@@ -114,6 +70,7 @@ class RunStats:
 
     def start_clock(self) -> None:
         self.started = time.perf_counter()
+        self._compile_mark = compile_log().count
 
     def tick(self) -> None:
         """Generation time so far, compilations excluded."""
@@ -214,6 +171,7 @@ def metrics_dict(stats: RunStats, already_done: int, skipped_lines: int, setting
         "bad_lines_skipped": skipped_lines, "finish_reasons": dict(stats.finish), "failures": dict(stats.failures),
         "tokens": stats.tokens, "seconds": stats.seconds, "tokens_per_second": num(stats.tokens_per_second),
         "load_seconds": stats.load_seconds, "compile_seconds": stats.compile_seconds,
+        "compiles": stats.compiles.as_dict(),
         "rounds": stats.rounds, "mean_accept_length": num(stats.tau),
         "accept_rate_per_position": [num(r) for r in stats.accept_rate_per_position],
         "auto_draft": _choice_dict(stats.draft_choice, num),

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eagle3_jax.metrics import GenerationStats
+from eagle3_jax.speculative.policy import Batch, Run
 
 AUTO = "auto"
 DEFAULT_MAX_DRAFT_TOKENS = 6
@@ -188,21 +188,6 @@ class DraftChoice:
     target_round_seconds: float = float("nan")   # c(0) as priced now
 
 
-class FixedK:
-    """The policy of a fixed K: every run uses it."""
-
-    def __init__(self, k: int):
-        self.k = k
-
-    def next_k(self, drafted_rows: bool = True, all_new: bool = False, wave=None) -> int:
-        return self.k
-
-    def observe(self, *args) -> None:   # a fixed K learns nothing
-        pass
-
-    report = observe
-
-
 class AutoDraft:
     """The policy of ``num_draft_tokens="auto"`` for one program and sampling setting."""
 
@@ -213,12 +198,16 @@ class AutoDraft:
         self.rounds_per_k: dict[int, int] = {}
         self.runs = 0
         self.last_k = self.choose()
-        self.spec_row_rounds = 0   # rounds with K >= 1 summed over taught rows, and their tokens
-        self.spec_round_tokens = 0
         self.past_rows: deque = deque(maxlen=PAST_ROWS)   # (accepted_K, offered_K) of rows that finished
+        # Each row's own acceptance since its admission (the last wave's pricing, ``Wave``).
+        self.row_accepted_BK = np.zeros((0, max_draft_tokens), np.int64)
+        self.row_offered_BK = np.zeros((0, max_draft_tokens), np.int64)
+        self.next = self.last_k
 
-    def rows_finished(self, accepted_BK, offered_BK) -> None:
-        self.past_rows.extend((a, o) for a, o in zip(accepted_BK, offered_BK) if o[0] > 0)
+    def _rows(self, B: int) -> None:
+        if len(self.row_accepted_BK) != B:
+            self.row_accepted_BK = np.zeros((B, self.max_draft_tokens), np.int64)
+            self.row_offered_BK = np.zeros((B, self.max_draft_tokens), np.int64)
 
     def _with_past(self, wave: Wave | None) -> Wave | None:
         """A row of the wave without counts of its own yet borrows those of a recent finished row:
@@ -246,10 +235,27 @@ class AutoDraft:
         best = max(range(1, self.max_draft_tokens + 1), key=lambda k: (self.rate(k, UCB_Z, wave), -k))
         return best if self.rate(best, UCB_Z, wave) >= (1.0 + MARGIN) * self.rate(0, 0.0, wave) else 0
 
-    def next_k(self, drafted_rows: bool = True, all_new: bool = False, wave: Wave | None = None) -> int:
-        """The K of the next run: target-only while no occupied row has a current draft state
-        (``drafted_rows``: one would draft from stale states); a doubtful choice re-times c(0) when
-        every row is just admitted (``all_new``: no draft state is lost); ``wave``: the last wave."""
+    def next_k(self, batch: Batch) -> int:
+        """The K of the next run: target-only while no row could draft from a current state; a
+        doubtful choice re-times c(0) when every row is just admitted (no draft state is lost);
+        in the last wave, priced by its rows (``Wave``)."""
+        self._rows(len(batch.running_B))
+        self.row_accepted_BK[batch.admitted_B] = 0
+        self.row_offered_BK[batch.admitted_B] = 0
+        run = batch.running_B
+        wave = (Wave(batch.remaining_B[run], self.row_accepted_BK[run], self.row_offered_BK[run])
+                if batch.last_wave else None)
+        all_new = bool(batch.admitted_B.any()) and int(run.sum()) == int(batch.admitted_B.sum())
+        self.next = self.choose_next(batch.can_draft, all_new, wave)
+        return self.next
+
+    def settled(self, batch: Batch) -> bool:
+        """Target-only in the last wave stays target-only: no row keeps a current draft state."""
+        return self.next == 0
+
+    def choose_next(self, drafted_rows: bool = True, all_new: bool = False, wave: Wave | None = None) -> int:
+        """``drafted_rows``: some row could draft from a current state; ``all_new``: every row is
+        just admitted; ``wave``: the last wave."""
         self.runs += 1
         if not drafted_rows:
             return 0
@@ -263,23 +269,23 @@ class AutoDraft:
         """τ(K) · c(0) / c(K) with the model's current costs and acceptance at its estimate."""
         return self.acceptance.tau(k) * self.costs.cost(0) / self.costs.cost(k)
 
-    def observe(self, k: int, iterations: int, seconds: float, row_rounds: int, round_tokens: int,
-                accepted_per_position) -> None:
-        """One bounded run: ``iterations`` loop iterations in ``seconds`` (0: not timed, e.g. it
-        compiled); ``row_rounds`` rounds summed over the rows whose draft state was current, which
-        emitted ``round_tokens`` tokens and accepted ``accepted_per_position``."""
+    def observe(self, run: Run) -> None:
+        """One bounded run: its iterations and seconds price K (a run that compiled prices
+        nothing); the rows whose draft state was current teach acceptance, pooled and per row."""
+        k, taught = run.k, run.taught_B
+        self._rows(len(taught))
         self.last_k = k
-        self.rounds_per_k[k] = self.rounds_per_k.get(k, 0) + iterations
-        self.acceptance.observe(k, row_rounds, accepted_per_position)
-        self.costs.observe(k, seconds, iterations)
-        if k:
-            self.spec_row_rounds += row_rounds
-            self.spec_round_tokens += round_tokens
-
-    def speculative_stats(self) -> GenerationStats:
-        """The speculating rounds only, which the acceptance-collapse watchdog judges."""
-        return GenerationStats(rounds=self.spec_row_rounds, tokens=self.spec_round_tokens,
-                               round_tokens=self.spec_round_tokens, seconds=0.0)
+        self.rounds_per_k[k] = self.rounds_per_k.get(k, 0) + run.iterations
+        self.acceptance.observe(k, int(run.rounds_B[taught].sum()), run.accepted_BK[taught].sum(0))
+        self.costs.observe(k, run.seconds or 0.0, run.iterations)
+        if k:   # position j was offered in the rounds that accepted j-1 (j = 0: every round)
+            acc_BK = np.where(taught[:, None], run.accepted_BK, 0)[:, :k]
+            self.row_accepted_BK[:, :k] += acc_BK
+            self.row_offered_BK[:, :k] += np.concatenate([np.where(taught, run.rounds_B, 0)[:, None],
+                                                          acc_BK[:, :-1]], axis=1)
+        done = run.finished_B
+        self.past_rows.extend((a, o) for a, o in zip(self.row_accepted_BK[done], self.row_offered_BK[done])
+                              if o[0] > 0)
 
     def report(self) -> DraftChoice:
         k, costs = self.last_k, self.costs
