@@ -72,7 +72,7 @@ class Engine:
                  seed: int = 0, eos_token_ids: Sequence[int] = (), rounds_per_sync: int = 16,
                  max_draft_tokens: int | None = None, session: DecodeSession | None = None,
                  max_admit_rows: int | None = None, prefill_chunk: int | None = None,
-                 prompt_len: int | None = None):
+                 prompt_len: int | None = None, calibration=None, k_table: dict[int, int] | None = None):
         """``session``: run on an existing session (its target, draft and K setting; the arguments
         naming them are then ignored), e.g. a Generator's, so statistics and acceptance carry over.
         ``max_admit_rows``: the most rows one prefill call admits (more free rows are filled by
@@ -80,13 +80,14 @@ class Engine:
         whole batch). ``python -m tools.plan --admit-rows`` plans the same. ``prefill_chunk``: see
         ``DecodeSession``. ``prompt_len``: every admission pads its prompts to this length (None: the
         longest admitted prompt's bucket, see ``session.bucket_prompt_len``). Pinned, one admission
-        program serves every prompt; else each prompt bucket compiles its own."""
+        program serves every prompt; else each prompt bucket compiles its own. ``calibration``,
+        ``k_table``: see ``DecodeSession`` (under auto only)."""
         if rounds_per_sync < 1:
             raise ConfigError(f"rounds_per_sync must be >= 1, found {rounds_per_sync}")
         if max_admit_rows is not None and max_admit_rows < 1:
             raise ConfigError(f"max_admit_rows must be >= 1, found {max_admit_rows}")
         self.session = session or DecodeSession(target, draft, num_draft_tokens, max_len, max_draft_tokens,
-                                                 prefill_chunk)
+                                                 prefill_chunk, calibration, k_table)
         self.target, self.draft = self.session.target, self.session.draft
         self.sampling = SamplingSettings(temperature, top_p, top_k, seed, tuple(eos_token_ids))
         self.program = self.session.program(batch_size, max_new_tokens, self.sampling)
@@ -199,6 +200,8 @@ class Engine:
                                                 dict(admitted[i:i + self.max_admit_rows]), sp)
                         for counts in seen.values():
                             counts[admitted_B] = 0
+                        jax.block_until_ready(state)   # the admission's share of the run's time
+                    admit_seconds = time.perf_counter() - t
                     taught_B = (drafted_B | admitted_B) & running_B if k else np.zeros(B, bool)
                     drafted_B = (drafted_B | admitted_B) & running_B if k else drafted_B & ~running_B
                     # The policy's K holding for these rows (and nothing left to admit): one run to the
@@ -222,7 +225,9 @@ class Engine:
                              for name, x in now.items()}
                     seen = now
                     results = session.row_results(state, done, program.max_draft_tokens)
-                    run = Run(k=k, seconds=time.perf_counter() - t if log.count == compiles else None,
+                    timed = log.count == compiles
+                    run = Run(k=k, seconds=time.perf_counter() - t if timed else None,
+                              admit_seconds=admit_seconds if timed else None,
                               iterations=int(delta["rounds"].max()), admitted=len(new), taught_B=taught_B,
                               rounds_B=delta["rounds"], round_tokens_B=delta["round_tokens"],
                               emitted_B=delta["emitted"], accepted_BK=delta["accepted"], finished_B=finished_B)

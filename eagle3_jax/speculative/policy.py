@@ -38,11 +38,12 @@ class Run:
     """One bounded run as it went: its admission, the loop's rounds and the harvest of its results.
 
     The per-row counts are this run's own (zero for rows that did not run). ``seconds`` is the wall
-    time from the admission to the end of the harvest, or None when a program compiled during it
-    (its time says nothing about decoding)."""
+    time from the admission to the end of the harvest, ``admit_seconds`` its admission's share, or
+    None when a program compiled during it (its time says nothing about decoding)."""
 
     k: int
     seconds: float | None
+    admit_seconds: float | None
     iterations: int               # loop iterations (the slowest row's rounds)
     admitted: int                 # rows prefilled at its start
     taught_B: np.ndarray          # rows whose rounds speak for the draft (current draft state, K >= 1)
