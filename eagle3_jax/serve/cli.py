@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--top-k", type=int, help="sample from the k most likely tokens (default 0 = off)")
     a("--num-draft-tokens", help="draft tokens per verify round, or 'auto' (default): chosen from measured "
       "round costs and live acceptance, 0 (target-only) when speculation does not pay")
+    a("--k-table", help="under auto: the K a job starts from per batch size, e.g. 1:0,8:2 (default: what earlier "
+                        "jobs of the pair measured on this machine, else a short probe)")
     a("--batch-size", type=int, help="rows generated together (default 8)")
     a("--max-len", type=int, help="prompt + generation capacity per row in tokens (default 2048); may change "
                                    "between runs of one output: longer prompts that failed are retried")
@@ -226,7 +228,7 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
     from eagle3_jax.speculative.autodraft import DEFAULT_MAX_DRAFT_TOKENS
 
     k = (DEFAULT_MAX_DRAFT_TOKENS if s.num_draft_tokens == "auto" else s.num_draft_tokens) if s.draft else 0
-    stats = RunStats(k)
+    stats = RunStats(k, pair=(s.target, s.draft))
     if not records:
         print(f"{s.input} has no prompts; nothing to do.")
         _write_metrics(s, stats, 0, len(bad), dtype)
@@ -290,7 +292,8 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
     engine = engine_module.Engine(
         target, draft=draft, num_draft_tokens=s.num_draft_tokens, max_len=s.max_len, batch_size=s.batch_size,
         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-        eos_token_ids=tuple(tok.eos_token_ids), max_admit_rows=s.admit_rows, prefill_chunk=s.prefill_chunk)
+        eos_token_ids=tuple(tok.eos_token_ids), max_admit_rows=s.admit_rows, prefill_chunk=s.prefill_chunk,
+        **_auto_settings(s, dtype))
     # Under auto the per-round K varies; the Engine runs the acceptance check on speculating rounds.
     watchdog = Watchdog(0 if s.num_draft_tokens == "auto" else k, context=s.output, pair=(s.target, s.draft))
     buckets: set[int] = set()
@@ -307,25 +310,35 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
             yield req
 
     with Progress(len(requests), wants_bar(s.no_progress), quiet=not distributed.is_writer()) as progress:
-        stats.compile.on_compile = lambda: progress.note(compiling[0])
         stats.start_clock()
-        with stats.compile:
+        with stats.compiling(lambda: progress.note(compiling[0])):
             for fin in engine.run(handed_to_engine(requests)):
                 rec = by_key[fin.key]
                 tau = round(fin.accept_length, 4) if k and fin.rounds else None
                 out.append(result_record(rec, s.emit, generation_text(tok, fin.tokens, fin.finish_reason),
                                          len(fin.tokens), fin.finish_reason, tau))
                 stats.add(fin.finish_reason, fin.stats, failure=FAIL_GENERATION)
-                stats.engine_compile_intervals = list(getattr(engine, "compile_intervals", ()))
                 stats.draft_choice = getattr(engine, "draft_choice", None)
                 stats.tick()
                 compiling[0] = "compiling…"
                 progress.advance(stats.postfix())
                 watchdog.maybe_check(stats)
-        stats.engine_compile_intervals = list(getattr(engine, "compile_intervals", ()))
         stats.draft_choice = getattr(engine, "draft_choice", None)
         stats.tick()
     # The engine itself runs the acceptance check on its totals when the run ends.
+
+
+def _auto_settings(s: ServeSettings, dtype: str) -> dict:
+    """Under auto: the user's K table, and where auto's measurements are kept (beside the compile
+    cache, while it is on)."""
+    from eagle3_jax import compile_cache
+    from eagle3_jax.speculative.calibration import CalibrationStore
+
+    if not s.draft or s.num_draft_tokens != "auto":
+        return {}
+    directory = compile_cache.calibration_dir()
+    store = CalibrationStore.for_pair(directory, s.target, s.draft, dtype, s.mesh) if directory else None
+    return {"calibration": store, "k_table": s.k_table}
 
 
 def _join_process_group(argv) -> None:

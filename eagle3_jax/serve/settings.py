@@ -32,6 +32,18 @@ def draft_tokens_setting(value: Any) -> Any:
     raise SettingsError(f"num_draft_tokens: expected an integer or 'auto', found {type(value).__name__} {value!r}")
 
 
+def k_table_setting(value: Any) -> dict[int, int]:
+    """``k_table``: batch size -> the first K under auto, as ``1:0,8:2`` or a mapping."""
+    try:
+        pairs = value.items() if isinstance(value, dict) else (p.split(":") for p in str(value).split(",") if p.strip())
+        table = {int(b): int(k) for b, k in pairs}
+    except ValueError:
+        table = None
+    if not table or any(b < 1 or k < 0 for b, k in table.items()):
+        raise SettingsError(f"k_table: expected batch:K pairs such as 1:0,8:2 (batch >= 1, K >= 0), found {value!r}")
+    return table
+
+
 @dataclass
 class ServeSettings:
     target: str | None = None
@@ -44,6 +56,8 @@ class ServeSettings:
     top_k: int = 0
     # "auto": K chosen per batch from measured round costs and live acceptance (0 = target-only).
     num_draft_tokens: int | str = "auto"
+    # Under auto: batch size -> the K a job starts from (None: what earlier jobs or a probe measured).
+    k_table: dict | None = None
     batch_size: int = 8
     max_len: int = 2048
     # Memory bounds of prefill (tools.plan plans the same): the most rows one prefill call admits
@@ -85,7 +99,8 @@ class ServeSettings:
         layers = [(getattr(yaml_values, "source", "--config"), yaml_values)]
         layers += [(f"--{k.replace('_', '-')}", {k: v}) for k, v in cli_values.items() if v is not None]
         return settings_io.from_layers(cls, layers, {"mesh": settings_io.mesh_text,
-                                                     "num_draft_tokens": draft_tokens_setting})
+                                                     "num_draft_tokens": draft_tokens_setting,
+                                                     "k_table": k_table_setting})
 
     def validate(self) -> None:
         problems = []
