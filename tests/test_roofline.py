@@ -9,7 +9,7 @@ import pathlib
 import jax
 import pytest
 
-from eagle3_jax.models.attention import key_block
+from eagle3_jax.models.attention_core import key_block
 from eagle3_jax.tpu import libtpu_available
 from tools.plan import rounds, speedup, uncounted
 from tools.plan.roofline import CHIPS, UNIFORM, ZIPF, Routing, experts_touched, hlo_costs, roofline_seconds

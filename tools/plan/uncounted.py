@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
-from eagle3_jax.config import DraftConfig, TargetConfig
-from eagle3_jax.models.attention import key_block
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.drafts import DraftConfig
+from eagle3_jax.models.attention_core import key_block
 from eagle3_jax.models.quantized import TILE_COLS, tile_width
 from tools.plan.common import Leaf
 from tools.plan.roofline import Routing, experts_touched
