@@ -59,8 +59,8 @@ def test_blocked_kernel_when_every_token_picks_the_same_experts():
     M, E, K = 24, 16, 4
     x, _, w, wg, wu, wd = inputs(M, E, K)
     idx = jnp.tile(jnp.array([[3, 9, 0, 14]], jnp.int32), (M, 1))
-    np.testing.assert_allclose(experts.experts_blocked(x, idx, w, wg, wu, wd, 0), dense_oracle(x, idx, w, wg, wu, wd, 0),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(experts.experts_blocked(x, idx, w, wg, wu, wd, 0),
+                               dense_oracle(x, idx, w, wg, wu, wd, 0), rtol=1e-4, atol=1e-4)
 
 
 def test_block_rows_follow_the_rows_of_a_hit_expert():

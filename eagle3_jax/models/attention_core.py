@@ -35,9 +35,9 @@ MAX_BLOCK_SCORES = 1 << 22
 
 
 def key_block(capacity: int, tokens: int, heads: int, block: int | None = None) -> int:
-    """Slots per step of ``blockwise``: at least ``block`` (default ``KEY_BLOCK``) and at least 4 * T * N (a power of two),
-    at most the whole cache (one step then, taken without a loop), and no more than
-    ``MAX_BLOCK_SCORES`` scores a row.
+    """Slots per step of ``blockwise``: at least ``block`` (default ``KEY_BLOCK``) and at least
+    4 * T * N (a power of two), at most the whole cache (one step then, taken without a loop), and
+    no more than ``MAX_BLOCK_SCORES`` scores a row.
 
     A step reads its keys, about 2 * kb * C bytes a row (bf16), and reads and writes the running
     float32 sums, 8 * T * N * C bytes a row, which a compiled loop keeps in memory between steps:

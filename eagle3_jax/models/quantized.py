@@ -181,12 +181,9 @@ class Fp8Stack(nnx.Module):
     def col_unit(self) -> int:
         return self.block[1]
 
-    def dequant_cols(self, w_OI, scale_RC, start, width: int, dtype) -> jax.Array:
-        return dequant_fp8_slice(w_OI, scale_RC, self.block, start, width, -1, dtype)
-
     def tile_product(self, x_bT, w_OI, scale_RC, start, width: int) -> jax.Array:
         """float32 ``x_bT @ W[:, start:start + width].T`` for one expert."""
-        w_OT = self.dequant_cols(w_OI, scale_RC, start, width, x_bT.dtype)
+        w_OT = dequant_fp8_slice(w_OI, scale_RC, self.block, start, width, -1, x_bT.dtype)
         return jnp.einsum("bt,ot->bo", x_bT, w_OT, preferred_element_type=jnp.float32)
 
 
@@ -315,5 +312,3 @@ def linear_param(rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str
         return Fp8Linear(shape, in_ndim, axes, layout, dtype, rngs)
     return param(rngs, shape, axes, dtype)
 
-
-QUANTIZED_CONTAINERS = (Int4Stack, Fp8Stack, Fp8Linear)
