@@ -25,9 +25,11 @@ How it moves. Before every run the K of the best rate at the point estimates is 
 current one; it takes over only if its predicted gain exceeds MARGIN plus SWITCH_Z standard errors
 (acceptance's from its counts, costs' from the spread of their runs). Only Ks whose cost was
 measured (calibrated or run) are compared, so a job runs, and compiles, only Ks it was shown to.
-Exploration is the one exception, and bounded: in jobs of rows longer than SHORT_JOB_TOKENS, a K
-whose rate with acceptance SWITCH_Z standard errors up would beat the current one by MARGIN may run
-for one bounded run, while explored rounds stay under EXPLORE_SHARE of the job's rounds.
+Exploration is the exception, and bounded: while the acceptance rests on fewer than
+BOOTSTRAP_ROUNDS rounds, one run at the largest measured K (a first job learns the draft's
+acceptance so); beyond that only in jobs of rows longer than SHORT_JOB_TOKENS, where a K whose rate
+with acceptance SWITCH_Z standard errors up beats the current one by MARGIN may run once, while
+explored rounds stay under EXPLORE_SHARE of the job's.
 
 ``measured_speedup`` divides the tokens per wall second of the runs at the current K by those of the
 runs at K = 0, both run in this process; it is absent otherwise. ``predicted_speedup`` is the model's.
@@ -56,10 +58,10 @@ CARRIED_ROUNDS = 256
 # A switch: the predicted gain must exceed MARGIN (what the model leaves out) plus SWITCH_Z
 # standard errors of the comparison.
 MARGIN = 0.03
-SWITCH_Z = 2.0
+SWITCH_Z = 1.5
 # A cost timed fewer than twice, whose calibration gave no spread, is this uncertain (relative
 # standard error).
-COST_NOISE = 0.05
+COST_NOISE = 0.03
 # Exploration: while the draft's acceptance rests on fewer than BOOTSTRAP_ROUNDS rounds, one run at
 # the largest measured K (it teaches the most positions); beyond that only in jobs whose rows may
 # emit more than SHORT_JOB_TOKENS, while explored rounds stay under EXPLORE_SHARE of all rounds.
