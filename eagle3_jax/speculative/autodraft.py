@@ -38,6 +38,7 @@ runs at K = 0, both run in this process; it is absent otherwise. ``predicted_spe
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -72,6 +73,7 @@ EXPLORE_SHARE = 0.05
 # timed (fixed costs would dominate).
 LIVE_RUNS = 8
 MIN_TIMED_ROUNDS = 4
+UPDATE_SECONDS = 30.0
 
 
 @dataclass
@@ -235,7 +237,7 @@ class AutoDraft:
     def __init__(self, costs: Costs, max_draft_tokens: int, acceptance: Acceptance, batch_size: int = 1,
                  max_new_tokens: int = 256, start_k: int | None = None, on_update=None):
         """``start_k``: the user's table entry for this batch size (None: the calibration's choice);
-        ``on_update(policy)``: called after runs that finished rows (the calibration store)."""
+        ``on_update(policy)``: called to keep what it learned (the calibration store)."""
         self.costs = costs
         self.acceptance = acceptance
         self.max_draft_tokens = max_draft_tokens
@@ -251,6 +253,7 @@ class AutoDraft:
                                        else self._better(0, last_wave=False))
         self.next = self.current
         self.exploring = False
+        self.updated = time.perf_counter()
 
     # ------------------------------------------------------------------ the model
     def rate(self, k: int, z: float = 0.0, last_wave: bool = False) -> float:
@@ -321,8 +324,15 @@ class AutoDraft:
             self.explored_rounds += run.iterations
         self.acceptance.observe(run.k, int(run.rounds_B[taught].sum()), run.accepted_BK[taught].sum(0))
         self.costs.observe(run)
-        if self.on_update is not None and run.finished_B.any():
+        # kept every UPDATE_SECONDS too: a long job that is killed keeps most of what it learned
+        if self.on_update is not None and time.perf_counter() - self.updated > UPDATE_SECONDS:
+            self.finish()
+
+    def finish(self) -> None:
+        """The job is over: what it learned is kept for the next one."""
+        if self.on_update is not None:
             self.on_update(self)
+            self.updated = time.perf_counter()
 
     def report(self) -> DraftChoice:
         k, costs = self.next, self.costs
