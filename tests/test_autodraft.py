@@ -78,14 +78,14 @@ def test_the_start_is_the_tables_k():
 
 
 def test_a_switch_needs_evidence_larger_than_the_noise():
-    """K = 1 predicts ~10 % over target-only. On the prior's counts that is within the noise: no
-    switch; on a thousand rounds of acceptance it is not, and K = 1 takes over; costs whose runs
-    scatter widely hold the switch back again."""
+    """K = 1 predicts ~8 % over target-only. On forty rounds of acceptance that is within the noise:
+    no switch; on a thousand it is not, and K = 1 takes over; costs whose runs scatter widely hold
+    the switch back again."""
     acc = Acceptance(1)
     acc.observe(1, 40, [28])
-    sure_costs = Costs({0: 1.0, 1: 1.55}, {False: 0.0, True: 0.0}, noise={0: 0.01, 1: 0.01})
+    sure_costs = Costs({0: 1.0, 1: 1.58}, {False: 0.0, True: 0.0}, noise={0: 0.01, 1: 0.01})
     auto = AutoDraft(sure_costs, 1, acc, max_new_tokens=128)
-    assert auto.rate(1) > 1.05 * auto.rate(0)
+    assert auto.rate(1) > 1.07 * auto.rate(0)
     assert auto.next_k(batch_of(admitted=True)) == 0 and auto.switches == 0
     acc.observe(1, 1000, [700])
     assert auto.next_k(batch_of(admitted=True)) == 1 and auto.switches == 1

@@ -25,9 +25,11 @@ How it moves. Before every run the K of the best rate at the point estimates is 
 current one; it takes over only if its predicted gain exceeds MARGIN plus SWITCH_Z standard errors
 (acceptance's from its counts, costs' from the spread of their runs). Only Ks whose cost was
 measured (calibrated or run) are compared, so a job runs, and compiles, only Ks it was shown to.
-Exploration is the one exception, and bounded: in jobs of rows longer than SHORT_JOB_TOKENS, a K
-whose rate with acceptance SWITCH_Z standard errors up would beat the current one by MARGIN may run
-for one bounded run, while explored rounds stay under EXPLORE_SHARE of the job's rounds.
+Exploration is the exception, and bounded: while the acceptance rests on fewer than
+BOOTSTRAP_ROUNDS rounds, one run at the largest measured K (a first job learns the draft's
+acceptance so); beyond that only in jobs of rows longer than SHORT_JOB_TOKENS, where a K whose rate
+with acceptance SWITCH_Z standard errors up beats the current one by MARGIN may run once, while
+explored rounds stay under EXPLORE_SHARE of the job's.
 
 ``measured_speedup`` divides the tokens per wall second of the runs at the current K by those of the
 runs at K = 0, both run in this process; it is absent otherwise. ``predicted_speedup`` is the model's.
@@ -36,6 +38,7 @@ runs at K = 0, both run in this process; it is absent otherwise. ``predicted_spe
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -56,10 +59,10 @@ CARRIED_ROUNDS = 256
 # A switch: the predicted gain must exceed MARGIN (what the model leaves out) plus SWITCH_Z
 # standard errors of the comparison.
 MARGIN = 0.03
-SWITCH_Z = 2.0
+SWITCH_Z = 1.5
 # A cost timed fewer than twice, whose calibration gave no spread, is this uncertain (relative
 # standard error).
-COST_NOISE = 0.05
+COST_NOISE = 0.03
 # Exploration: while the draft's acceptance rests on fewer than BOOTSTRAP_ROUNDS rounds, one run at
 # the largest measured K (it teaches the most positions); beyond that only in jobs whose rows may
 # emit more than SHORT_JOB_TOKENS, while explored rounds stay under EXPLORE_SHARE of all rounds.
@@ -70,6 +73,7 @@ EXPLORE_SHARE = 0.05
 # timed (fixed costs would dominate).
 LIVE_RUNS = 8
 MIN_TIMED_ROUNDS = 4
+UPDATE_SECONDS = 30.0
 
 
 @dataclass
@@ -233,7 +237,7 @@ class AutoDraft:
     def __init__(self, costs: Costs, max_draft_tokens: int, acceptance: Acceptance, batch_size: int = 1,
                  max_new_tokens: int = 256, start_k: int | None = None, on_update=None):
         """``start_k``: the user's table entry for this batch size (None: the calibration's choice);
-        ``on_update(policy)``: called after runs that finished rows (the calibration store)."""
+        ``on_update(policy)``: called to keep what it learned (the calibration store)."""
         self.costs = costs
         self.acceptance = acceptance
         self.max_draft_tokens = max_draft_tokens
@@ -249,6 +253,7 @@ class AutoDraft:
                                        else self._better(0, last_wave=False))
         self.next = self.current
         self.exploring = False
+        self.updated = time.perf_counter()
 
     # ------------------------------------------------------------------ the model
     def rate(self, k: int, z: float = 0.0, last_wave: bool = False) -> float:
@@ -319,8 +324,15 @@ class AutoDraft:
             self.explored_rounds += run.iterations
         self.acceptance.observe(run.k, int(run.rounds_B[taught].sum()), run.accepted_BK[taught].sum(0))
         self.costs.observe(run)
-        if self.on_update is not None and run.finished_B.any():
+        # kept every UPDATE_SECONDS too: a long job that is killed keeps most of what it learned
+        if self.on_update is not None and time.perf_counter() - self.updated > UPDATE_SECONDS:
+            self.finish()
+
+    def finish(self) -> None:
+        """The job is over: what it learned is kept for the next one."""
+        if self.on_update is not None:
             self.on_update(self)
+            self.updated = time.perf_counter()
 
     def report(self) -> DraftChoice:
         k, costs = self.next, self.costs

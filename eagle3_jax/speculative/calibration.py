@@ -9,7 +9,8 @@ unless it explores. Nothing here changes a token: a stale figure can only cost s
 own runs replace it.
 
 One JSON file per pair and machine beside the persistent compile cache
-(``compile_cache.calibration_dir()``), written atomically after each harvest that finished rows.
+(``compile_cache.calibration_dir()``), written atomically when a job ends (and every
+``autodraft.UPDATE_SECONDS`` before).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class CalibrationStore:
         acc = policy.acceptance
         self.data["acceptance"][setting] = {"accepted": acc.accepted.tolist(), "offered": acc.offered.tolist()}
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        write_json_atomic(self.path, self.data)
+        write_json_atomic(self.path, self.data, fsync=False)   # a cache: a lost write only costs a probe
 
     def table(self) -> dict[str, int]:
         """The K each calibrated shape ended on: the per-batch-size table, for metrics and docs."""

@@ -239,6 +239,7 @@ class Engine:
                         session.record(stats)
                         session.stats.seconds = seconds_before + time.perf_counter() - start
                         yield fin
+            policy.finish()
             if self.draft is not None:
                 check_acceptance(self.speculative_stats, self.max_draft_tokens, context="batch generation")
         finally:

@@ -4,7 +4,8 @@ The engine admits prompts, runs the loop, harvests finished rows, and tells the 
 a policy keeps its own bookkeeping. Every policy answers the same three questions (``KPolicy``):
 which K the next run uses (``next_k``), whether that K holds for the rows now running, so the run
 may go to their end without stopping for another choice (``settled``), and what it learned from a
-run (``observe``). ``report`` says what it decided, for metrics; a fixed K has nothing to say.
+run (``observe``); ``finish`` tells it the job is over. ``report`` says what it decided, for
+metrics; a fixed K has nothing to say.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class KPolicy(Protocol):
 
     def observe(self, run: Run) -> None: ...
 
+    def finish(self) -> None: ...
+
     def report(self): ...
 
 
@@ -81,6 +84,9 @@ class FixedK:
         return True
 
     def observe(self, run: Run) -> None:   # a fixed K learns nothing
+        pass
+
+    def finish(self) -> None:
         pass
 
     def report(self) -> None:
