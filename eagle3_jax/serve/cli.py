@@ -204,8 +204,8 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
     if s.draft:
         DraftConfig.from_path(s.draft)   # a wrong --draft path fails now, not after the target has loaded
     dtype, dtype_note = resolve_dtype_name(s.dtype, target_cfg)
-    if dtype_note:
-        log.info("--dtype %s: %s", s.dtype, dtype_note)
+    if dtype_note:   # auto chose float32 over the checkpoint's dtype (said), or a half dtype was asked (warned)
+        (log.info if s.dtype == "auto" else log.warning)("--dtype %s: %s", s.dtype, dtype_note)
     # before any output; load_target below keeps quantized weights as stored
     preflight.check_pair(s.target, s.draft, mesh=s.mesh, dtype=dtype, max_len=s.max_len, weights="native")
     tok = load_tokenizer(s.target)
