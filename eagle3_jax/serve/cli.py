@@ -206,8 +206,8 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
     s.check_paths()
     target_cfg = TargetConfig.from_path(s.target)
     dtype, dtype_note = resolve_dtype_name(s.dtype, target_cfg)
-    if dtype_note:
-        log.info("--dtype %s: %s", s.dtype, dtype_note)
+    if dtype_note:   # auto chose float32 over the checkpoint's dtype (said), or a half dtype was asked (warned)
+        (log.info if s.dtype == "auto" else log.warning)("--dtype %s: %s", s.dtype, dtype_note)
     # Before any output, and the one read of each config: load_models takes what it found (and
     # load_target keeps quantized weights as stored).
     facts = preflight.check_pair(s.target, s.draft, mesh=s.mesh, dtype=dtype, max_len=s.max_len, weights="native",
