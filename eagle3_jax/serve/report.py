@@ -18,6 +18,7 @@ from jax import monitoring
 
 from eagle3_jax.metrics import (BACKEND_COMPILE_EVENT, TRACE_EVENT, WATCHDOG_MIN_ROUNDS, GenerationStats,
                                 check_acceptance, union_length)
+from eagle3_jax.train_serve import ContextBuckets
 
 # JAX reports each compilation as timed phases: trace, lower to MLIR, XLA compile (and load).
 LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"   # trace and backend events: metrics
@@ -84,6 +85,7 @@ class RunStats:
         self.finish = collections.Counter()
         self.failures = collections.Counter()   # why prompts failed: a short reason -> how many
         self.generation = GenerationStats.empty(num_draft_tokens)
+        self.by_context = ContextBuckets()   # tau per context-length bucket
         self.started = time.perf_counter()
         self.load_seconds = 0.0
         self.compile = CompileClock()
@@ -97,10 +99,13 @@ class RunStats:
         # of the union of both sets of intervals, so nothing counts twice.
         return union_length(self.compile.intervals + self.engine_compile_intervals)
 
-    def add(self, finish_reason: str, stats: GenerationStats | None = None, failure: str | None = None) -> None:
+    def add(self, finish_reason: str, stats: GenerationStats | None = None, failure: str | None = None,
+            prompt_tokens: int | None = None) -> None:
         """One finished prompt: its finish reason, unless it failed before generating its stats, and
         for a failed prompt the short reason it is counted under in the summary."""
         self.prompts += 1
+        if stats is not None and prompt_tokens is not None:
+            self.by_context.add(prompt_tokens, stats)
         if stats is not None:
             seconds = self.generation.seconds
             self.generation = GenerationStats.combine([self.generation, stats])
@@ -216,6 +221,7 @@ def metrics_dict(stats: RunStats, already_done: int, skipped_lines: int, setting
         "load_seconds": stats.load_seconds, "compile_seconds": stats.compile_seconds,
         "rounds": stats.rounds, "mean_accept_length": num(stats.tau),
         "accept_rate_per_position": [num(r) for r in stats.accept_rate_per_position],
+        "tau_by_context": stats.by_context.as_dict(),
         "auto_draft": _choice_dict(stats.draft_choice, num),
         "settings": settings,
     }

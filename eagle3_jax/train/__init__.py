@@ -10,10 +10,16 @@ __all__ = ["DraftShape", "TrainConfig", "check_setup", "run"]
 
 
 def check_setup(cfg: TrainConfig) -> None:
-    """The settings, then the target/draft pair they name, from config files and headers only."""
+    """The settings, then the target/draft pair they name, from config files and headers only, then
+    the data's rendering against serve.py's (train_serve.py), all before any weight loads."""
     cfg.validate()
     preflight.check_pair(cfg.target, cfg.draft_config(), mesh=cfg.mesh, dtype=cfg.resolved_target_dtype,
                          weights="native")  # the trainer's load_target keeps quantized weights as stored
+    if cfg.data is not None:
+        from eagle3_jax.train.data import load_tokenizer
+        from eagle3_jax.train_serve import check_rendering
+
+        check_rendering(cfg.data, load_tokenizer(cfg.target))
 
 
 def run(cfg: TrainConfig, progress: bool = True):
