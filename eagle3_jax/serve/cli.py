@@ -297,6 +297,7 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
     # Under auto the per-round K varies; the Engine runs the acceptance check on speculating rounds.
     watchdog = Watchdog(0 if s.num_draft_tokens == "auto" else k, context=s.output, pair=(s.target, s.draft))
     buckets: set[int] = set()
+    prompt_tokens = {req.key: len(req.prompt) for req in requests}   # for tau by context length
     compiling = ["compiling the decode programs…"]   # what the progress line says while XLA compiles
 
     def handed_to_engine(reqs):
@@ -317,7 +318,7 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
                 tau = round(fin.accept_length, 4) if k and fin.rounds else None
                 out.append(result_record(rec, s.emit, generation_text(tok, fin.tokens, fin.finish_reason),
                                          len(fin.tokens), fin.finish_reason, tau))
-                stats.add(fin.finish_reason, fin.stats, failure=FAIL_GENERATION)
+                stats.add(fin.finish_reason, fin.stats, failure=FAIL_GENERATION, prompt_tokens=prompt_tokens[fin.key])
                 stats.draft_choice = getattr(engine, "draft_choice", None)
                 stats.tick()
                 compiling[0] = "compiling…"

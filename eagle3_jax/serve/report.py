@@ -16,6 +16,7 @@ import time
 
 from eagle3_jax.checkpoint.staging import write_json_atomic
 from eagle3_jax.metrics import WATCHDOG_MIN_ROUNDS, CompileTally, GenerationStats, check_acceptance, compile_log
+from eagle3_jax.train_serve import ContextBuckets
 
 
 class RunStats:
@@ -30,6 +31,7 @@ class RunStats:
         self.finish = collections.Counter()
         self.failures = collections.Counter()   # why prompts failed: a short reason -> how many
         self.generation = GenerationStats.empty(num_draft_tokens)
+        self.by_context = ContextBuckets()   # tau per context-length bucket
         self.started = time.perf_counter()
         self.load_seconds = 0.0
         self._compile_mark: int | None = None   # compile_log().count when generation started
@@ -54,10 +56,13 @@ class RunStats:
         finally:
             log.on_trace.remove(on_trace)
 
-    def add(self, finish_reason: str, stats: GenerationStats | None = None, failure: str | None = None) -> None:
+    def add(self, finish_reason: str, stats: GenerationStats | None = None, failure: str | None = None,
+            prompt_tokens: int | None = None) -> None:
         """One finished prompt: its finish reason, unless it failed before generating its stats, and
         for a failed prompt the short reason it is counted under in the summary."""
         self.prompts += 1
+        if stats is not None and prompt_tokens is not None:
+            self.by_context.add(prompt_tokens, stats)
         if stats is not None:
             seconds = self.generation.seconds
             self.generation = GenerationStats.combine([self.generation, stats])
@@ -222,6 +227,7 @@ def metrics_dict(stats: RunStats, already_done: int, skipped_lines: int, setting
         "compiles": stats.compiles.as_dict(),
         "rounds": stats.rounds, "mean_accept_length": num(stats.tau),
         "accept_rate_per_position": [num(r) for r in stats.accept_rate_per_position],
+        "tau_by_context": stats.by_context.as_dict(),
         "auto_draft": _choice_dict(stats.draft_choice, num),
         "speculation": speculation_verdict(stats),
         "settings": settings,

@@ -12,11 +12,17 @@ __all__ = ["DraftShape", "TrainConfig", "TrainPlan", "check_setup", "run"]
 
 def check_setup(cfg: TrainConfig) -> TrainPlan:
     """The settings, then the target/draft pair they name, from config files (each read once) and
-    headers only; the run's plan."""
+    headers only, then the data's rendering against serve.py's (train_serve.py); the run's plan, all
+    before any weight loads."""
     plan = cfg.resolve()
     preflight.check_pair(cfg.target, plan.draft, mesh=cfg.mesh, dtype=cfg.resolved_target_dtype,
                          weights="native",   # the trainer's load_target keeps quantized weights as stored
                          target_config=plan.target)
+    if cfg.data is not None:
+        from eagle3_jax.train.data import load_tokenizer
+        from eagle3_jax.train_serve import check_rendering
+
+        check_rendering(cfg.data, load_tokenizer(cfg.target))
     return plan
 
 

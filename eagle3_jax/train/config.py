@@ -90,6 +90,9 @@ class TrainConfig:
     eval_prompts: str | None = None
     eval_new_tokens: int = 64
     eval_draft_tokens: int = 4
+    # the eval stops training when the served draft gets under this share of the tokens its training
+    # accuracies imply (train_serve.py: a train/serve mismatch); 0 turns the check off
+    eval_min_accept_share: float = 0.25
     mode: str = "train"
     hidden_source: str = "online"
     offline_dir: str | None = None
@@ -181,6 +184,9 @@ class TrainConfig:
             raise SettingsError(f"max_len must be >= 3 (a token, its successor and one to predict), found {self.max_len}")
         if self.eval_every < 0:
             raise SettingsError(f"eval_every must be >= 0 (0 turns evaluation off), found {self.eval_every}")
+        if not 0 <= self.eval_min_accept_share <= 1:
+            raise SettingsError(f"eval_min_accept_share must be in [0, 1] (0 turns the check off), found "
+                                f"{self.eval_min_accept_share}")
         if self.mode not in MODES:
             raise SettingsError(f"mode '{self.mode}' is not one of {MODES}")
         if self.hidden_source not in HIDDEN_SOURCES:

@@ -42,6 +42,7 @@ from eagle3_jax.train.config import TrainConfig, TrainPlan
 from eagle3_jax.train.progress import StepReport, info as _info
 from eagle3_jax.train.step import OptimizerSpec, compiled_step, init_optimizer, loss_spec, lr_schedule  # noqa: F401 (re-exported)
 from eagle3_jax.train.ttt import simulated_acc_len
+from eagle3_jax.train_serve import check_served_acceptance, tau_by_context
 from eagle3_jax.train.vocab import VocabMap, build_vocab_map, load_or_build, token_counts
 
 log = logging.getLogger("eagle3_jax")
@@ -292,8 +293,8 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Acceptance of the current draft on the held-out prompts through the decode session (the
-        serving loop, at K = ``eval_draft_tokens``, greedy), beside SpecForge's offline estimate
-        from the training accuracies since the last evaluation."""
+        serving loop, at K = ``eval_draft_tokens``, greedy), overall and per context length, beside
+        SpecForge's offline estimate from the training accuracies since the last evaluation."""
         from eagle3_jax.speculative.engine import Engine, Request
         from eagle3_jax.metrics import GenerationStats
 
@@ -305,7 +306,8 @@ class Trainer:
         done = list(engine.run([Request(str(i), list(p)) for i, p in enumerate(self.eval_prompts)]))
         stats = GenerationStats.combine(f.stats for f in done)
         record = {"step": self.step, "eval_tau": stats.mean_accept_length,
-                  "eval_accept_rate_per_position": stats.accept_rate_per_position}
+                  "eval_accept_rate_per_position": stats.accept_rate_per_position,
+                  "eval_tau_by_context": tau_by_context((len(self.eval_prompts[int(f.key)]), f.stats) for f in done)}
         if self._acc_window:
             acc_all = np.mean([r["acc_all"] for r in self._acc_window], axis=0)
             record["simulated_acc_len"] = simulated_acc_len(acc_all[:cfg.eval_draft_tokens])
@@ -372,6 +374,8 @@ class Trainer:
                     if cfg.eval_every and self.step % cfg.eval_every == 0:
                         ev = self.evaluate()
                         self._log(ev)
+                        check_served_acceptance(ev["eval_tau"], ev.get("simulated_acc_len"), cfg.eval_draft_tokens,
+                                                cfg.eval_min_accept_share, where=f"step {self.step} eval")
                         if distributed.is_writer():
                             sim = ev.get("simulated_acc_len")
                             bar.write(f"step {self.step}: eval tau {ev['eval_tau']:.3f}" + (
