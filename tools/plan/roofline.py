@@ -71,7 +71,9 @@ class HloCosts:
     devices sends 2 (n-1)/n S, an all-gather or all-to-all (n-1)/n of its result, a reduce-scatter
     (n-1) times its result, a permute its result), how many collectives; the summed cost
     estimates of the expert kernels (Pallas calls named *gmm*: what the cost analysis counted for
-    them), how many; and how many while loops the program has (each counted once)."""
+    them), how many; how many while loops the program has (each counted once); and the bytes of
+    the program's copies (``copy``, ``copy-start``: layout changes the compiler inserted, e.g. of
+    a whole cache between the scatter that updates it and the loop that reads it)."""
 
     collective_bytes: float = 0.0
     collectives: int = 0
@@ -79,6 +81,7 @@ class HloCosts:
     kernel_bytes: float = 0.0
     kernels: int = 0
     while_loops: int = 0
+    copy_bytes: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -134,7 +137,7 @@ def _sent(op: str, size: int, n: int) -> float:
 
 def hlo_costs(text: str) -> HloCosts:
     """Reads a compiled module's text (``compiled.as_text()``)."""
-    coll_bytes = k_flops = k_bytes = 0.0
+    coll_bytes = k_flops = k_bytes = copies = 0.0
     colls = kernels = loops = 0
     for line in text.splitlines():
         m = _INSTR.match(line)
@@ -150,6 +153,9 @@ def hlo_costs(text: str) -> HloCosts:
                 colls += 1
         elif op == "while":
             loops += 1
+        elif op in ("copy", "copy-start"):
+            sizes = array_bytes(result)
+            copies += max(sizes) if sizes else 0
         elif op == "custom-call" and "gmm" in name:
             kernels += 1
             c = _COST.search(line)
@@ -159,7 +165,7 @@ def hlo_costs(text: str) -> HloCosts:
                 k_bytes += float(fields.get("bytes_accessed", 0))
             else:   # no estimate carried: the cost analysis counts operands and result, no flops
                 k_bytes += sum(array_bytes(result)) + sum(array_bytes(line[line.index("custom-call("):]))
-    return HloCosts(coll_bytes, colls, k_flops, k_bytes, kernels, loops)
+    return HloCosts(coll_bytes, colls, k_flops, k_bytes, kernels, loops, copies)
 
 
 # ---------------------------------------------------------------------- routing

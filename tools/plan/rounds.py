@@ -188,7 +188,7 @@ class Store:
 
     def get(self, key: str) -> RoundCost | None:
         d = self.rounds.get(key)
-        return None if d is None else RoundCost(**dict(d, hlo=HloCosts(**d["hlo"])))
+        return None if d is None else RoundCost(**dict(d, hlo=HloCosts(**d["hlo"])))   # older entries: no copy_bytes
 
     def put(self, key: str, rc: RoundCost) -> None:
         import json
