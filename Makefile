@@ -2,16 +2,21 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
+# SpecForge's own modules are the tests' oracles for drafts and losses. Its package pins a CUDA torch
+# and a serving stack, and pip cannot say --no-deps for one requirement of an extra, so setup
+# installs it on its own, without dependencies, beside the dev extra's CPU torch.
+SPECFORGE := specforge==0.2.0
 
 .PHONY: setup test test-tpu-full demo bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install --upgrade pip
 	# tpu: libtpu, so the suite's TPU compile tier runs here without a TPU (deviceless AOT)
 	$(VENV)/bin/pip install -e '.[dev,tpu]'
+	$(VENV)/bin/pip install --no-deps '$(SPECFORGE)'
 	touch $(STAMP)
 
 # pytest exits 5 when it collects nothing; that must fail too, and it does because

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         # Before anything touches JAX's devices: the trainer's mesh spans every process's devices.
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         cfg = TrainConfig.load(args.config, args.overrides)
-        check_setup(cfg)
+        plan = check_setup(cfg)
     except Eagle3Error as e:   # the command line, the config or the pair they name: nothing has run
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     # A bar redraws with carriage returns: on a log file or a pipe, plain lines every log_every steps.
     bar = not args.no_progress and sys.stderr.isatty() and distributed.is_writer()
     try:
-        result = run(cfg, progress=bar)
+        result = run(cfg, progress=bar, plan=plan)
     except Eagle3Error as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 1)

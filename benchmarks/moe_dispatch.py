@@ -1,8 +1,8 @@
 """Routed-expert compute cost vs the number of experts E, at a fixed number of tokens.
 
 For each (M rows, E experts) the same routed assignment (top-k of random scores) is run through:
-  * ``blocked`` — ``eagle3_jax.models.moe.experts_blocked``: a loop over row blocks of the experts hit;
-  * ``ragged``  — ``eagle3_jax.models.moe.experts_ragged``: ``jax.lax.ragged_dot`` (native grouped
+  * ``blocked`` — ``eagle3_jax.kernels.experts.experts_blocked``: a loop over row blocks of the experts hit;
+  * ``ragged``  — ``eagle3_jax.kernels.experts.experts_ragged``: ``jax.lax.ragged_dot`` (native grouped
                   matmul on TPU; on the CPU backend XLA lowers it to ONE dense dot over all E
                   experts' weights with the rows masked per group, i.e. O(rows x E));
   * ``dense``   — a reference that runs every token through every expert and masks the result
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.models.moe import block_rows, experts_blocked, experts_ragged
+from eagle3_jax.kernels.experts import block_rows, experts_blocked, experts_ragged
 
 
 def experts_dense(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert):

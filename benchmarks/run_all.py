@@ -80,6 +80,11 @@ BENCHES = (
           "checkpoint conversion (to-jax, to-hf) throughput and peak memory against a raw read",
           quick_args=("--experts", "8", "--hidden", "128", "--moe-intermediate", "64", "--layers", "2",
                       "--vocab", "512", "--part-sizes", "1MB", "--max-shard-size", "2MB")),
+    Bench("round_costs", "benchmarks/round_costs.py",
+          "decode rounds (K = 0, 1, 2, 4) measured beside the roofline the TPU planner prices them with "
+          "(compiler costs, this CPU's measured bandwidth and flops): the demo pair at batch 1 and 8",
+          args=("--pair", "demo", "--batches", "1,8", "--ks", "0,1,2,4", "--context", "160", "--headroom", "96"),
+          quick_args=("--tiny",), writes_json=True, timeout_s=3600),
     Bench("attention_capacity", "benchmarks/attention_capacity.py",
           "verify-round cost vs cache capacity at a fixed filled length (demo pair, batch 8)",
           quick_args=("--capacities", "128,256", "--ks", "0,1", "--batch", "2", "--rounds", "2", "--repeats", "1"),

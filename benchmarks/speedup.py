@@ -4,7 +4,9 @@ Prompt sets: ``demo`` is the pair's held-out prompts (standard-library modules t
 saw); ``thirdparty`` is code unlike anything it trained on, cut the same way (a few lines before a
 def/class line, the header and its first body line: ``tools/demo/corpus.prompts_from``) from the
 third-party packages installed beside this interpreter (numpy, scipy, jinja2: one prompt per
-file, files in sha256-of-path order, so the set is the same on every run of one environment).
+file, files in sha256-of-path order, so the set is the same on every run of one environment);
+``heldout`` is the set the K chooser is judged on and was never tuned on (longer function halves
+with their context from other packages, ``heldout_prompts.py``; committed before any tuning).
 
 For every prompt set, batch size B and temperature T, each mode decodes all prompts on B rows as
 ``Generator(..., batch_size=B)`` does (one Engine run per pass): target-only, EAGLE-3 with each
@@ -24,7 +26,7 @@ With a P-EAGLE draft (``--parallel-draft``, default ``DEMO/peagle`` when it exis
 all K draft tokens come from one draft pass. "round ms" is wall seconds per loop iteration
 (rounds summed over rows / B), so the cost of a round at each K can be read beside its τ.
 
-    .venv/bin/python benchmarks/speedup.py [--demo-dir demo] [--prompts demo,thirdparty] [--batch 1,8,32]
+    .venv/bin/python benchmarks/speedup.py [--demo-dir demo] [--prompts demo,thirdparty,heldout] [--batch 1,8,32]
         [--temperature 0,1] [--k 1,2,3,4,5,6] [--num-prompts N] [--max-new-tokens 96] [--repeats 5]
         [--parallel-draft DIR] [--parallel-k 2,4,6,8] [--json OUT.json]
 """
@@ -53,6 +55,7 @@ from eagle3_jax.speculative.autodraft import DEFAULT_MAX_DRAFT_TOKENS
 
 MAX_WARM_PASSES = 3
 THIRD_PARTY_PACKAGES = ("numpy", "scipy", "jinja2")
+HELDOUT_PROMPTS = os.path.join(REPO, "benchmarks", "prompts", "heldout_code.jsonl")
 
 
 def thirdparty_prompts(n: int, packages=THIRD_PARTY_PACKAGES) -> list[str]:
@@ -175,15 +178,19 @@ def prompt_sets(pair: DemoPair, names: list[str], n: int | None) -> dict[str, li
             sets[name] = pair.prompt_ids[:n] if n else pair.prompt_ids
         elif name == "thirdparty":
             sets[name] = [pair.tokenizer.encode(p) for p in thirdparty_prompts(n or len(pair.prompt_ids))]
+        elif name == "heldout":
+            with open(HELDOUT_PROMPTS, encoding="utf-8") as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            sets[name] = [pair.tokenizer.encode(r["prompt"]) for r in rows[:n or len(pair.prompt_ids)]]
         else:
-            raise SystemExit(f"--prompts: unknown set {name!r}; use demo and/or thirdparty")
+            raise SystemExit(f"--prompts: unknown set {name!r}; use demo, thirdparty and/or heldout")
     return sets
 
 
 def main(argv=None, extra_modes: dict | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--demo-dir", default=os.path.join(REPO, "demo"))
-    ap.add_argument("--prompts", default="demo,thirdparty", help="prompt sets: demo, thirdparty")
+    ap.add_argument("--prompts", default="demo,thirdparty,heldout", help="prompt sets: demo, thirdparty, heldout")
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--temperature", default="0,1")
     ap.add_argument("--k", default=",".join(str(k) for k in range(1, DEFAULT_MAX_DRAFT_TOKENS + 1)))

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax import tpu
-from eagle3_jax.models import experts
+from eagle3_jax.kernels import experts
 from eagle3_jax.models.quantized import Fp8Stack, Int4Stack, QuantLayout
 
 

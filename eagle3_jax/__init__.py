@@ -6,7 +6,8 @@ _backends.quiet_without_tpu()   # before any JAX backend starts: no libtpu start
 
 from eagle3_jax.api import (DraftOutput, ForwardOutput, GenerationResult, Generator, LoadedDraft, LoadedTarget,
                             build_draft, build_target, load_draft, load_target, save_draft)
-from eagle3_jax.config import DraftConfig, MeshConfig, RopeConfig, TargetConfig
+from eagle3_jax.config import MeshConfig, RopeConfig, TargetConfig
+from eagle3_jax.drafts import DraftConfig
 from eagle3_jax.metrics import AcceptanceCollapseWarning, GenerationStats
 from eagle3_jax.errors import CheckpointError, ConfigError, Eagle3Error
 from eagle3_jax.sharding import make_mesh

@@ -1,13 +1,17 @@
 """JAX's persistent compilation cache under the project's cache directory.
 
-A serving run compiles one program per draft length under ``num_draft_tokens: auto`` (and per batch
-size; greedy and sampling share them); a second run of the same pair on the same machine reads the compiled
-executables from disk instead of compiling them again.
+A serving run compiles one program per draft length it runs (and per batch size and prompt bucket;
+greedy and sampling share them); a second run of the same pair on the same machine reads the
+compiled executables from disk instead of compiling them again. Under ``num_draft_tokens: auto``
+what the chooser measured is kept beside them while the cache is on (``calibration_dir``), so the
+second run also starts from the first one's measurements and runs only programs it compiled.
 """
 
 from __future__ import annotations
 
 import os
+
+_enabled: str | None = None   # the directory enable() pointed JAX at
 
 OFF_ENV = "EAGLE3_JAX_COMPILE_CACHE"   # "0" / "off": leave JAX's cache settings alone
 CACHE_ENV = "EAGLE3_JAX_CACHE"          # the project's cache directory (default ~/.cache/eagle3_jax)
@@ -20,6 +24,7 @@ def cache_dir() -> str:
 def enable(path: str | None = None) -> str | None:
     """Points JAX's persistent cache at ``path`` (default: ``<cache_dir()>/xla``) and caches every
     program however quickly it compiled; returns the directory, or None when turned off."""
+    global _enabled
     if os.environ.get(OFF_ENV, "").lower() in ("0", "off", "false", "no"):
         return None
     import jax
@@ -29,4 +34,10 @@ def enable(path: str | None = None) -> str | None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _enabled = path
     return path
+
+
+def calibration_dir() -> str | None:
+    """Where auto's measurements are kept: beside the compile cache, once ``enable`` turned it on."""
+    return os.path.join(os.path.dirname(_enabled), "autodraft") if _enabled else None

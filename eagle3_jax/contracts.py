@@ -7,10 +7,15 @@ accepted. Every mismatch here is an error naming both numbers and the fix.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from eagle3_jax.config import DraftConfig, TargetConfig
+from eagle3_jax.config import TargetConfig
 from eagle3_jax.errors import ConfigError
+
+if TYPE_CHECKING:   # annotations only: importing the drafts package here would close a circle through it
+    from eagle3_jax.drafts.eagle3.config import DraftConfig
 
 
 def resolve_aux_ids(draft: DraftConfig, target: TargetConfig) -> tuple[int, ...]:

@@ -100,39 +100,90 @@ def check_acceptance(stats: GenerationStats, num_draft_tokens: int, context: str
     return True
 
 
-# JAX's public compile events (jax.monitoring, names as jax 0.10 records them): the duration of
-# tracing a function, and of its backend compile, which wraps both an XLA compile and a load from
-# the persistent compilation cache. A call that hits jit's in-memory cache records neither.
+# JAX's public compile events (jax.monitoring, names as jax 0.10 records them): the start of tracing a
+# function (a scalar event holding its start time) and the duration of tracing, of lowering and of the
+# backend compile, which wraps both an XLA compile and a load from the persistent compilation cache
+# (a load also records CACHE_HIT_EVENT). A call that hits jit's in-memory cache records none of them.
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+@dataclass
+class CompileTally:
+    """The compilations of a stretch of time: programs compiled by XLA, programs loaded from the
+    persistent compile cache, and the wall seconds they took (tracing to the end of the compile or
+    load, overlaps once), by jitted function name."""
+
+    compiled: int = 0
+    from_cache: int = 0
+    seconds: float = 0.0
+    by_function: dict = field(default_factory=dict)   # name -> {"compiled", "from_cache", "seconds"}
+
+    @property
+    def programs(self) -> int:
+        return self.compiled + self.from_cache
+
+    def as_dict(self) -> dict:
+        return {"compiled": self.compiled, "from_cache": self.from_cache, "seconds": self.seconds,
+                "by_function": self.by_function}
 
 
 class CompileLog:
-    """Every program this process compiled (or loaded from the persistent cache), as a
-    (start, end) ``time.perf_counter`` interval from the start of its tracing to the end of its
-    backend compile. One listener on JAX's compile events feeds it, installed on first use
-    (``compile_log()``); callers compare ``count`` before and after a call to learn whether that
-    call compiled."""
+    """Every program this process compiled or loaded from the persistent cache: when (a
+    ``time.perf_counter`` interval from the start of its tracing to the end of its backend compile),
+    what (the jitted function's name) and whether it came from the cache. One set of listeners on
+    JAX's compile events feeds it, installed on first use (``compile_log()``). Callers take a
+    ``count`` and later ask ``since(count)``; ``on_trace`` callbacks hear when tracing starts, so a
+    progress line can say that it is compiling instead of stalling silently."""
 
     def __init__(self):
         self.intervals: list[tuple[float, float]] = []
-        self._trace_start: float | None = None
+        self.entries: list[tuple[str, bool]] = []   # (function name, loaded from the cache), per interval
+        self.on_trace: list = []
+        self._start: float | None = None   # start of the phases not yet closed by a backend compile
+        self._hit = False
         self._lock = threading.Lock()
 
     @property
     def count(self) -> int:
         return len(self.intervals)
 
-    def _on_duration(self, event: str, duration: float, **_) -> None:
+    def _on_scalar(self, event: str, value: float, **_) -> None:
+        if event == TRACE_EVENT:
+            for callback in list(self.on_trace):
+                callback()
+
+    def _on_event(self, event: str, **_) -> None:
+        if event == CACHE_HIT_EVENT:
+            self._hit = True
+
+    def _on_duration(self, event: str, duration: float, fun_name: str = "?", **_) -> None:
         # The events carry durations on their own clock; each is placed ending now.
         now = time.perf_counter()
         with self._lock:
-            if event == TRACE_EVENT:
-                self._trace_start = now - duration
+            if event in (TRACE_EVENT, LOWER_EVENT):
+                if event == TRACE_EVENT or self._start is None:
+                    self._start = now - duration
             elif event == BACKEND_COMPILE_EVENT:
-                start = self._trace_start if self._trace_start is not None else now - duration
+                start = self._start if self._start is not None else now - duration
                 self.intervals.append((min(start, now - duration), now))
-                self._trace_start = None
+                self.entries.append((fun_name, self._hit))
+                self._start, self._hit = None, False
+
+    def since(self, count: int = 0) -> CompileTally:
+        """What was compiled or loaded after the first ``count`` programs."""
+        tally = CompileTally(seconds=union_length(self.intervals[count:]))
+        for (start, end), (name, hit) in zip(self.intervals[count:], self.entries[count:]):
+            f = tally.by_function.setdefault(name, {"compiled": 0, "from_cache": 0, "seconds": 0.0})
+            f["from_cache" if hit else "compiled"] += 1
+            f["seconds"] += end - start
+            if hit:
+                tally.from_cache += 1
+            else:
+                tally.compiled += 1
+        return tally
 
     def seconds_since(self, count: int) -> float:
         """Wall seconds covered by the compilations after the first ``count`` (overlaps once)."""
@@ -147,6 +198,8 @@ def compile_log() -> CompileLog:
     if _LOG is None:
         _LOG = CompileLog()
         monitoring.register_event_duration_secs_listener(_LOG._on_duration)
+        monitoring.register_scalar_listener(_LOG._on_scalar)
+        monitoring.register_event_listener(_LOG._on_event)
     return _LOG
 
 

@@ -16,11 +16,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from eagle3_jax.config import DTYPES, DraftConfig, MeshConfig, TargetConfig
-from eagle3_jax.config.peagle import PEagleConfig, read_draft_config
+from eagle3_jax import drafts
+from eagle3_jax.config import DTYPES, MeshConfig, TargetConfig
+from eagle3_jax.drafts import DraftConfig
 from eagle3_jax.contracts import check_pairing, resolve_aux_ids
-from eagle3_jax.drafts.dflash_config import DFlashConfig, is_dflash_dir
-from eagle3_jax.drafts.dflash_config import check_pairing as check_dflash_pairing
 from eagle3_jax.errors import CheckpointError, ConfigError
 
 # Probe text for tokenizer agreement: prose, code, digits and non-ASCII, where vocabularies differ.
@@ -57,7 +56,7 @@ class PairFacts:
 
 
 def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None = None,
-               weights: str | None = None) -> PairFacts:
+               weights: str | None = None, target_config: TargetConfig | None = None) -> PairFacts:
     """Checks everything that needs no weights; raises on the first failure.
 
     ``target``: a checkpoint directory or an already-read TargetConfig. ``draft``: a draft directory,
@@ -65,7 +64,8 @@ def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None
     ``"auto"``/``"none"``, a MeshConfig, a jax Mesh or None. ``dtype``: the compute dtype name (or
     ``"auto"``). ``max_len``: the prompt + generation capacity the run asks for. ``weights``: how
     the run will load the target (``"native"``: a quantization_config whose weights cannot be held
-    as stored is refused here, naming its field; None: not checked).
+    as stored is refused here, naming its field; None: not checked). ``target_config``: the config
+    the caller already read from the ``target`` directory (not read again).
     """
     from eagle3_jax.checkpoint.quant import QuantScheme
 
@@ -74,7 +74,7 @@ def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None
         tcfg = target
     else:
         target_dir = os.fspath(target)
-        tcfg = TargetConfig.from_path(target_dir)
+        tcfg = target_config if target_config is not None else TargetConfig.from_path(target_dir)
     facts = PairFacts(target=tcfg, target_dtype=_torch_dtype(tcfg.hf_config))
     facts.quantization = QuantScheme.from_hf_config(tcfg.hf_config, _where(target_dir)).method
     if weights == "native":
@@ -91,14 +91,10 @@ def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None
     if draft is None:
         return facts
 
-    draft_dir = None
-    if isinstance(draft, DraftConfig):
-        dcfg = draft
-    else:
+    draft_dir, dcfg = None, draft   # a config of any kind: a draft about to be trained
+    if isinstance(draft, (str, os.PathLike)):
         draft_dir = os.fspath(draft)
-        if is_dflash_dir(draft_dir):   # a block draft: its own contracts (drafts/dflash_config.py)
-            return _check_dflash(facts, tcfg, target_dir, draft_dir)
-        dcfg = read_draft_config(draft_dir)   # the chain draft or a P-EAGLE one, by its architecture
+        dcfg = drafts.read_config(draft_dir)   # the kind its architecture names
     facts.draft, facts.draft_dtype = dcfg, _torch_dtype(dcfg.hf_config)
     if dcfg.hf_config.get("quantization_config"):
         raise ConfigError(
@@ -115,9 +111,7 @@ def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None
     check_pairing(dcfg, tcfg, fc_in, len(facts.aux_layer_ids), None, embed_width)
     if tensors is not None:
         _check_draft_tensors(tensors, dcfg, draft_dir)
-    if isinstance(dcfg, PEagleConfig) and dcfg.mask_token_id is None:
-        facts.notes.append(f"{_where(draft_dir)}: P-EAGLE draft without mask_token_id in config.json; pass the id it "
-                           "was trained with when loading it")
+    facts.notes += drafts.of_config(dcfg).notes(dcfg, _where(draft_dir))
     if dcfg.head_dim % 2:
         raise ConfigError(f"{_where(draft_dir)}: draft head_dim={dcfg.head_dim} is odd, but rotary embeddings "
                           "rotate pairs of dimensions; use an even head_dim")
@@ -133,24 +127,6 @@ def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None
 
 
 # ---------------------------------------------------------------------- the pieces
-def _check_dflash(facts: PairFacts, tcfg: TargetConfig, target_dir, draft_dir: str) -> PairFacts:
-    """A DFlash draft's layer ids, widths, vocab and MASK token against the target, from its
-    config.json and its fc header."""
-    dcfg = DFlashConfig.from_path(draft_dir)
-    facts.draft, facts.draft_dtype = dcfg, _torch_dtype(dcfg.hf_config)
-    fc = _draft_headers(draft_dir).get("fc.weight")
-    if fc is None:
-        raise CheckpointError(f"{draft_dir}: no fc.weight; a DFlash draft fuses the target's states with fc")
-    facts.fc_in_width = fc.shape[1]
-    facts.aux_layer_ids = check_dflash_pairing(dcfg, tcfg, fc.shape[1], _where(draft_dir))
-    if dcfg.mask_token_id is None:
-        facts.notes.append(f"{_where(draft_dir)}: DFlash draft without dflash_config.mask_token_id: it cannot "
-                           "propose until one is set")
-    if target_dir is not None:
-        _check_tokenizers(target_dir, draft_dir)
-    return facts
-
-
 def _where(path) -> str:
     return os.path.join(path, "config.json") if path else "config.json"
 

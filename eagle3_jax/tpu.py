@@ -23,7 +23,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -139,13 +139,15 @@ def _cost(compiled) -> dict:
 
 
 def compile_stats(fn, args: Sequence[Any], kwargs: dict | None = None, name: str = "program",
-                  hbm: int | None = None, compiler_options: dict | None = None) -> CompiledStats:
+                  hbm: int | None = None, compiler_options: dict | None = None,
+                  inspect: Callable[[Any], None] | None = None) -> CompiledStats:
     """Lowers and compiles a jitted ``fn`` on abstract ``args`` (ShapeDtypeStructs whose shardings
     name the target devices) and reads memory and cost per device.
 
     ``peak`` = arguments + outputs not aliased to (donated) arguments + temporaries: the bytes the
     program holds at once on one device. A TPU compile that runs out of HBM is returned with
-    ``fits=False`` and the compiler's figure, not raised: not fitting is an answer.
+    ``fits=False`` and the compiler's figure, not raised: not fitting is an answer. ``inspect``, if
+    given, is called with the compiled program (to read its HLO, say) before it is dropped.
     """
     t0 = time.perf_counter()
     lowered = fn.lower(*args, **(kwargs or {}))
@@ -160,6 +162,8 @@ def compile_stats(fn, args: Sequence[Any], kwargs: dict | None = None, name: str
                              peak=int(float(m.group(1)) * _UNIT[m.group(2)]),
                              hbm=int(float(m.group(3)) * _UNIT[m.group(4)]), error=str(e).splitlines()[0][:300])
     t2 = time.perf_counter()
+    if inspect is not None:
+        inspect(compiled)
     mem = compiled.memory_analysis()
     if mem is None:
         raise RuntimeError("this XLA backend reports no memory analysis for compiled programs")

@@ -11,11 +11,11 @@ import optax
 from flax import nnx
 
 import eagle3_jax as e3
-from eagle3_jax.train.peagle_objective import CODSettings, cod_budget, cod_sample, pad_rollouts, peagle_loss
+from eagle3_jax.drafts.peagle.objective import CODSettings, cod_budget, cod_sample, pad_rollouts, peagle_loss
 
 
 def shifted_rows(target, draft: e3.LoadedDraft, seqs: np.ndarray, batch: int = 16):
-    """(ids, aux, target logits) in the shifted pairing (peagle_objective's module docstring)."""
+    """(ids, aux, target logits) in the shifted pairing (drafts/peagle/objective.py's module docstring)."""
     outs = [target.forward(seqs[i:i + batch], aux_layer_ids=draft.aux_layer_ids) for i in range(0, len(seqs), batch)]
     aux = np.concatenate([np.asarray(o.aux_hidden) for o in outs])
     logits = np.concatenate([np.asarray(o.logits) for o in outs])

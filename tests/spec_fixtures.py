@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 
 import eagle3_jax as e3
-from eagle3_jax.config import DraftConfig
+from eagle3_jax.drafts.eagle3.config import DraftConfig
 
 
 def tiny_draft_config(target_cfg, aux_ids=(0, 1, 2), draft_vocab=None, **extra) -> DraftConfig:

@@ -1,5 +1,6 @@
-"""num_draft_tokens="auto": the choice follows costs and acceptance, and never changes greedy output;
-compile accounting and prompt buckets, which the K policy and every front end share."""
+"""num_draft_tokens="auto": the choice is priced end to end, starts from the table (a calibration, a
+probe or the user's), moves only on evidence larger than the noise, explores little, never changes
+greedy output; compile accounting and prompt buckets, which the K policy and every front end share."""
 
 import functools
 import itertools
@@ -14,207 +15,143 @@ import pytest
 import eagle3_jax as e3
 from eagle3_jax.metrics import compile_log
 from eagle3_jax.speculative import autodraft, session as session_mod
-from eagle3_jax.speculative.autodraft import Acceptance, AutoDraft, RoundCosts
+from eagle3_jax.speculative.autodraft import Acceptance, AutoDraft, Costs
+from eagle3_jax.speculative.calibration import CalibrationStore
 from eagle3_jax.speculative.engine import Engine, Request
+from eagle3_jax.speculative.policy import Batch, Run
 from eagle3_jax.speculative.session import SamplingSettings, bucket_prompt_len, prompt_buckets
 
 
+def run_of(k, iterations, seconds, row_rounds=None, round_tokens=0, accepted=(), admitted=0, admit_seconds=0.0,
+           emitted=None):
+    """A bounded run of one row (seconds None: it compiled)."""
+    acc = np.zeros((1, max(len(accepted), 1)), np.int64)
+    acc[0, :len(accepted)] = accepted
+    rounds = iterations if row_rounds is None else row_rounds
+    return Run(k=k, seconds=seconds, admit_seconds=admit_seconds if seconds is not None else None,
+               iterations=iterations, admitted=admitted, taught_B=np.array([k > 0]), rounds_B=np.array([rounds]),
+               round_tokens_B=np.array([round_tokens]),
+               emitted_B=np.array([round_tokens if emitted is None else emitted]), accepted_BK=acc,
+               finished_B=np.array([False]))
+
+
+def batch_of(B=1, admitted=False, last_wave=False):
+    return Batch(np.ones(B, bool), np.full(B, admitted), np.full(B, not admitted), np.full(B, 100), last_wave)
+
+
+def accepting(k_max, a, rounds=4000):
+    """Acceptance with a_j = a at every position, from ``rounds`` rounds at K_max."""
+    acc = Acceptance(k_max)
+    acc.observe(k_max, rounds, [rounds * a ** (j + 1) for j in range(k_max)])
+    return acc
+
+
 def flat_costs(n, step=0.1):
-    return lambda *a: RoundCosts({k: 1.0 + step * k for k in range(n)}, probe_seconds=1.0)
+    return lambda *a: Costs({k: 1.0 + step * k for k in range(n)}, {False: 0.0, True: 0.0}, 1.0)
 
 
-def test_choice_follows_costs_and_acceptance():
-    costs = RoundCosts({0: 1.0, 1: 1.3, 4: 1.75})   # probed K = 0, 1, 4; K = 2, 3 on the line between
-    assert costs.cost(2) == pytest.approx(1.45) and costs.cost(3) == pytest.approx(1.6)
-    acc = Acceptance(4)
-    acc.observe(4, 1000, [900, 810, 729, 656])      # a_j = 0.9 everywhere
-    np.testing.assert_allclose(acc.conditional(), 0.9, atol=0.01)
-    assert AutoDraft(costs, 4, acc).choose() == 4
-    low = Acceptance(4)
-    low.observe(4, 4000, [400, 40, 4, 0])           # a_1 = 0.1: no K pays 1.3 target steps
-    assert AutoDraft(costs, 4, low).choose() == 0 and low.tau(0) == 1.0
-    # verify twice as dear: tau(4) = 4.1 does not pay 5.5 target steps, nor does any smaller K
-    assert AutoDraft(RoundCosts({0: 1.0, 1: 2.5, 4: 5.5}), 4, acc).choose() == 0
+def test_the_rate_counts_admissions_and_the_last_wave_does_not():
+    """rate(K) = B·N / (B·a(K) + N·c(K)/τ(K)): a draft whose rounds pay but whose prefill is dear
+    loses on short rows and wins on long ones; once nothing is admitted, the rounds decide alone."""
+    costs = Costs({0: 1.0, 1: 1.5, 2: 2.0}, {False: 10.0, True: 30.0})
+    acc = accepting(2, 0.8)
+    short = AutoDraft(costs, 2, acc, batch_size=1, max_new_tokens=32)
+    tau2 = acc.tau(2)
+    assert short.rate(2) == pytest.approx(32 / (30.0 + 32 * 2.0 / tau2))
+    assert short.rate(0) == pytest.approx(32 / (10.0 + 32 * 1.0))
+    assert short.predicted(2) < 1.0 and short.start_k == 0
+    long = AutoDraft(costs, 2, acc, batch_size=1, max_new_tokens=2048)
+    assert long.predicted(2) > 1.1 and long.start_k == 2
+    assert short.rate(2, last_wave=True) == pytest.approx(tau2 / 2.0)
 
 
-def test_the_last_wave_is_priced_by_its_slowest_row():
-    """Once no prompt waits, the batch runs until its slowest row is done: a K whose mean acceptance
-    pays but whose worst row accepts little deep down loses to a shorter K there; rows alike, the
-    wave prices as the mean does."""
-    costs = RoundCosts({0: 1.0, 1: 1.2, 4: 1.8})    # K = 2: 1.4
-    acc = Acceptance(4)
-    acc.observe(4, 1000, [800, 640, 512, 410])      # a_j = 0.8 pooled: tau(4) 3.36 / 1.8 beats tau(2) 2.44 / 1.4
-    auto = AutoDraft(costs, 4, acc)
-    assert auto.choose() == 4
-    # row 0 accepts every position; row 1 accepts 0.8, 0.5, 0.1, 0.1 of what reaches each position
-    offered = np.array([[1000, 1000, 1000, 1000], [1000, 800, 400, 40]])
-    accepted = np.array([[1000, 1000, 1000, 1000], [800, 400, 40, 4]])
-    wave = autodraft.Wave(np.array([60, 60]), accepted, offered)
-    # row 1's tau(4) is ~2.24, tau(2) ~2.2: the wave lasts 60 / 2.24 rounds at K = 4, 60 / 2.2 at K = 2
-    assert wave.tau(4, acc.conditional()) == pytest.approx(2.24, abs=0.02)
-    assert auto.choose(wave) == 2 and auto.next_k(wave=wave) == 2
-    # a row with little left does not hold the wave: row 1 has 2 tokens to go, row 0 sixty
-    assert auto.choose(autodraft.Wave(np.array([60, 2]), accepted, offered)) == 4
-    # a row seen only at position 1, where it accepts half of what the pool does, is priced at half
-    # the pool's rate deeper too (before its own counts there pull it back)
-    pooled = acc.conditional()
-    few = autodraft.Wave(np.array([60]), np.array([[400, 0, 0, 0]]), np.array([[1000, 0, 0, 0]]))
-    a1 = (400 + pooled[0] * autodraft.PRIOR_ROUNDS) / (1000 + autodraft.PRIOR_ROUNDS)
-    a2 = pooled[1] * a1 / pooled[0]
-    assert few.tau(2, pooled) == pytest.approx(1 + a1 + a1 * a2)
-    # no row data yet: each row is the pool, the same rate as without the wave
-    blank = autodraft.Wave(np.array([60, 60]), np.zeros((2, 4)), np.zeros((2, 4)))
-    assert auto.rate(3, 0.0, blank) == pytest.approx(auto.rate(3))
+def test_the_start_is_the_tables_k():
+    """Calibrated costs and acceptance choose the first K (the table's, per batch size); a user's
+    table names it instead; with nothing known about acceptance, target-only (the prior cannot
+    show a gain larger than its own uncertainty)."""
+    costs = lambda: Costs({0: 1.0, 1: 1.5, 2: 1.9}, {False: 0.0, True: 0.0}, source="calibrated")
+    sure = AutoDraft(costs(), 2, accepting(2, 0.85), max_new_tokens=128)
+    assert sure.start_k == 2 and sure.table_source == "calibrated"
+    assert AutoDraft(costs(), 2, Acceptance(2), max_new_tokens=128).start_k == 0
+    user = AutoDraft(costs(), 2, Acceptance(2), max_new_tokens=128, start_k=1)
+    assert user.start_k == 1 and user.table_source == "user" and user.next_k(batch_of(admitted=True)) == 1
 
 
-def test_a_one_row_wave_is_priced_by_the_pool_not_a_borrowed_row():
-    """A new row of a wave borrows a finished row's counts so that a batch's slowest row can be
-    found; with one row there is none to find, and a lucky borrowed row would only pick a K the
-    pool says loses (batch 1, T = 1)."""
-    costs = RoundCosts({0: 1.0, 1: 1.7, 4: 3.0})   # K = 2: 2.13
-    acc = Acceptance(4)
-    acc.observe(4, 4000, [2200, 1300, 700, 400])     # a_1 = 0.55: no K pays
-    auto = AutoDraft(costs, 4, acc)
-    lucky = (np.array([95, 90, 85, 80]), np.array([100, 95, 90, 85]))   # one past row accepting ~0.95
-    auto.rows_finished([lucky[0]], [lucky[1]])
-    fresh = lambda n: autodraft.Wave(np.full(n, 60), np.zeros((n, 4)), np.zeros((n, 4)))
-    assert auto.choose() == 0 and auto.choose(fresh(1)) == 0
-    assert auto.next_k(wave=fresh(1)) == 0
-    assert auto._with_past(fresh(1)).offered_BK.sum() == 0   # the row keeps its own (no) counts
-    # two fresh rows both borrow the lucky row: then the wave looks like it, and speculation pays
-    assert auto._with_past(fresh(2)).offered_BK[:, 0].tolist() == [100, 100]
-    assert auto.choose(auto._with_past(fresh(2))) > 0
-
-
-def test_unreached_positions_are_priced_from_the_one_before():
-    """Rounds at K = 3 never offer positions 4..6: their prior is the estimate of position 3, not a
-    fixed 0.7 (measured case, demo pair, batch 1, greedy: 87 % per position; a fixed prior held
-    K = 3 where K = 6 ran 14 % faster)."""
-    costs = RoundCosts({0: 1.0, 1: 1.60, 2: 2.11, 3: 2.34, 4: 2.67, 5: 2.91, 6: 3.16})
-    acc = Acceptance(6)
-    acc.observe(3, 800, [696, 606, 527])
-    a = acc.conditional()
-    np.testing.assert_allclose(a[:3], 0.87, atol=0.005)
-    np.testing.assert_allclose(a[3:], a[2])
-    assert AutoDraft(costs, 6, acc).choose() == 6
-    low = Acceptance(6)
-    low.observe(2, 800, [400, 100])                 # a_1 = 0.5, a_2 = 0.25: deeper positions stay low
-    assert low.conditional()[5] < 0.3
-
-
-def test_the_upper_bound_explores_and_the_data_end_it():
-    """With no data, acceptance at its upper bound makes speculating worth a try; once the rounds
-    show it loses, the bound has closed in and target-only is chosen. A K that could not pay even
-    with every draft accepted is never tried."""
-    costs = RoundCosts({0: 1.0, 1: 1.6, 2: 2.2})
-    auto = AutoDraft(costs, 2, Acceptance(2))
-    assert auto.rate(2, autodraft.UCB_Z) > auto.rate(0) and auto.next_k() > 0
-    for _ in range(10):                             # runs at K = 2 that accept 30 % per position
-        auto.observe(2, 16, 16 * 2.2, 16, 0, [5, 1])
-    assert auto.choose() == 0
-    assert auto.next_k(drafted_rows=True) == 0
-    hopeless = AutoDraft(RoundCosts({0: 1.0, 1: 5.0, 2: 9.0}), 2, Acceptance(2))
-    assert hopeless.acceptance.tau(2, 10.0) == 3.0 and {hopeless.next_k() for _ in range(50)} == {0}
-    # rows without a current draft state never speculate, whatever the model says
-    keen = Acceptance(2)
-    keen.observe(2, 1000, [1000, 1000])
-    assert AutoDraft(costs, 2, keen).next_k(drafted_rows=False) == 0
-
-
-def test_speculation_must_beat_target_only_by_the_margin():
-    costs = RoundCosts({0: 1.0, 1: 1.0})            # drafting and verifying as cheap as a decode step
-    slight = Acceptance(1)
-    slight.observe(1, 100000, [1000])               # tau(1) ~ 1.01 even at its upper bound
-    assert 1.0 < AutoDraft(costs, 1, slight).rate(1, autodraft.UCB_Z) < 1.0 + autodraft.MARGIN
-    assert AutoDraft(costs, 1, slight).choose() == 0
-    clear = Acceptance(1)
-    clear.observe(1, 1000, [300])                   # tau(1) ~ 1.3
-    assert AutoDraft(costs, 1, clear).choose() == 1
-
-
-def test_live_round_costs_outvote_the_probe():
-    costs = RoundCosts({0: 1.0, 1: 1.1, 2: 1.2})    # probed while the machine was idle
-    acc = Acceptance(2)
-    acc.observe(1, 1000, [500])
-    auto = AutoDraft(costs, 2, acc)
-    auto.observe(0, 3, 3.75, 3, 3, [0, 0])          # 3 rounds: too short a run to time
-    assert costs.live(0) is None and costs.cost(0) == 1.0
-    auto.observe(0, 8, 10.0, 8, 8, [0, 0])          # target-only at 1.25 s: the machine is 25 % slower
-    assert costs.cost(0) == pytest.approx(1.25)
-    assert costs.cost(2) == pytest.approx(1.2 * 1.25)   # not run: its probe, scaled the same
-    auto.observe(1, 10, 20.0, 10, 15, [5, 0])       # K = 1 rounds at 2 s live
-    assert costs.cost(1) == pytest.approx(2.0)
-    auto.observe(1, 5, 0.0, 5, 6, [1, 0])           # a run that compiled: teaches acceptance, not cost
-    assert costs.cost(1) == pytest.approx(2.0) and acc.offered[0] == 1015
-    for _ in range(autodraft.LIVE_RUNS):            # K = 1's window holds its latest runs only
-        auto.observe(1, 10, 10.0, 10, 15, [5, 0])
-    assert costs.cost(1) == pytest.approx(1.0) and costs.cost(0) == pytest.approx(1.25)   # K = 0 keeps its own
-    for _ in range(autodraft.LIVE_AGE):             # K = 1 only, for long: K = 0's runs age out
-        auto.observe(1, 10, 10.0, 10, 15, [5, 0])
-    assert costs.live(0) is None and costs.cost(0) == pytest.approx(1.0 / 1.1)
-
-
-def test_a_k_whose_runs_aged_out_keeps_its_measured_ratio_to_target_only():
-    """The probe put K = 2 at 1.8 target steps; timed beside target-only it cost 2.4. Once its own
-    runs age out it is priced at 2.4 times the current c(0), not re-explored on the probe's 1.8."""
-    costs = RoundCosts({0: 1.0, 1: 1.4, 2: 1.8})
-    acc = Acceptance(2)
-    acc.observe(2, 1000, [600, 420])                # tau(2) ~2.0: pays 1.8 steps, not 2.4
-    auto = AutoDraft(costs, 2, acc)
-    auto.observe(0, 16, 16.0, 16, 16, [0, 0])       # c(0) = 1.0 live
-    auto.observe(2, 16, 38.4, 16, 32, [10, 7])      # c(2) = 2.4 live
-    assert costs.ratio[2] == pytest.approx(2.4)
-    for _ in range(autodraft.LIVE_AGE):             # target-only only, on a machine 10 % slower
-        auto.observe(0, 16, 17.6, 16, 16, [0, 0])
-    assert costs.live(2) is None and costs.cost(0) == pytest.approx(1.1)
-    assert costs.cost(2) == pytest.approx(2.4 * 1.1)
-    assert costs.cost(1) == pytest.approx(1.4 * 1.1)   # never timed: the probe, scaled by the drift
-    assert auto.rate(2, autodraft.UCB_Z) < auto.rate(0) and auto.choose() != 2
-
-
-def test_a_doubtful_choice_retimes_target_only_live():
-    """A speculating choice that rests on the probe's c(0) and predicts a small gain runs target-only
-    at the next admission of a whole batch (where no row's draft state is lost), so c(0) is timed
-    live; a clear gain, or an admission into a batch with older rows, keeps the choice."""
-    acc = Acceptance(2)
-    acc.observe(2, 1000, [700, 490])                # tau(2) ~ 2.2
-    auto = AutoDraft(RoundCosts({0: 1.0, 1: 1.6, 2: 1.8}), 2, acc)
-    assert auto.choose() == 2 and auto.predicted(2) < 1.0 + autodraft.RETIME_BELOW
-    auto.observe(2, 16, 16 * 1.8, 16, 35, [11, 8])  # K = 2 runs live as probed: c(0) still the probe's
-    assert auto.next_k(all_new=False) == 2          # older rows would lose their draft state
-    assert auto.next_k(all_new=True) == 0           # a fresh batch: time target-only
-    auto.observe(0, 16, 16 * 0.6, 16, 16, [0, 0])   # it runs at 0.6 s, not the probe's 1.0: K = 2 loses
-    assert auto.costs.live(0) == pytest.approx(0.6) and auto.choose() == 0
-    # a load that came and went: K = 2 pays again once target-only's time is old news, which is
-    # when a doubtful choice times target-only once more
-    auto.observe(0, 16, 16 * 1.2, 16, 16, [0, 0])
-    assert auto.choose() == 2 and auto.next_k(all_new=True) == 2   # c(0) timed just now
-    for _ in range(autodraft.RETIME_AFTER + 1):
-        auto.observe(2, 16, 16 * 1.8, 16, 35, [11, 8])
-    assert auto.next_k(all_new=True) == 0
-    clear = AutoDraft(RoundCosts({0: 1.0, 1: 1.1, 2: 1.2}), 2, acc)   # predicted 1.8x: no check
-    assert clear.predicted(2) > 1.0 + autodraft.RETIME_BELOW and clear.next_k(all_new=True) == 2
-
-
-def test_report_says_measured_only_for_costs_timed_here():
-    """The measured speedup needs K's rounds and target-only's rounds from real runs in this process;
-    while target-only is priced from the probe, it is nan and only the prediction is given."""
+def test_a_switch_needs_evidence_larger_than_the_noise():
+    """K = 1 predicts ~8 % over target-only. On forty rounds of acceptance that is within the noise:
+    no switch; on a thousand it is not, and K = 1 takes over; costs whose runs scatter widely hold
+    the switch back again."""
     acc = Acceptance(1)
-    acc.observe(1, 100, [60])
-    auto = AutoDraft(RoundCosts({0: 1.0, 1: 1.5}, probe_seconds=2.0), 1, acc)
-    auto.observe(1, 10, 20.0, 10, 16, [6])          # K = 1 at 2 s per round
+    acc.observe(1, 40, [28])
+    sure_costs = Costs({0: 1.0, 1: 1.58}, {False: 0.0, True: 0.0}, noise={0: 0.01, 1: 0.01})
+    auto = AutoDraft(sure_costs, 1, acc, max_new_tokens=128)
+    assert auto.rate(1) > 1.07 * auto.rate(0)
+    assert auto.next_k(batch_of(admitted=True)) == 0 and auto.switches == 0
+    acc.observe(1, 1000, [700])
+    assert auto.next_k(batch_of(admitted=True)) == 1 and auto.switches == 1
+    noisy = AutoDraft(Costs({0: 1.0, 1: 1.55}, {False: 0.0, True: 0.0}), 1, accepting(1, 0.7), max_new_tokens=128)
+    for seconds in (1.0, 2.2, 1.0, 2.2):   # K = 1 runs at 1.6 s a round on average, spread wide
+        noisy.costs.observe(run_of(1, 10, 10 * seconds))
+    noisy.current = 0
+    assert noisy.rate(1) > 1.03 * noisy.rate(0) and noisy.next_k(batch_of(admitted=True)) == 0
+
+
+def test_only_measured_ks_run_and_exploration_is_bounded():
+    """The model likes K = 4, which nothing measured: a short job never runs it (no program it was
+    not shown to need); a long job explores it for one run, and again only once its explored
+    rounds fall under EXPLORE_SHARE of the job's."""
+    costs = Costs({0: 1.0, 1: 1.2, 2: 1.4}, {False: 0.0, True: 0.0})   # K = 4 on the line: 1.8
+    acc = accepting(4, 0.9)
+    short = AutoDraft(costs, 4, acc, max_new_tokens=autodraft.SHORT_JOB_TOKENS)
+    assert short.rate(4) > short.rate(2) and short.start_k == 2
+    assert {short.next_k(batch_of()) for _ in range(20)} == {2}
+    long = AutoDraft(Costs(dict(costs.calibrated), {False: 0.0, True: 0.0}), 4, acc, max_new_tokens=4096)
+    for _ in range(20):   # 320 rounds at K = 2
+        long.next_k(batch_of())
+        long.observe(run_of(2, 16, 16 * 1.4, accepted=[14, 13]))
+    assert long.next_k(batch_of()) == 4 and long.exploring
+    long.observe(run_of(4, 16, 16 * 3.0, accepted=[14, 13, 12, 11]))   # it ran dear: 3 s a round
+    assert long.explored_rounds == 16 and long.next_k(batch_of()) == 2 and 4 in long.costs.runs
+    assert not long.exploring   # measured now: it competes on evidence, and loses
+
+
+def test_measured_speedup_is_a_ratio_of_measured_rates_or_absent():
+    """measured_speedup: tokens per wall second of the runs at K over those at K = 0, both run in
+    this process (admissions included), else absent; the model's figure is the prediction."""
+    acc = accepting(1, 0.6)
+    auto = AutoDraft(Costs({0: 1.0, 1: 1.5}, {False: 0.0, True: 0.0}, 2.0), 1, acc, max_new_tokens=128,
+                     start_k=1)
+    auto.next_k(batch_of(admitted=True))
+    auto.observe(run_of(1, 10, 20.0, accepted=[6], round_tokens=16, admitted=1, admit_seconds=1.0, emitted=17))
     c = auto.report()
-    assert c.num_draft_tokens == 1 and c.round_seconds_per_k == {1: pytest.approx(2.0)}
-    assert math.isnan(c.measured_speedup)           # target-only only probed
-    assert c.predicted_speedup == pytest.approx(acc.tau(1) * (1.0 * 2.0 / 1.5) / 2.0)   # c(0) scaled by drift
-    assert c.calibration_seconds == 2.0 and c.compiled_programs == 2
-    auto.observe(0, 10, 12.5, 10, 10, [0])          # target-only rounds at 1.25 s, live
-    assert auto.report().num_draft_tokens == 0 and auto.report().measured_speedup == 1.0
-    auto.observe(1, 10, 20.0, 10, 16, [6])
-    assert auto.report().measured_speedup == pytest.approx(acc.tau(1) * 1.25 / 2.0)
-    fresh = AutoDraft(RoundCosts({0: 1.0, 1: 1.5}), 1, Acceptance(1))
-    fresh.observe(1, 2, 0.1, 2, 2, [0])             # too short to time: K = 1 has no live cost
-    assert math.isnan(fresh.report().measured_speedup) and fresh.report().predicted_speedup > 0
+    assert c.num_draft_tokens == 1 and c.measured_speedup is None and c.predicted_speedup > 0
+    assert c.round_seconds_per_k == {1: pytest.approx(1.9)} and c.calibration_seconds == 2.0
+    auto.observe(run_of(0, 10, 12.5, round_tokens=10, admitted=1, admit_seconds=0.5, emitted=11))
+    assert auto.report().measured_speedup == pytest.approx((17 / 20.0) / (11 / 12.5))
+    assert auto.report().predicted_speedup != auto.report().measured_speedup
+    auto.observe(run_of(1, 5, None, accepted=[3]))   # compiled: teaches acceptance, prices nothing
+    assert auto.report().measured_speedup == pytest.approx((17 / 20.0) / (11 / 12.5)) and acc.offered[0] == 4015
+
+
+def test_the_calibration_carries_costs_and_acceptance_to_the_next_job(tmp_path):
+    """A job's costs and acceptance are written per shape and sampling setting; the next job reads
+    them back (costs as measured, acceptance weighted as at most CARRIED_ROUNDS rounds)."""
+    store = CalibrationStore(str(tmp_path / "pair.json"))
+    acc = accepting(2, 0.8, rounds=10000)
+    auto = AutoDraft(Costs({0: 1.0, 1: 1.3, 2: 1.6}, {False: 0.1, True: 0.2}), 2, acc, max_new_tokens=128)
+    auto.observe(run_of(2, 16, 16 * 1.8))
+    store.update("B1-greedy", "T0", auto)
+    again = CalibrationStore(str(tmp_path / "pair.json"))
+    costs = Costs.from_record(again.costs("B1-greedy"))
+    assert costs.source == "calibrated" and costs.calibrated[2] == pytest.approx(1.8)
+    drift = 1.8 / 1.6   # the live K = 2 against its calibration: every figure it did not time scales with it
+    assert costs.calibrated[0] == pytest.approx(drift) and costs.calibrated[1] == pytest.approx(1.3 * drift)
+    assert costs.admit_calibrated == {False: pytest.approx(0.1 * drift), True: pytest.approx(0.2 * drift)}
+    carried = Acceptance(2)
+    carried.carry(**again.acceptance("T0"))
+    assert carried.offered[0] == autodraft.CARRIED_ROUNDS
+    np.testing.assert_allclose(carried.conditional(), acc.conditional(), atol=0.01)
+    assert again.table() == {"B1-greedy": auto.current}
 
 
 @pytest.fixture
@@ -227,7 +164,8 @@ def test_forced_switches_stay_lossless(tiny_target, draft, monkeypatch):
     equals target-only decoding of each prompt alone."""
     monkeypatch.setattr(session_mod, "probe_costs", flat_costs(4))
     schedule = itertools.cycle([3, 0, 1, 2, 0, 0, 3, 1])
-    monkeypatch.setattr(AutoDraft, "choose", lambda self, wave=None: next(schedule))
+    monkeypatch.setattr(AutoDraft, "_better", lambda self, current, last_wave: next(schedule))
+    monkeypatch.setattr(AutoDraft, "_exploration", lambda self, batch: None)
     # the draft was trained on the first rows of this corpus (long accepted runs), the last is unseen
     trained = np.random.default_rng(0).integers(2, tiny_target.config.vocab_size, size=(48, 6)).tolist()
     prompts = trained[:4] + [np.random.default_rng(3).integers(2, 256, size=7).tolist()]
@@ -240,7 +178,7 @@ def test_forced_switches_stay_lossless(tiny_target, draft, monkeypatch):
     choice = eng.draft_choice
     # a switch back from K = 0 waits for rows with a current draft state, so not every forced K runs
     assert 0 in choice.rounds_per_k and len([k for k in choice.rounds_per_k if k > 0]) >= 2
-    assert eng.policy.speculative_stats().mean_accept_length > 1.2   # multi-token acceptance was exercised
+    assert eng.speculative_stats.mean_accept_length > 1.2   # multi-token acceptance was exercised
 
 
 def test_generator_auto_probes_once_per_shape_and_matches_target_only(tiny_target, draft, monkeypatch, tmp_path):
@@ -263,42 +201,16 @@ def test_generator_auto_probes_once_per_shape_and_matches_target_only(tiny_targe
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_last_wave_reaches_the_policy_with_each_rows_own_counts(tiny_target, draft, monkeypatch):
-    """A static batch is one wave: the policy is handed each running row's acceptance since
-    admission and what it has left; finished rows' counts are kept for the next wave's new rows."""
-    monkeypatch.setattr(session_mod, "probe_costs", flat_costs(3, 0.0))
-    waves, choose = [], AutoDraft.choose
-    monkeypatch.setattr(AutoDraft, "choose", lambda self, wave=None: waves.append(wave) or choose(self, wave))
-    prompts = np.random.default_rng(1).integers(2, 256, size=(3, 5)).tolist()
-    expected = e3.Generator(tiny_target, None, max_len=40).generate(prompts, 18).tokens
-    eng = Engine(tiny_target, draft, num_draft_tokens="auto", max_draft_tokens=2, max_len=40, batch_size=4,
-                 max_new_tokens=18, rounds_per_sync=3)
-    done = {f.key: f for f in eng.run([Request(str(i), p) for i, p in enumerate(prompts)])}
-    assert [done[str(i)].tokens for i in range(3)] == expected
-    given = [w for w in waves if w is not None]
-    # the construction's choice prices the mean; the admission of the wave hands over its new rows
-    assert waves[0] is None and waves[1] is given[0]
-    assert given[0].remaining_B.tolist() == [18] * 3 and not given[0].offered_BK.any()
-    for w in given[1:]:
-        assert np.all(w.accepted_BK <= w.offered_BK) and np.all((0 <= w.remaining_B) & (w.remaining_B < 18))
-    last = given[-1]
-    acc = eng.policy.acceptance
-    assert last.offered_BK.sum(0)[0] <= acc.offered[0] and last.offered_BK.sum() > 0
-    # the finished rows' own counts are kept: the next wave's new rows borrow them
-    past = eng.policy.past_rows
-    assert len(past) == 3 and sum(o[0] for _, o in past) == acc.offered[0]
-    assert eng.policy._with_past(given[0]).offered_BK[:, 0].tolist() == [o[0] for _, o in reversed(past)]
-
-
 def test_acceptance_is_learned_only_from_rows_with_a_current_draft(tiny_target, draft, monkeypatch):
     """A prompt admitted for a target-only run and speculated later drafts from a stale state: its
     rounds emit the right tokens but teach auto nothing; a prompt admitted with the draft does."""
     monkeypatch.setattr(session_mod, "probe_costs", flat_costs(3, 0.0))
     asked = []
 
-    def next_k(self, drafted_rows=True, all_new=False, wave=None):   # target-only for the first run, K = 2 after
-        asked.append(drafted_rows)
-        return 0 if len(asked) == 1 else 2
+    def next_k(self, batch):   # target-only for the first run, K = 2 after
+        asked.append(batch.can_draft)
+        self.next = 0 if len(asked) == 1 else 2
+        return self.next
 
     monkeypatch.setattr(AutoDraft, "next_k", next_k)
     trained = np.random.default_rng(0).integers(2, tiny_target.config.vocab_size, size=(48, 6)).tolist()
@@ -323,18 +235,19 @@ def test_acceptance_is_learned_per_sampling_setting(tiny_target, draft, monkeypa
 
     def probe(session, program, sp, ks):
         probed.append(program.batch_size)
-        return RoundCosts({k: 1.0 for k in ks})
+        return Costs({k: 1.0 for k in ks})
 
     monkeypatch.setattr(session_mod, "probe_costs", probe)
     session = session_mod.DecodeSession(tiny_target, draft, "auto", max_len=40, max_draft_tokens=2)
     greedy, hot = SamplingSettings(0.0), SamplingSettings(1.0)
     p1, p1_hot, p2_hot = session.program(1, 8, greedy), session.program(1, 8, hot), session.program(2, 8, hot)
     a_greedy = session.policy(p1, greedy.traced(), greedy)
-    a_greedy.observe(2, 10, 1.0, 10, 30, [10, 10])          # greedy: every draft token accepted
+    a_greedy.observe(run_of(2, 10, 1.0, 10, 30, [10, 10]))          # greedy: every draft token accepted
     a_hot = session.policy(p1_hot, hot.traced(), hot)
     assert a_hot.acceptance is not a_greedy.acceptance and a_hot.acceptance.offered.sum() == 0
     assert session.policy(p2_hot, hot.traced(), hot).acceptance is a_hot.acceptance
-    assert session.policy(p1, greedy.traced(), greedy) is a_greedy
+    again = session.policy(p1, greedy.traced(), greedy)   # a new job on the same shape: what was learned stays
+    assert again.acceptance is a_greedy.acceptance and again.costs is a_greedy.costs
     assert sorted(probed) == [1, 1, 2]
 
 
@@ -405,7 +318,12 @@ def test_serve_auto_reports_its_choice_and_matches_target_only(tiny_target, draf
     choice = json.loads(metrics.read_text())["auto_draft"]
     assert 0 <= choice["num_draft_tokens"] <= autodraft.DEFAULT_MAX_DRAFT_TOKENS
     assert sum(choice["iterations_per_k"].values()) > 0 and choice["predicted_speedup"] > 0
-    assert choice["calibration_seconds"] == 1.0 and choice["compiled_round_programs"] == 7
+    assert choice["calibration_seconds"] == 1.0 and choice["table_source"] == "probe"
+    # measured: tokens per wall second at the last K over those at K = 0, both run in this job, or absent
+    spec, plain = (choice["iterations_per_k"].get(str(k)) for k in (choice["num_draft_tokens"], 0))
+    if choice["measured_speedup"] is not None:
+        assert choice["num_draft_tokens"] > 0 and spec and plain and choice["measured_speedup"] > 0
+    assert "speculation" in json.loads(metrics.read_text())
 
 
 def test_admitting_without_the_draft(tiny_target, draft):
@@ -440,3 +358,74 @@ def test_admitting_without_the_draft(tiny_target, draft):
     assert not np.array_equal(np.asarray(drafted.dhidden_BD[1]), np.asarray(before.dhidden_BD[1]))
     flops = {k: low.compile().cost_analysis()["flops"] for k, low in lowered.items()}
     assert flops[0] < 0.9 * flops[2], flops
+
+
+def test_a_second_identical_serve_run_compiles_nothing_new(tiny_target, draft, trained_draft_dir, tiny_target_dir,
+                                                           tmp_path, monkeypatch):
+    """serve.py under auto keeps what it measured beside the compile cache: a second identical run
+    starts from it (no probe) and runs only programs the first one compiled, as its metrics say."""
+    from eagle3_jax import compile_cache
+    from tests.serve_fixtures import ModelCache, byte_target_dir, prompt_rows, serve, write_jsonl
+
+    if not jax.config.jax_compilation_cache_dir:
+        pytest.skip("the suite's persistent compilation cache is off (EAGLE3_TEST_XLA_CACHE=off)")
+    monkeypatch.setattr(session_mod, "PROBE_REPEATS", 1)
+    monkeypatch.setattr(compile_cache, "calibration_dir", lambda: str(tmp_path / "autodraft"))
+    target_dir = byte_target_dir(tiny_target_dir, tmp_path / "target")
+    inp = write_jsonl(tmp_path / "in.jsonl", prompt_rows()[:6])
+    models = ModelCache(tiny_target, {str(trained_draft_dir): draft})
+    min_seconds = jax.config.jax_persistent_cache_min_compile_time_secs
+    runs = []
+    try:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)   # as compile_cache.enable() sets it
+        for i in range(2):
+            jax.clear_caches()   # a new process: nothing compiled in memory
+            metrics = tmp_path / f"metrics{i}.json"
+            assert serve(models, target_dir, inp, tmp_path / f"out{i}.jsonl", trained_draft_dir, metrics=metrics,
+                         num_draft_tokens="auto", batch_size=2) == 0
+            runs.append(json.loads(metrics.read_text()))
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
+    first, second = runs
+    assert first["auto_draft"]["table_source"] == "probe" and first["auto_draft"]["calibration_seconds"] > 0
+    assert second["auto_draft"]["table_source"] == "calibrated" and second["auto_draft"]["calibration_seconds"] == 0
+    assert first["compiles"]["compiled"] + first["compiles"]["from_cache"] > 0
+    assert second["compiles"]["compiled"] == 0 and second["compiles"]["from_cache"] > 0, second["compiles"]
+    probed = {str(k) for k in session_mod.PROBE_KS}   # the first run compiled these for its probe
+    assert set(second["auto_draft"]["iterations_per_k"]) <= set(first["auto_draft"]["iterations_per_k"]) | probed
+
+
+def test_a_draft_that_costs_time_is_reported_with_what_to_do():
+    """τ near 1 at a fixed K, or auto measuring its K slower than target-only: the progress line,
+    the summary and the metrics say so and name the remedies; a healthy draft gets no word, and
+    auto falling back to target-only is said without alarm."""
+    from eagle3_jax.metrics import GenerationStats
+    from eagle3_jax.serve.report import RunStats, metrics_dict, speculation_verdict, summary_table
+
+    def run(k, rounds, round_tokens, pair=("tgt", "drf")):
+        stats = RunStats(k, pair=pair)
+        stats.add("length", GenerationStats(rounds=rounds, tokens=round_tokens, round_tokens=round_tokens,
+                                            seconds=0.0, accepted_per_position=[0] * k))
+        return stats
+
+    slow = run(4, 100, 119)   # tau 1.19 (a 20-step draft, as a newcomer served it)
+    v = speculation_verdict(slow)
+    assert v["costs_time"] and "tau 1.19" in v["reason"]
+    assert "--num-draft-tokens 0" in v["advice"] and "python -m tools.doctor --target tgt --draft drf" in v["advice"]
+    assert "SLOWER than target-only" in slow.postfix() and "speculation is costing time" in summary_table(slow, 0, 0)
+    assert metrics_dict(slow, 0, 0, {})["speculation"] == v
+    healthy = run(4, 100, 250)
+    assert speculation_verdict(healthy) == {"costs_time": False, "reason": None, "advice": None}
+    assert "SLOWER" not in healthy.postfix() and "speculation" not in summary_table(healthy, 0, 0)
+    assert speculation_verdict(run(0, 100, 100)) is None and speculation_verdict(run(4, 10, 10)) is None
+    auto = run(6, 100, 200)
+    auto.draft_choice = autodraft.DraftChoice(num_draft_tokens=2, start_k=2, table_source="calibrated",
+                                              predicted_speedup=1.1, measured_speedup=0.85, tau=2.0,
+                                              rounds_per_k={0: 10, 2: 40})
+    assert speculation_verdict(auto)["costs_time"] and "measured 0.85x" in speculation_verdict(auto)["reason"]
+    assert "SLOWER" in auto.postfix() and "measured 0.85x" in auto.postfix()
+    auto.draft_choice = autodraft.DraftChoice(num_draft_tokens=0, start_k=0, table_source="probe",
+                                              predicted_speedup=1.0, measured_speedup=None, tau=1.0,
+                                              rounds_per_k={0: 100, 2: 16})
+    fallback = speculation_verdict(auto)
+    assert not fallback["costs_time"] and "does not pay" in fallback["reason"] and "SLOWER" not in auto.postfix()

@@ -25,6 +25,7 @@ from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
 from eagle3_jax.errors import CheckpointError
 from tools.convert import core
+from tools.convert.inspect import inspect as inspect_checkpoint
 from tools.convert.__main__ import main as cli_main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -185,7 +186,7 @@ def test_kimi_k25_layout_drops_the_vision_tower(hf_target_dirs, tmp_path):
     meta = to_jax(kimi, tmp_path / "jax")
     assert meta["architecture"] == "KimiK25ForConditionalGeneration"
     assert meta["hf"]["dropped"] == ["mm_projector.proj.weight", "vision_tower.patch_embed.weight"]
-    assert "dropped on conversion (not used by the model): 2 tensor(s)" in core.inspect(tmp_path / "jax")
+    assert "dropped on conversion (not used by the model): 2 tensor(s)" in inspect_checkpoint(tmp_path / "jax")
     to_hf(tmp_path / "jax", tmp_path / "back")
     assert_same_tensors(kimi, tmp_path / "back", allow_missing=meta["hf"]["dropped"])
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == config
@@ -457,7 +458,7 @@ def test_inspect_both_formats(converted, capsys):
     text = capsys.readouterr().out
     assert "kind: target" in text and "DeepseekV3ForCausalLM" in text and "q_lora null" in text
     assert "layers.*.mlp.w_gate" in text and "[8, 64, 32]" in text
-    hf_text = core.inspect(src)
+    hf_text = inspect_checkpoint(src)
     assert "Hugging Face safetensors" in hf_text and "model.layers.*.mlp.experts.*.gate_proj.weight" in hf_text
     n = sum(v.size for v in read_all(src).values())
     assert f"parameters used by the model: {n:,}" in hf_text

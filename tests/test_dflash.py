@@ -15,8 +15,9 @@ import torch
 from safetensors.torch import save_file
 
 import eagle3_jax as e3
-from eagle3_jax.drafts.dflash import block_mask
-from eagle3_jax.drafts.dflash_config import DFlashConfig, default_target_layer_ids
+from eagle3_jax import drafts
+from eagle3_jax.drafts.dflash.config import DFlashConfig, default_target_layer_ids
+from eagle3_jax.drafts.dflash.model import block_mask
 from eagle3_jax.errors import ConfigError
 
 dflash = pytest.importorskip("specforge.modeling.draft.dflash")
@@ -78,7 +79,7 @@ def sequence(tiny_target):
 def test_specforge_checkpoint_loads_and_gives_its_outputs(tiny_target, tmp_path, sequence, layout, keep):
     model = _specforge_draft(tmp_path / "sf", tiny_target.config, LAYOUTS[layout], seed=3)
     draft = e3.load_draft(tmp_path / "sf", tiny_target, dtype="float32")
-    assert draft.model.kind == "dflash" and draft.aux_layer_ids == (0, 1, 2)
+    assert drafts.of_module(draft.model).name == "dflash" and draft.aux_layer_ids == (0, 1, 2)
     aux = np.asarray(tiny_target.forward(sequence, aux_layer_ids=draft.aux_layer_ids).aux_hidden, np.float32)
     ref, masks = _specforge_blocks(model, tiny_target, sequence, aux, ANCHORS, keep)
     # our masks are SpecForge's, both rules
@@ -150,5 +151,19 @@ def test_preflight_checks_a_dflash_pair(tiny_target, tmp_path):
     bad.mkdir()
     (bad / "model.safetensors").symlink_to(tmp_path / "sf" / "model.safetensors")
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="mask_token_id=999 outside the target vocab"):
+    with pytest.raises(ConfigError, match="mask_token_id=999 outside the vocab"):
         preflight.check_pair(tiny_target.config, bad)
+
+
+def test_conversion_round_trip_is_byte_identical(tiny_target, tmp_path, sequence):
+    from tests.test_convert import assert_same_tensors, to_hf, to_jax
+
+    _specforge_draft(tmp_path / "sf", tiny_target.config, LAYOUTS["full_and_sliding"], seed=7, attention_bias=True)
+    meta = to_jax(tmp_path / "sf", tmp_path / "d.jax")
+    assert meta["kind"] == "draft"
+    to_hf(tmp_path / "d.jax", tmp_path / "back")
+    assert_same_tensors(tmp_path / "sf", tmp_path / "back")
+    a, b = (e3.load_draft(p, tiny_target, dtype="float32") for p in (tmp_path / "sf", tmp_path / "d.jax"))
+    aux = np.asarray(tiny_target.forward(sequence, aux_layer_ids=a.aux_layer_ids).aux_hidden, np.float32)
+    np.testing.assert_array_equal(np.asarray(a.forward_blocks(sequence, aux, ANCHORS)[1]),
+                                  np.asarray(b.forward_blocks(sequence, aux, ANCHORS)[1]))

@@ -13,9 +13,10 @@ import pytest
 from flax import nnx
 
 import eagle3_jax as e3
-from eagle3_jax.drafts.dflash_config import DFlashConfig
-from eagle3_jax.drafts.dflash_io import build_dflash_draft, LoadedDFlash
-from eagle3_jax.drafts.dflash_objective import dflash_loss, sample_anchors
+from eagle3_jax.drafts.dflash.checkpoint import LoadedDFlash
+from eagle3_jax.drafts.dflash.checkpoint import build as build_dflash_draft
+from eagle3_jax.drafts.dflash.config import DFlashConfig
+from eagle3_jax.drafts.dflash.objective import dflash_loss, sample_anchors
 from tests import spec_fixtures
 
 BLOCK, MASK_ID = 5, 3

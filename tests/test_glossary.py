@@ -19,7 +19,9 @@ import pytest
 import eagle3_jax.models
 
 MODELS = Path(eagle3_jax.models.__file__).parent
-FILES = sorted(p for p in MODELS.glob("*.py") if p.name != "__init__.py")
+# models/ and the expert kernels and tiled dequantization that moved from it to kernels/
+FILES = sorted([p for p in MODELS.glob("*.py") if p.name != "__init__.py"]
+               + [MODELS.parent / "kernels" / name for name in ("experts.py", "dequant.py")])
 
 # a lower-case stem, then a suffix holding at least one capital, then an optional "_" (more axes)
 SUFFIXED = re.compile(r"_?[a-z][a-z0-9]*(?:_[a-z0-9]+)*_(?P<suffix>[A-Za-z0-9]*[A-Z][A-Za-z0-9]*)(?P<rest>_?)")

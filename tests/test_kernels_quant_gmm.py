@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from eagle3_jax.kernels import quant_gmm, quant_gmm_gpu
-from eagle3_jax.models import experts
+from eagle3_jax.kernels import experts
 from eagle3_jax.models.quantized import Fp8Stack, Int4Stack, QuantLayout, dequant_fp8, dequant_int4
 
 RNG = np.random.default_rng(0)

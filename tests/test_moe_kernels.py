@@ -12,6 +12,7 @@ from flax import nnx
 import eagle3_jax as e3
 from eagle3_jax import sharding
 from eagle3_jax.config import TargetConfig
+from eagle3_jax.kernels import experts
 from eagle3_jax.models import moe
 from tests.hf_fixtures import TINY
 
@@ -40,10 +41,10 @@ def inputs(M, E, K, D=16, F=8, seed=0):
 # blocks are padded (7 tokens: 4-row blocks of experts that got 1-3 rows), and bigger (several rows
 # per block, several blocks per expert).
 @pytest.mark.parametrize("M,E,K", [(2, 16, 4), (7, 16, 4), (16, 8, 2), (5, 8, 8), (40, 16, 4)])
-@pytest.mark.parametrize("name", sorted(moe.EXPERT_KERNELS))
+@pytest.mark.parametrize("name", sorted(experts.EXPERT_KERNELS))
 def test_kernel_matches_dense_oracle(name, M, E, K):
     x, idx, w, wg, wu, wd = inputs(M, E, K)
-    kernel = moe.get_kernel(name)
+    kernel = experts.EXPERT_KERNELS[name]
     np.testing.assert_allclose(kernel(x, idx, w, wg, wu, wd, 0), dense_oracle(x, idx, w, wg, wu, wd, 0),
                                rtol=1e-4, atol=1e-4)
     # Half the experts as another device's: only local experts contribute.
@@ -58,20 +59,20 @@ def test_blocked_kernel_when_every_token_picks_the_same_experts():
     M, E, K = 24, 16, 4
     x, _, w, wg, wu, wd = inputs(M, E, K)
     idx = jnp.tile(jnp.array([[3, 9, 0, 14]], jnp.int32), (M, 1))
-    np.testing.assert_allclose(moe.experts_blocked(x, idx, w, wg, wu, wd, 0), dense_oracle(x, idx, w, wg, wu, wd, 0),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(experts.experts_blocked(x, idx, w, wg, wu, wd, 0),
+                               dense_oracle(x, idx, w, wg, wu, wd, 0), rtol=1e-4, atol=1e-4)
 
 
 def test_block_rows_follow_the_rows_of_a_hit_expert():
     # Decode: one row per expert hit; verifying 7 tokens over 16 experts (top-4): an expert that is
     # hit holds ~2 rows, so 4-row blocks (one trip per expert), not one trip per row.
-    assert moe.block_rows(1, 4, 16) == 1
-    assert moe.block_rows(7, 4, 16) == 4
+    assert experts.block_rows(1, 4, 16) == 1
+    assert experts.block_rows(7, 4, 16) == 4
     # Many tokens: the mean rows per expert (64 x 4 / 16 = 16), capped at 256.
-    assert moe.block_rows(64, 4, 16) == 16
-    assert moe.block_rows(100_000, 8, 384) == 256
+    assert experts.block_rows(64, 4, 16) == 16
+    assert experts.block_rows(100_000, 8, 384) == 256
     # Never wider than the tokens rounded up to a power of two.
-    assert moe.block_rows(3, 8, 8) == 4
+    assert experts.block_rows(3, 8, 8) == 4
 
 
 def test_padded_blocks_has_ragged_gradients():
@@ -80,8 +81,8 @@ def test_padded_blocks_has_ragged_gradients():
     def loss(kernel):
         return lambda x, wg, wu, wd: (kernel(x, idx, w, wg, wu, wd, 0) ** 2).sum()
 
-    want = jax.grad(loss(moe.experts_ragged), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
-    got = jax.grad(loss(moe.experts_padded_blocks), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+    want = jax.grad(loss(experts.experts_ragged), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+    got = jax.grad(loss(experts.experts_padded_blocks), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
     for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
 
@@ -92,11 +93,12 @@ def test_unknown_kernel_is_a_config_error():
 
 
 def test_default_kernel_per_backend():
-    assert moe.default_kernel("cpu") == "blocked"
-    assert moe.default_kernel("gpu") == moe.default_kernel("cuda") == moe.default_kernel("tpu") == "ragged"
-    # quantized stacks: the Pallas grouped kernels on TPU, the blocked loop elsewhere
-    assert moe.default_kernel("tpu", quantized=True) == moe.default_kernel("cuda", quantized=True) == "grouped"
-    assert moe.default_kernel("cpu", quantized=True) == "blocked"
+    assert experts.pick(None, "cpu") == "blocked"
+    assert experts.pick(None, "gpu") == experts.pick(None, "cuda") == experts.pick(None, "tpu") == "ragged"
+    # quantized stacks: the Pallas grouped kernels on TPU and GPU (a float kernel's name means that
+    # default), the blocked loop on CPU
+    assert experts.pick(None, "tpu", True) == experts.pick("ragged", "cuda", True) == "grouped"
+    assert experts.pick(None, "cpu", True) == "blocked"
 
 
 def test_captured_routes_are_the_routes_of_that_call():
@@ -134,7 +136,7 @@ def test_gpu_default_moe_exports_without_a_loop_over_experts():
         exp = jax.export.export(jax.jit(f), platforms=("cuda",))(state, x)
         return exp.mlir_module()
 
-    gpu = moe.default_kernel("gpu")
+    gpu = experts.pick(None, "gpu")
     for T in (1, 16):  # decode step and a prefill chunk
         text = exported_text(gpu, T)
         assert "ragged_dot" in text or "ragged" in text.lower(), "expected a grouped matmul"
@@ -225,10 +227,10 @@ def test_grouped_kernel_is_checked_on_the_shard_each_device_holds(tensor, takes)
     """Expert width 1024 split over tensor=4 leaves 256 inputs of down per device: 32 INT4 words,
     fewer than the Triton kernel's smallest word tile (16 groups of 4 words), though the full
     width's 128 words tile. The shard decides: such a layer runs the blocked loop."""
-    from eagle3_jax.checkpoint.quant import QuantLayout
+    from eagle3_jax.models.quantized import QuantLayout
 
     cfg = TargetConfig.from_hf_dict(dict(TINY, hidden_size=512, moe_intermediate_size=1024, n_routed_experts=8))
     mesh = sharding.make_mesh(f"data=1,expert={8 // tensor},tensor={tensor}")
     layer = nnx.eval_shape(lambda: moe.MoE(cfg, jnp.bfloat16, nnx.Rngs(0), mesh=mesh, kernel="grouped",
                                            quant=QuantLayout(experts="int4"), platform="gpu"))
-    assert layer.grouped_kernel_takes_shards() is takes
+    assert layer.kernel == ("grouped" if takes else "blocked")

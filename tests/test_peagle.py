@@ -12,10 +12,11 @@ import torch
 from flax import nnx
 from safetensors.torch import load_file
 
-from eagle3_jax.checkpoint.peagle_map import flat_params, read_peagle_state, write_peagle
-from eagle3_jax.config.peagle import PEagleConfig
+from eagle3_jax.drafts.loaded import host_params
+from eagle3_jax.drafts.peagle.checkpoint import read_peagle_state, write_peagle
+from eagle3_jax.drafts.peagle.config import PEagleConfig
 from eagle3_jax.errors import CheckpointError, ConfigError
-from eagle3_jax.models.peagle import PEagleDraft, rollout_mask
+from eagle3_jax.drafts.peagle.model import PEagleDraft, rollout_mask
 
 D, LAYERS, N, G, H, V, W, TH, F = 32, 3, 4, 2, 8, 100, 40, 24, 64
 MASK_ID = 7
@@ -112,7 +113,7 @@ def exported(tmp_path_factory):
     cfg = tiny_config()
     model = random_draft(cfg)
     path = tmp_path_factory.mktemp("peagle") / "draft"
-    write_peagle(path, cfg, flat_params(model), aux_layer_ids=(0, 1, 2))
+    write_peagle(path, cfg, host_params(model), aux_layer_ids=(0, 1, 2))
     return model, path
 
 
@@ -159,8 +160,8 @@ def test_load_round_trip_is_exact(exported):
     cfg = PEagleConfig.from_path(path)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: PEagleDraft(cfg, 3, jnp.float32, None)))
     state = read_peagle_state(path, cfg, abstract, 3)
-    back = flat_params(nnx.merge(graphdef, state))
-    for k, v in flat_params(model).items():
+    back = host_params(nnx.merge(graphdef, state))
+    for k, v in host_params(model).items():
         np.testing.assert_array_equal(back[k], v, err_msg=str(k))
 
 

@@ -5,8 +5,10 @@ import pytest
 from flax import nnx
 
 import eagle3_jax as e3
-from eagle3_jax.checkpoint.peagle_map import build_peagle_draft, flat_params, load_peagle_draft, write_peagle
-from eagle3_jax.config.peagle import PEagleConfig
+from eagle3_jax import drafts
+from eagle3_jax.drafts.loaded import host_params
+from eagle3_jax.drafts.peagle.checkpoint import build_peagle_draft, load_peagle_draft, write_peagle
+from eagle3_jax.drafts.peagle.config import PEagleConfig
 from tests.test_spec_sampling import TEMP, TOP_K, _chi2_pvalue, _sample_pairs, exact_joint, prompt  # noqa: F401
 
 
@@ -35,7 +37,7 @@ def peagle_dir(tiny_target, tmp_path_factory):
     draft = build_peagle_draft(peagle_config(tiny_target.config), tiny_target, seed=3)
     draft.model.d2t[...] = jnp.arange(64, dtype=jnp.int32) + 1
     path = tmp_path_factory.mktemp("peagle") / "draft"
-    write_peagle(path, draft.config, flat_params(draft.model), draft.aux_layer_ids)
+    write_peagle(path, draft.config, host_params(draft.model), draft.aux_layer_ids)
     return path
 
 
@@ -47,7 +49,7 @@ def reference(tiny_target, prompts):
 @pytest.mark.parametrize("k,batch", [(1, 8), (8, 1)])
 def test_random_peagle_is_lossless(tiny_target, peagle_dir, prompts, reference, k, batch):
     draft = e3.load_draft(peagle_dir, tiny_target)   # dispatches on the architecture
-    assert draft.model.kind == "peagle"
+    assert drafts.of_module(draft.model).name == "peagle"
     gen = e3.Generator(tiny_target, draft, num_draft_tokens=k, max_len=40, batch_size=batch)
     res = gen.generate(prompts if batch > 1 else prompts[:2], 20)
     assert res.tokens == reference.tokens[:len(res.tokens)]
@@ -168,7 +170,8 @@ def test_auto_prices_peagle_rounds_and_stays_lossless(tiny_target, trained, monk
     monkeypatch.setattr(session_mod, "PROBE_REPEATS", 1)
     probed = []
     real = session_mod.probe_costs
-    monkeypatch.setattr(session_mod, "probe_costs", lambda s, *a: probed.append(s.draft.model.kind) or real(s, *a))
+    monkeypatch.setattr(session_mod, "probe_costs", lambda s, *a: probed.append(drafts.of_module(s.draft.model).name)
+                        or real(s, *a))
     draft, seqs = trained
     prompts = [s[:6].tolist() for s in seqs[:4]]
     expected = e3.Generator(tiny_target, None, max_len=40).generate(prompts, 16).tokens

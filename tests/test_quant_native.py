@@ -136,7 +136,7 @@ def test_spec_with_int4_target_is_lossless(int4_dirs, trained_draft_dir, mesh_sp
 
 @pytest.mark.parametrize("kind", ["int4", "fp8"])
 def test_quantized_round_trip_hf_jax_hf_is_byte_identical(int4_dirs, fp8_dirs, tmp_path, ids, kind):
-    from tools.convert.core import inspect, to_hf, to_jax
+    from tools.convert import inspect, to_hf, to_jax
 
     qdir = (int4_dirs if kind == "int4" else fp8_dirs)[0]
     meta = to_jax(qdir, tmp_path / "jax", progress=False)
@@ -174,7 +174,8 @@ def test_tiled_quantized_matmul_equals_whole_matrix(kind):
     """Several input tiles per matmul (the tiny checkpoints above fit in one)."""
     import jax
 
-    from eagle3_jax.models.quantized import QuantLayout, expert_stack, quantized_matmul
+    from eagle3_jax.kernels.dequant import quantized_matmul
+    from eagle3_jax.models.quantized import QuantLayout, expert_stack
 
     layout = QuantLayout(experts=kind, int4_scale_dtype="float32", fp8_block=(16, 16))
     stack = expert_stack(2, 24, 160, ("expert", None, None), layout, nnx.Rngs(0))

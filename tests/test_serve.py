@@ -259,9 +259,9 @@ def test_empty_input_ends_cleanly(tmp_path, models, target_dir, capsys):
     assert models.calls == calls
 
 
-def test_missing_input_file_is_an_error(tmp_path, models, target_dir, capsys):
-    assert serve(models, target_dir, tmp_path / "nope.jsonl", tmp_path / "out.jsonl") == 1
-    assert "cannot read --input" in capsys.readouterr().err
+def test_missing_input_file_is_a_bad_command_line(tmp_path, models, target_dir, capsys):
+    assert serve(models, target_dir, tmp_path / "nope.jsonl", tmp_path / "out.jsonl") == 2
+    assert "--input" in (err := capsys.readouterr().err) and "nope.jsonl does not exist" in err
 
 
 def test_messages_without_chat_template_refused_before_loading(tmp_path, models, tiny_target_dir, capsys):

@@ -1,7 +1,9 @@
 """What a user of serve.py sees: throughput without compile time, failed prompts retried, ids
-derived from content, metrics for an empty input, help texts."""
+derived from content, metrics for an empty input, help texts, bad command lines (exit 2), the
+compute dtype a CPU host gets, and the demo's summary."""
 
 import json
+import logging
 import re
 
 import pytest
@@ -23,7 +25,8 @@ def target_dir(tiny_target_dir, tmp_path_factory):
 
 
 # ---------------------------------------------------------------------- 1: throughput
-def test_tokens_per_second_excludes_compiles_across_two_prompt_buckets(tmp_path, models, target_dir, capsys):
+def test_tokens_per_second_excludes_compiles_across_two_prompt_buckets(tmp_path, models, target_dir, capsys,
+                                                                       caplog):
     # Byte tokenizer: prompts under 16 bytes share one bucket, 17-31 bytes the next (a second compile).
     short = [f"s{i}" for i in range(12)]
     long = [f"a longer prompt, number {i:02d}" for i in range(12)]
@@ -33,8 +36,11 @@ def test_tokens_per_second_excludes_compiles_across_two_prompt_buckets(tmp_path,
     # not the first execution of each program (a fixed ~0.5 s on CPU), dominates the figure.
     opts = dict(max_new_tokens=200, batch_size=4, max_len=240)
     first, steady = tmp_path / "first.json", tmp_path / "steady.json"
-    assert serve(models, target_dir, inp, tmp_path / "a.jsonl", metrics=first, **opts) == 0
-    progress = capsys.readouterr().err
+    with caplog.at_level(logging.INFO, logger="eagle3_jax"):
+        assert serve(models, target_dir, inp, tmp_path / "a.jsonl", metrics=first, **opts) == 0
+    progress = caplog.text
+    # stderr is no terminal here: plain lines, no progress bar redrawn with carriage returns
+    assert "\r" not in capsys.readouterr().err
     assert serve(models, target_dir, inp, tmp_path / "b.jsonl", metrics=steady, **opts) == 0
     m1, m2 = json.loads(first.read_text()), json.loads(steady.read_text())
     assert m1["tokens"] == m2["tokens"] > 0
@@ -47,7 +53,7 @@ def test_tokens_per_second_excludes_compiles_across_two_prompt_buckets(tmp_path,
     timings = [(m["seconds"], m["compile_seconds"], m["load_seconds"]) for m in (m1, m2)]
     assert m1["compile_seconds"] > 5 * m1["seconds"], timings   # the check below can tell the two apart
     assert 0.2 <= m1["tokens_per_second"] / m2["tokens_per_second"] <= 5.0, timings
-    assert "compiling prompt bucket 32" in progress
+    assert "compiling prompt bucket 32" in progress and re.search(r"serve: 24/24 prompts, [0-9.]+ tok/s", progress)
 
 
 # ---------------------------------------------------------------------- 2: failed prompts
@@ -151,3 +157,54 @@ def test_help_texts(capsys):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 0 and expected in capsys.readouterr().out
+
+
+def test_bad_command_lines_exit_2_before_any_output(tmp_path, target_dir, capsys):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "abc"}])
+    out = tmp_path / "out.jsonl"
+    cases = [(["--target", str(tmp_path / "no_such_target")], "--target .*no_such_target does not exist"),
+             (["--draft", str(tmp_path / "no_such_draft")], "--draft .*no_such_draft does not exist"),
+             (["--num-draft-tokens", "-1"], "num_draft_tokens must be 'auto' or a whole number >= 0"),
+             (["--num-draft-tokens", "many"], "expected an integer or 'auto', found str 'many'")]
+    for extra, message in cases:
+        args = ["--target", str(target_dir), "--input", str(inp), "--output", str(out)] + extra
+        assert cli.main(args) == 2, extra
+        assert re.search(message, capsys.readouterr().err), extra
+        assert not out.exists()
+    # --no-progress is a flag of serve.py as of train.py
+    assert cli.settings_from_argv(["--no-progress"]).no_progress is True
+
+
+def test_auto_dtype_is_float32_on_a_cpu_host_and_says_why(target_dir):
+    from eagle3_jax.config import TargetConfig
+
+    cfg = TargetConfig.from_path(target_dir)
+    stored = cli.checkpoint_dtype_name(cfg)
+    half = stored if stored in ("bfloat16", "float16") else "bfloat16"
+    dtype, note = cli.resolve_dtype_name("auto", cfg, platform="cpu")
+    assert dtype == "float32" and (note is None) == (stored == "float32")
+    if note:
+        assert f"not the checkpoint's {stored}" in note and f"--dtype {stored}" in note
+    assert cli.resolve_dtype_name("auto", cfg, platform="tpu") == (stored, None)
+    dtype, note = cli.resolve_dtype_name(half, cfg, platform="cpu")   # an explicit choice is kept, with why
+    assert dtype == half and "float32 is faster here" in note
+    assert cli.resolve_dtype_name("float32", cfg, platform="cpu") == ("float32", None)
+
+
+def test_demo_summary_says_what_this_run_measured():
+    from eagle3_jax.metrics import GenerationStats
+    from eagle3_jax.serve import demo
+
+    def mode(rates, rounds):
+        stats = GenerationStats(rounds=rounds, tokens=96, round_tokens=96, seconds=1.0,
+                                accepted_per_position=[rounds // 2] if rounds < 96 else [],
+                                per_row_accept_length=[96 / rounds])
+        return demo.ModeRun([[1, 2]], stats, 12.0, rates)
+
+    base, spec = mode([100.0, 80.0, 100.0], 96), mode([120.0, 104.0, 90.0], 40)
+    case = demo.Case(8, 0.0, base, spec)
+    assert spec.tokens_per_second == 104.0 and base.tokens_per_second == 100.0
+    assert case.speedup == pytest.approx(1.2)   # the median of 1.2, 1.3 and 0.9, not a ratio of medians
+    text = demo.table([case], 3) + "\n" + demo.table_notes(3)
+    assert "1.20x (0.90-1.30)" in text and "first pass, s" in text and "12 / 12" in text
+    assert "median of 3 timed passes" in text and "untimed pass" in text

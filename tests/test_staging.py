@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import eagle3_jax as e3
-from eagle3_jax.checkpoint import draft_io, staging
+from eagle3_jax.checkpoint import staging
+from eagle3_jax.drafts.eagle3 import layout as draft_io
 from tests import spec_fixtures
 from tools.convert import core
 

@@ -66,7 +66,9 @@ def test_like_target_draft_and_default_aux_ids(files, tiny_target_dir):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["learning_rate=1e-4"], "unknown key 'learning_rate'; valid keys: target, out_dir, data"),
+    (["learning_rate=1e-4"], "unknown key 'learning_rate' \\(did you mean 'lr'\\?\\); valid keys: target, out_dir, data"),
+    (["max_length=512"], "unknown key 'max_length' \\(did you mean 'max_len'\\?\\)"),
+    (["epochs=3"], "unknown key 'epochs'; valid keys"),
     (["total_step=10"], "unknown key 'total_step' \\(did you mean 'total_steps'\\?\\)"),
     (["draft.hiden_size=64"], "draft: unknown key 'hiden_size'"),
     (["batch_size=2.5"], "batch_size: expected an integer, found float 2.5"),
@@ -198,3 +200,30 @@ def test_missing_demo_data_says_how_to_make_it(tiny_target_dir, tmp_path, no_com
     with pytest.raises(ConfigError, match=r"regenerated.jsonl does not exist. .*serve.py .*--emit training.*"
                                           r"stage 4 of `python tools/make_demo.py`"):
         cfg.validate()
+
+
+def test_a_new_run_never_exports_over_an_existing_draft(files, tmp_path, no_compute):
+    shipped = tmp_path / "shipped_draft"
+    shipped.mkdir()
+    (shipped / "config.json").write_text("{}")
+    cfg = TrainConfig.load(files[0], [f"export_dir={shipped}"])
+    with pytest.raises(ConfigError, match=rf"export_dir {shipped} already exists .* never writes over a draft"):
+        cfg.validate()
+    TrainConfig.load(files[0], [f"export_dir={tmp_path / 'new_draft'}"]).validate()   # a new place is fine
+    # a resumed run (checkpoints in out_dir) may find its own export there: the trainer leaves it be
+    (tmp_path / "out" / "checkpoints").mkdir(parents=True)
+    cfg.validate()
+    # The shipped recipes name no export_dir over demo/: they export to out_dir/draft.
+    for name in ("demo", "demo_quick", "peagle_demo"):
+        recipe = TrainConfig.load(REPO / f"configs/train/{name}.yaml")
+        assert not recipe.resolved_export_dir.startswith("demo/"), (name, recipe.resolved_export_dir)
+
+
+def test_the_quick_recipe_passes_its_checks(tmp_path, no_compute):
+    data = tmp_path / "regenerated.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "def f():"},
+                                             {"role": "assistant", "content": "    pass"}]}) + "\n")
+    cfg = TrainConfig.load(REPO / "configs/train/demo_quick.yaml",
+                           [f"target={REPO / 'demo/target'}", f"data={data}", f"out_dir={tmp_path / 'run'}"])
+    cfg.validate()
+    assert cfg.resolved_export_dir == str(tmp_path / "run" / "draft") and cfg.eval_every == 0

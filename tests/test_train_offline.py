@@ -54,6 +54,8 @@ def stores(tiny_target_dir, data, tmp_path_factory):
 
 def test_compact_storage_roundtrips_within_its_precision(stores):
     exact = _rows(stores["float32"])
+    # each row's length is stored (its mask is 3 zeros then ones to its end)
+    assert [int(r["length"]) for r in exact] == [3 + int(r["loss_mask"].sum()) for r in exact] != [T] * N
     for name, tol in (("bfloat16", 2 ** -8), ("float8_e4m3fn", 2 ** -4)):
         meta = json.loads((stores[name] / "meta.json").read_text())
         assert meta["storage"] == name and meta["complete"]

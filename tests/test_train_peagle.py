@@ -13,9 +13,10 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import eagle3_jax as e3
+from eagle3_jax import drafts
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.train import TrainConfig, run
-from eagle3_jax.train.peagle_objective import peagle_loss
+from eagle3_jax.drafts.peagle.objective import peagle_loss
 from eagle3_jax.train.peagle_trainer import PEagleTrainer
 from tests import spec_fixtures
 from tests.test_train import predictable_target, predictable_target_dir  # noqa: F401  (a peaked tiny target)
@@ -113,14 +114,14 @@ def test_kill_and_resume_equals_uninterrupted_and_export_loads_strictly(predicta
     assert hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
     assert hf["mask_token_id"] == resumed.dcfg.mask_token_id and hf["draft_vocab_size"] == 128
     loaded = e3.load_draft(out, predictable_target)   # strict: any missing or extra tensor is an error
-    assert loaded.model.kind == "peagle" and loaded.aux_layer_ids == (0, 1, 2)
+    assert drafts.of_module(loaded.model).name == "peagle" and loaded.aux_layer_ids == (0, 1, 2)
     trained = dict(nnx.to_flat_state(nnx.state(resumed.draft_model())))
     for path, v in nnx.to_flat_state(nnx.state(loaded.model)):
         np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(trained[path][...]), err_msg=str(path))
 
-    peagle = pytest.importorskip("specforge.modeling.draft.peagle")
     import torch
     from safetensors.torch import load_file as load_torch
+    from specforge.modeling.draft import peagle
     from transformers import LlamaConfig
 
     theirs = peagle.PEagleDraftModel(LlamaConfig.from_pretrained(str(out))).float()
@@ -135,7 +136,8 @@ def test_kill_and_resume_equals_uninterrupted_and_export_loads_strictly(predicta
 def test_step_pairs_the_rows_as_specforge_captures_them(predictable_target_dir, predictable_target,  # noqa: F811
                                                          rows_file, tmp_path, convention):
     """The step's loss against peagle_loss on rows built here from the target's public forward:
-    ids and logits shifted by one with SpecForge's zero padding, the mask per convention."""
+    ids and logits shifted by one with SpecForge's zero padding, the mask per convention; specforge
+    averages the rows' own means (one row a device), ours weighs every sampled token alike."""
     trainer = PEagleTrainer(_config(predictable_target_dir, rows_file, tmp_path / "run", loss_convention=convention),
                             progress=False)
     batch = trainer.next_batch()
@@ -155,7 +157,7 @@ def test_step_pairs_the_rows_as_specforge_captures_them(predictable_target_dir, 
         guessed = valid[a] & (depth[a] > 0)
         assert guessed.any() and mask_s[np.nonzero(guessed)[0], pos[guessed]].all()  # rollouts reach loss positions
         loss, _ = peagle_loss(draft, ids_s, np.asarray(out.aux_hidden), target_s, mask_s, anchor[a], depth[a],
-                              valid[a], num_depths=4)
+                              valid[a], num_depths=4, row_means=convention == "specforge")
         expected.append(float(loss))
     assert trainer.run_step(batch)["loss"] == pytest.approx(np.mean(expected), rel=1e-5)
     trainer.close()

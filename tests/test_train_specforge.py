@@ -1,11 +1,13 @@
-"""The loss conventions and the LK objective against a torch reference written from SpecForge's
-formulas (its trainer step: target head shift, ``_compute_target_p``, the per-step ``padding``
-of the masks, ``_compute_loss``'s mean over B*T, ``compute_acceptance_rate`` and
-``compute_lk_loss``, steps weighted 0.8^i).
+"""The ``specforge`` loss convention against SpecForge's own trainer step (its modules, loaded by
+tests/specforge_modules.py): its offline EAGLE-3 path as its trainer runs it, on CPU in float32 —
+``normalize_offline_sample`` on each stored row, ``DataCollatorWithPadding`` over the rows,
+``Eagle3TrainStrategy.forward_loss`` (its target head on the stored final states, the TTT unroll
+of its ``LlamaForCausalLMEagle3``, the reference loss) and the backward pass — against our
+``step.batch_loss`` (what the train step differentiates) on the same rows as our pipeline pads
+them, to ``max_len``, past the longest row, the draft holding SpecForge's draft's weights.
 
-The reference reduces the same per-step draft logits (our unroll, which the serving-path test in
-test_ttt.py pins down); its gradient with respect to those logits, pulled back through our
-unroll, is the reference grad(fc)."""
+The rows have unequal lengths, loss masks with gaps, and a loss token at each row's end; padded
+positions carry nonzero states (an online target computes states for the padding too)."""
 
 import jax
 import jax.numpy as jnp
@@ -14,147 +16,182 @@ import pytest
 import torch
 from flax import nnx
 
-import eagle3_jax as e3
-from eagle3_jax.models.draft import Draft
-from eagle3_jax.train import ttt
-from tests.hf_fixtures import REPO
-from tests.spec_fixtures import tiny_draft_config
+from eagle3_jax.drafts.eagle3.config import DraftConfig
+from eagle3_jax.drafts.eagle3.model import Draft
+from eagle3_jax.drafts.eagle3.names import draft_rules
+from eagle3_jax.train import step, ttt
+from eagle3_jax.train.data import Example
+from eagle3_jax.train.pipeline import TokenizedSource
+from tests import specforge_modules as sf
 
-B, T, V, W, D = 2, 14, 256, 64, 64
-STEPS = 3
+D, V, W, STEPS = 64, 256, 64, 7
+LENGTHS = (20, 14, 9)
+T = 24                        # our rows: padded to max_len, past SpecForge's longest row (20)
+HF = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": D, "intermediate_size": 128,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": V, "draft_vocab_size": W,
+      "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256, "num_hidden_layers": 1,
+      "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True}}
 
 
 @pytest.fixture(scope="module")
-def case():
-    """Two conversations: row 0 full length with a gap in its loss mask, row 1 padded after 10
-    tokens. Token 0 has a draft id and row 0's last token is a loss token, so SpecForge's zero row
-    past the end is counted."""
-    cfg = e3.TargetConfig.from_path(REPO / "configs/models/tiny_deepseek_v3.json")
-    draft = Draft(tiny_draft_config(cfg, draft_vocab=W), 3, jnp.float32, nnx.Rngs(5))
-    rng = np.random.default_rng(1)
+def case(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    theirs = sf.LlamaForCausalLMEagle3(LlamaConfig(**HF), attention_backend="sdpa").float()
     target_ids = np.sort(np.concatenate([[0], rng.choice(np.arange(1, V), W - 1, replace=False)]))
-    draft.d2t.value = jnp.asarray(target_ids - np.arange(W), jnp.int32)
+    embed_VD = (rng.normal(size=(V, D)) * 0.3).astype(np.float32)
+    lm_head_DV = (rng.normal(size=(D, V)) * 0.5).astype(np.float32)
     t2d = np.zeros(V, bool)
     t2d[target_ids] = True
-    draft.t2d.value = jnp.asarray(t2d)
-    logits = rng.normal(size=(B, T, V)) * 2
-    logits[..., target_ids] += 4 * (rng.random((B, T, 1)) < 0.8)
-    loss_mask = np.zeros((B, T), bool)
-    loss_mask[0, 4:8] = loss_mask[0, 10:] = True        # a gap at 8, 9
-    loss_mask[1, 3:10] = True                           # padded from 10
-    ids = rng.integers(1, V, (B, T))
-    ids[1, 10:] = 0
-    logits[1, 10:] = 0.0
-    graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
-    return dict(graphdef=graphdef, params=params, rest=rest, t2d=t2d,
-                aux=jnp.asarray(rng.normal(size=(B, T, 3 * D)), jnp.float32),
-                ids=jnp.asarray(ids, jnp.int32), logits=np.asarray(logits, np.float32),
-                loss_mask=loss_mask, embed=jnp.asarray(rng.normal(size=(V, D)) * 0.3, jnp.float32))
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():   # norms start at ones: perturbed, so a swap would show
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+        theirs.embed_tokens.weight.copy_(torch.as_tensor(embed_VD))
+        theirs.d2t.copy_(torch.as_tensor(target_ids - np.arange(W)))
+        theirs.t2d.copy_(torch.as_tensor(t2d))
+    theirs.embed_tokens.weight.requires_grad_(False)   # the target's embedding, frozen
+
+    stored = []   # rows as SpecForge's offline capture stores them
+    for n in LENGTHS:
+        mask = np.zeros(n, np.int64)
+        mask[3:] = 1
+        mask[rng.choice(np.arange(4, n - 2), 2, replace=False)] = 0   # gaps; the last token is a loss token
+        stored.append({"input_ids": torch.as_tensor(rng.integers(1, V, n)), "loss_mask": torch.as_tensor(mask),
+                       "aux_hidden_state": torch.as_tensor(rng.normal(size=(1, n, 3 * D)).astype(np.float32)),
+                       "hidden_state": torch.as_tensor(rng.normal(size=(1, n, D)).astype(np.float32))})
+
+    # ours: the pipeline's padded rows (with their lengths), the states continued past each row's end
+    source = TokenizedSource([Example(r["input_ids"].numpy().astype(np.int32), r["loss_mask"].numpy().astype(bool))
+                              for r in stored], T)
+    mb = {k: np.stack([source[i][k] for i in range(len(stored))]) for k in ("ids", "loss_mask", "length")}
+    assert list(mb["length"]) == list(LENGTHS)
+    aux = rng.normal(size=(len(stored), T, 3 * D)).astype(np.float32)
+    hidden = rng.normal(size=(len(stored), T, D)).astype(np.float32)
+    for b, r in enumerate(stored):
+        aux[b, :LENGTHS[b]], hidden[b, :LENGTHS[b]] = r["aux_hidden_state"][0], r["hidden_state"][0]
+
+    dcfg = DraftConfig.from_hf_dict(HF)
+    graphdef, state = nnx.split(Draft(dcfg, 3, jnp.float32, nnx.Rngs(0)))
+    flat = dict(nnx.to_flat_state(state))
+    sd = {k: v.detach().numpy() for k, v in theirs.state_dict().items()}
+    rules = draft_rules(dcfg, 3, own_embedding=False)
+    for rule in rules:
+        flat[rule.path][...] = jnp.asarray(rule.to_ours([sd[k] for k in rule.hf_keys]))
+    graphdef, params, rest = nnx.split(nnx.merge(graphdef, nnx.from_flat_state(flat)), nnx.Param, ...)
+    return dict(theirs=theirs, stored=stored, head=sf.target_head(tmp_path_factory.mktemp("head"), lm_head_DV),
+                rules=[r for r in rules if r.path[0] not in ("d2t", "t2d")], graphdef=graphdef, params=params,
+                rest=rest, embed=jnp.asarray(embed_VD), lm_head=jnp.asarray(lm_head_DV),
+                mb={k: jnp.asarray(v) for k, v in mb.items()}, aux=jnp.asarray(aux), hidden=jnp.asarray(hidden))
 
 
-# ---------------------------------------------------------------------- the reference (torch)
-def _pad_left_shift(x):
-    """SpecForge's ``padding(x, left=False)``: drop the first position, append zeros."""
-    return torch.cat([x[:, 1:], torch.zeros_like(x[:, -1:])], dim=1)
+# ---------------------------------------------------------------------- the two sides
+def _specforge_step(case, rows, lk: dict):
+    """SpecForge's loss, per-step metrics and gradients (by tensor name) on one device's rows."""
+    theirs = case["theirs"]
+    theirs.zero_grad(set_to_none=True)
+    batch = sf.DataCollatorWithPadding()([sf.normalize_offline_sample(dict(r), max_len=T) for r in rows])
+    model = sf.OnlineEagle3Model(theirs, length=STEPS, attention_backend="sdpa", **lk)
+    strategy = sf.Eagle3TrainStrategy(model, target_head=case["head"], ploss_decay=0.8)
+    out = strategy.forward_loss(sf.TrainBatch([str(i) for i in range(len(rows))], "eagle3", batch,
+                                              {"target_repr": "hidden_state"}))
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone().numpy() for n, p in theirs.named_parameters() if p.grad is not None}
+    metrics = {k: np.asarray([float(x) for x in out.metrics[k]]) for k in ("plosses", "acces", "acceptance_rates")}
+    return float(out.loss.detach()), metrics, grads
 
 
-def specforge_loss(step_logits, target_logits, loss_mask, t2d, lk_loss_type=None, kl_scale=1.0, kl_decay=1.0,
-                   decay=0.8):
-    target = _pad_left_shift(torch.as_tensor(target_logits, dtype=torch.float64))   # online capture's shift
-    t2d = torch.as_tensor(t2d)
-    top = target.argmax(-1)
-    position_mask = t2d[top][..., None].double() * torch.as_tensor(loss_mask)[..., None].double()
-    draft_head = target[..., t2d]
-    target_p = torch.softmax(draft_head, dim=2)
-    p_on_draft = torch.exp(draft_head - torch.logsumexp(target, dim=-1, keepdim=True))
-    n = len(step_logits)
-    target_p = torch.nn.functional.pad(target_p, (0, 0, 0, n), value=1 / target_p.shape[-1])
-    p_on_draft = torch.nn.functional.pad(p_on_draft, (0, 0, 0, n), value=0.0)
-    total = 0.0
-    for idx, logits in enumerate(step_logits):
-        tp = target_p[:, idx:idx + T]
-        tpd = p_on_draft[:, idx:idx + T]
-        logp = torch.log_softmax(logits, dim=2)
-        kl = -torch.sum(position_mask * tp * logp, 2).mean()
-        a = torch.minimum(tpd, torch.softmax(logits, dim=-1)).sum(-1)
-        m = position_mask.squeeze(-1)
-        denom = m.sum().clamp_min(1e-8)
-        acc = (a * m).sum() / denom
-        log_acc = (torch.where(a > 0, torch.log(a), 0) * m).sum() / denom
-        if lk_loss_type is None:
-            loss = kl
-        elif lk_loss_type == "alpha":
-            loss = -log_acc
-        else:
-            w = kl_scale * torch.exp(-kl_decay * acc.detach())
-            loss = w * kl + (1 - w) * (1 - acc)
-        total = total + decay ** idx * loss
-        position_mask = _pad_left_shift(position_mask)
-    return total
+def _specforge_devices(case, groups, lk: dict):
+    """SpecForge data-parallel: one collated batch a device, the devices' losses and gradients averaged."""
+    runs = [_specforge_step(case, [case["stored"][i] for i in g], lk) for g in groups]
+    grads = {k: np.mean([r[2][k] for r in runs], axis=0) for k in runs[0][2]}
+    return float(np.mean([r[0] for r in runs])), grads
 
 
-# ---------------------------------------------------------------------- the comparison
-def _ours(case, spec):
-    def f(p):
-        draft = nnx.merge(case["graphdef"], p, case["rest"])
-        signal = ttt.target_signal(jnp.asarray(case["logits"]), jnp.asarray(case["loss_mask"]), draft.d2t[...],
-                                   draft.t2d[...], spec.convention)
-        return ttt.ttt_loss(draft, case["aux"], case["ids"], signal, case["embed"], spec)
-
-    (loss, metrics), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(case["params"])
-    return float(loss), np.asarray(grads["fc"]), metrics
-
-
-@pytest.fixture(scope="module")
-def unrolled(case):
-    """Our per-step draft logits and their pullback to the parameters (shared by every reference)."""
-    def unroll(p):
-        draft = nnx.merge(case["graphdef"], p, case["rest"])
-        return ttt.ttt_unroll(draft, case["aux"], case["ids"], case["embed"], STEPS)
-
-    return jax.vjp(unroll, case["params"])
-
-
-def _reference(case, unrolled, **lk):
-    step_logits, pullback = unrolled
-    leaves = [torch.tensor(np.asarray(x, np.float64), requires_grad=True) for x in step_logits]
-    loss = specforge_loss(leaves, case["logits"], case["loss_mask"], case["t2d"], **lk)
-    loss.backward()
-    (grads,) = pullback([jnp.asarray(x.grad.numpy(), jnp.float32) for x in leaves])
-    return float(loss.detach()), np.asarray(grads["fc"])
+def _ours(case, spec: ttt.LossSpec, length=True):
+    mb = dict(case["mb"]) if length else {**case["mb"], "length": jnp.full((len(LENGTHS),), T, jnp.int32)}
+    f = jax.jit(jax.value_and_grad(step.batch_loss, has_aux=True), static_argnames=("graphdef", "spec"))
+    (loss, metrics), grads = f(case["params"], case["rest"], case["embed"], case["lm_head"], case["aux"],
+                               case["hidden"], mb, graphdef=case["graphdef"], spec=spec)
+    flat = dict(nnx.to_flat_state(grads))
+    named = {}
+    for rule in case["rules"]:
+        (named[rule.hf_keys[0]],) = rule.to_hf(np.asarray(flat[rule.path][...]))
+    return float(loss), jax.tree.map(np.asarray, metrics), named
 
 
 def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("lk", [{}, {"lk_loss_type": "alpha"},
-                                {"lk_loss_type": "lambda", "kl_scale": 1.5, "kl_decay": 2.0}],
-                         ids=["kl", "lk_alpha", "lk_lambda"])
-def test_specforge_convention_equals_its_trainer(case, unrolled, lk):
-    loss, grad_fc, m = _ours(case, ttt.LossSpec(steps=STEPS, convention="specforge", **lk))
-    ref_loss, ref_grad = _reference(case, unrolled, **lk)
-    # the case bites: padded and gap positions dropped, SpecForge's zero row past the end counted
-    assert 0 < int(m["count"][-1]) <= int(m["count"][0]) < B * T
-    sig = ttt.target_signal(jnp.asarray(case["logits"]), jnp.asarray(case["loss_mask"]),
-                            case["rest"]["d2t"].value, jnp.asarray(case["t2d"]), "specforge")
-    assert bool(sig.usable_BT[0, T]) and not bool(sig.usable_BT[1, T])
-    np.testing.assert_allclose(sig.probs_BTW[0, T], 1 / W, rtol=1e-6)
-    assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss)
-    assert _rel(grad_fc, ref_grad) <= 1e-3
+def _assert_same_step(loss, grads, ref_loss, ref_grads):
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+    assert grads.keys() == ref_grads.keys() and len(grads) == 13   # every trainable tensor of the draft
+    for name, g in grads.items():
+        assert _rel(g, ref_grads[name]) <= 1e-5, (name, _rel(g, ref_grads[name]))
 
 
-def test_our_convention_differs_where_it_should(case, unrolled):
-    """Ours counts loss_mask[t+i+2] and divides by the counted positions: a different loss and
-    gradient on this batch (the reference is not trivially satisfied by either)."""
-    loss, grad_fc, m = _ours(case, ttt.LossSpec(steps=STEPS))
-    ref_loss, ref_grad = _reference(case, unrolled)
-    assert abs(loss - ref_loss) > 0.05 * abs(ref_loss)
-    assert _rel(grad_fc, ref_grad) > 0.05
-    # ours: the step loss is the mean over usable positions, whose count is the shifted mask's
-    lm = case["loss_mask"]
-    counts = np.asarray(m["count"])
-    assert counts[0] <= lm[:, 2:].sum() and counts[-1] < counts[0]
+# ---------------------------------------------------------------------- the tests
+LK_CASES = {"kl": ({}, {}),
+            "lk_alpha": ({"lk_loss_type": "alpha"}, {}),
+            # the trainer's long-row settings: blockwise attention, chunked head and loss, remat
+            "lk_lambda_chunked": ({"lk_loss_type": "lambda", "kl_scale": 1.5, "kl_decay": 2.0},
+                                  {"attention": "blockwise", "attention_block": 8, "loss_chunk": 5, "remat": True})}
+
+
+@pytest.mark.parametrize("name", LK_CASES)
+def test_specforge_convention_is_its_trainer_step(case, name):
+    """One device's batch of the three rows (collated to the longest, 20): loss, per-step losses,
+    accuracies and acceptance rates, and every gradient."""
+    lk, settings = LK_CASES[name]
+    ref_loss, ref_m, ref_grads = _specforge_step(case, case["stored"], lk)
+    spec = ttt.LossSpec(steps=STEPS, convention="specforge", specforge_batch=len(LENGTHS), **lk, **settings)
+    loss, m, grads = _ours(case, spec)
+    _assert_same_step(loss, grads, ref_loss, ref_grads)
+    np.testing.assert_allclose(m["loss"], ref_m["plosses"], rtol=1e-5)
+    np.testing.assert_allclose(m["acc_all"], ref_m["acces"], rtol=1e-6)
+    np.testing.assert_allclose(m["accept"], ref_m["acceptance_rates"], rtol=1e-5)
+
+
+def test_specforge_batch_one_row_a_device(case):
+    """SpecForge's default, one row a device (each divided by its own length), devices averaged."""
+    ref_loss, ref_grads = _specforge_devices(case, [[0], [1], [2]], {})
+    loss, _, grads = _ours(case, ttt.LossSpec(steps=STEPS, convention="specforge", specforge_batch=1))
+    _assert_same_step(loss, grads, ref_loss, ref_grads)
+
+
+def test_the_case_bites(case):
+    """What the convention reproduces matters here, far beyond the tolerance: without the rows'
+    lengths (every row taken as max_len long: the rows' last loss tokens counted against the
+    padding's logits, the sum divided by 3 x 24 instead of 3 x 20) the gradient is off by 40 %
+    (the loss by 0.3 %: the two errors nearly cancel in it), and our own convention is another
+    loss altogether."""
+    ref_loss, _, ref_grads = _specforge_step(case, case["stored"], {})
+    spec = ttt.LossSpec(steps=STEPS, convention="specforge", specforge_batch=len(LENGTHS))
+    for s, kw in ((spec, {"length": False}), (ttt.LossSpec(steps=STEPS), {})):
+        loss, _, grads = _ours(case, s, **kw)
+        assert abs(loss - ref_loss) > 1e-3 * ref_loss and _rel(grads["fc.weight"], ref_grads["fc.weight"]) > 0.05
+
+
+def test_offline_states_without_lengths_are_refused_for_specforge(tmp_path):
+    """Stores prepared before row lengths were kept: refused where the convention divides by them."""
+    import shutil
+
+    import eagle3_jax as e3
+    from eagle3_jax.errors import ConfigError
+    from eagle3_jax.train import TrainConfig, offline
+    from tests.hf_fixtures import REPO
+
+    (tmp_path / "target").mkdir()
+    shutil.copy(REPO / "configs/models/tiny_deepseek_v3.json", tmp_path / "target" / "config.json")
+    tcfg = e3.TargetConfig.from_path(tmp_path / "target")
+    cfg = TrainConfig(target=str(tmp_path / "target"), aux_layer_ids=(0, 1, 2), loss_convention="specforge")
+    meta = offline.offline_meta_for(cfg, tcfg, "digest")
+    with pytest.raises(ConfigError, match="prepared without the rows' lengths.*rerun mode=prepare"):
+        offline.check_offline_meta(meta, cfg, tcfg, str(tmp_path))
+    offline.check_offline_meta(meta, TrainConfig(target=cfg.target, aux_layer_ids=(0, 1, 2)), tcfg, str(tmp_path))
 
 
 def test_simulated_acc_len():

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import eagle3_jax as e3
-from eagle3_jax.models.draft import Draft
+from eagle3_jax.drafts.eagle3.model import Draft
 from eagle3_jax.train import ttt
 from tests.hf_fixtures import REPO
 from tests.spec_fixtures import tiny_draft_config

@@ -7,7 +7,7 @@ from flax import nnx
 
 import eagle3_jax as e3
 from eagle3_jax.errors import ConfigError
-from eagle3_jax.models.draft import Draft
+from eagle3_jax.drafts.eagle3.model import Draft
 from eagle3_jax.train import vocab as vocab_lib
 from tests.spec_fixtures import tiny_draft_config
 

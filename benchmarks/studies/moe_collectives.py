@@ -1,7 +1,7 @@
 """Expert-parallel token exchange for one MoE layer's routed experts, on an 8-device mesh.
 
 E experts are sharded over the ``expert`` axis (E/8 per device); every scheme runs inside
-``jax.shard_map`` and each device computes only its local experts with moe.py's ``experts_blocked``.
+``jax.shard_map`` and each device computes only its local experts with kernels/experts.py's ``experts_blocked``.
 Two token layouts, two schemes each:
 
   replicated in/out (what serving with data=1 has: every device holds every token)
@@ -50,7 +50,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from eagle3_jax.models.moe import experts_blocked  # noqa: E402
+from eagle3_jax.kernels.experts import experts_blocked  # noqa: E402
 from eagle3_jax.sharding import make_mesh  # noqa: E402
 
 AX = "expert"

@@ -1,4 +1,4 @@
-"""Apply a rule table (target_map / draft_map) to a safetensors checkpoint, producing an nnx State
+"""Apply a rule table (target_map, or a draft kind's name table) to a safetensors checkpoint, producing an nnx State
 placed on a mesh. Reads one parameter's tensors at a time, so host memory stays bounded by the
 largest parameter (one layer's expert stack), not by the model.
 """

@@ -26,9 +26,10 @@ INT4 pack-quantized (Kimi-K2.5's routed experts; ``quant_method: compressed-tens
       is negative on disk; unpacking works on the bit pattern, the sign of the word means nothing;
     * symmetric: no zero point; ``w[r, c] = q[r, c] * scale[r, c // group_size]``.
 
-The same facts serve the weights held natively (``models/quantized.py``): ``QuantScheme`` is what a
-config.json promises, ``QuantLayout`` what a target holds quantized (``QuantLayout.from_scheme``),
-and ``int4_nibbles`` / ``int4_plane`` unpack words for numpy and jax.numpy alike.
+The same facts serve the weights held natively (``models/quantized.py``) and are stated once, in
+``models/quant_format.py``: ``QuantScheme`` is what a config.json promises, ``QuantLayout`` what a
+target holds quantized (``QuantScheme.native_layout``), and ``int4_nibbles`` / ``int4_plane``
+unpack words for numpy and jax.numpy alike.
 
 ``read_dequantized(reader, key, dtype)`` reads the logical weight ``key`` (e.g.
 ``model.layers.3.mlp.experts.7.up_proj.weight``) in whichever of the three forms it is stored
@@ -47,31 +48,13 @@ import ml_dtypes
 import numpy as np
 
 from eagle3_jax.errors import CheckpointError
+from eagle3_jax.models.quant_format import DEFAULT_FP8_BLOCK, DEFAULT_INT4_GROUP, INT4_OFFSET, QuantLayout, int4_nibbles
 
 FLOAT_CODES = ("F32", "BF16", "F16")
 SCALE_CODES = ("F32", "BF16", "F16")
 INT_CODES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8")
 
 PLAIN, FP8, INT4 = "plain", "fp8", "int4"
-
-# The formats' facts, stated once: the checkpoint readers here (numpy) and the native weights in
-# ``models/quantized.py`` (jnp) both build on them.
-INT4_PER_WORD = 8                  # nibbles per 32-bit word, least significant first
-INT4_OFFSET = 8                    # stored nibble = q + 8 (offset binary), q in [-8, 7]
-DEFAULT_INT4_GROUP = 32            # input columns per scale (Kimi-K2.5)
-DEFAULT_FP8_BLOCK = (128, 128)     # (rows, cols) of one FP8 scale tile (DeepSeek-V3)
-
-
-def int4_nibbles(words, xp=np):
-    """uint32 words ``[..., W]`` -> unsigned nibbles ``[..., W, 8]``: column 8j + k at ``[..., j, k]``.
-    ``xp`` is numpy or jax.numpy (the same bit arithmetic serves both)."""
-    return int4_plane(words[..., None], xp.arange(INT4_PER_WORD, dtype=xp.uint32), xp)
-
-
-def int4_plane(words, k, xp=np):
-    """Nibble ``k`` (0 = least significant) of every uint32 word: input columns 8j + k, unsigned."""
-    return (words >> (xp.asarray(k, dtype=xp.uint32) * xp.uint32(4))) & xp.uint32(0xF)
-
 
 @dataclass(frozen=True)
 class QuantScheme:
@@ -142,57 +125,14 @@ class QuantScheme:
             "(block-scaled, DeepSeek-V3 / Kimi-K2) or 'compressed-tensors' pack-quantized INT4 "
             "(Kimi-K2.5), or a checkpoint without quantization_config")
 
-
-# The one INT4 group size with a native kernel (Kimi-K2.5's); others are dequantized on load.
-NATIVE_INT4_GROUP = DEFAULT_INT4_GROUP
-
-
-@dataclass(frozen=True)
-class QuantLayout:
-    """Which weights a target holds quantized, and how (read from the checkpoint's headers).
-
-    ``experts``: None | "int4" | "fp8" (the routed expert stacks); ``linears``: None | "fp8"
-    (attention projections, dense MLPs, shared experts). The dtypes are the checkpoint's, kept so
-    that an export writes the same bytes back. ``from_scheme``: the layout of a config's scheme.
-    """
-
-    experts: str | None = None
-    linears: str | None = None
-    int4_group: int = NATIVE_INT4_GROUP
-    int4_scale_dtype: str = "bfloat16"
-    int4_shape_dtype: str = "int32"
-    fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK
-    fp8_scale_dtype: str = "float32"
-
-    @classmethod
-    def from_scheme(cls, scheme: QuantScheme, **held) -> "QuantLayout":
-        """The native layout of a config.json's quantization scheme: INT4 experts for
+    def native_layout(self, **held) -> QuantLayout:
+        """The layout a target holds natively under this scheme: INT4 experts for
         compressed-tensors, FP8 experts and linears for block FP8 (``held``: which / dtypes)."""
-        if scheme.method == "compressed-tensors":
-            return cls(**{"experts": "int4", "int4_group": scheme.int4_group, **held})
-        if scheme.method == "fp8":
-            return cls(**{"experts": "fp8", "linears": "fp8", "fp8_block": tuple(scheme.fp8_block), **held})
-        raise ValueError(f"no native layout for quantization method {scheme.method!r}")
-
-    def to_json(self) -> dict:
-        d = dict(self.__dict__)
-        d["fp8_block"] = list(self.fp8_block)
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict | None) -> "QuantLayout | None":
-        if not d:
-            return None
-        d = dict(d)
-        d["fp8_block"] = tuple(d.get("fp8_block", DEFAULT_FP8_BLOCK))
-        return cls(**d)
-
-    @property
-    def name(self) -> str:
-        parts = [f"{self.experts}-experts"] if self.experts else []
-        if self.linears:
-            parts.append(f"{self.linears}-linears")
-        return "+".join(parts) or "float"
+        if self.method == "compressed-tensors":
+            return QuantLayout(**{"experts": "int4", "int4_group": self.int4_group, **held})
+        if self.method == "fp8":
+            return QuantLayout(**{"experts": "fp8", "linears": "fp8", "fp8_block": tuple(self.fp8_block), **held})
+        raise ValueError(f"no native layout for quantization method {self.method!r}")
 
 
 # ---------------------------------------------------------------------- the math

@@ -17,7 +17,7 @@ from eagle3_jax.checkpoint import quant
 from eagle3_jax.checkpoint.target_map import Rule, target_rules
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.errors import ConfigError
-from eagle3_jax.checkpoint.quant import NATIVE_INT4_GROUP, QuantLayout
+from eagle3_jax.models.quant_format import NATIVE_INT4_GROUP, QuantLayout
 
 EXPERT_PATHS = ("w_gate", "w_up", "w_down")
 WEIGHTS_CHOICES = ("native", "bfloat16")
@@ -170,4 +170,4 @@ def layout_from_config(cfg: TargetConfig) -> QuantLayout | None:
     scheme = quant.QuantScheme.from_hf_config(cfg.hf_config)
     if scheme.method == "compressed-tensors":
         check_native_config(cfg.hf_config, "config.json")
-    return QuantLayout.from_scheme(scheme) if scheme.method else None
+    return scheme.native_layout() if scheme.method else None

@@ -35,9 +35,9 @@ MAX_BLOCK_SCORES = 1 << 22
 
 
 def key_block(capacity: int, tokens: int, heads: int, block: int | None = None) -> int:
-    """Slots per step of ``blockwise``: at least ``block`` (default ``KEY_BLOCK``) and at least 4 * T * N (a power of two),
-    at most the whole cache (one step then, taken without a loop), and no more than
-    ``MAX_BLOCK_SCORES`` scores a row.
+    """Slots per step of ``blockwise``: at least ``block`` (default ``KEY_BLOCK``) and at least
+    4 * T * N (a power of two), at most the whole cache (one step then, taken without a loop), and
+    no more than ``MAX_BLOCK_SCORES`` scores a row.
 
     A step reads its keys, about 2 * kb * C bytes a row (bf16), and reads and writes the running
     float32 sums, 8 * T * N * C bytes a row, which a compiled loop keeps in memory between steps:
@@ -95,7 +95,7 @@ def blockwise(scores_fn, weighted_fn, positions_BT, keys: int, block: int):
     n_blocks = (jnp.clip(jnp.max(positions_BT) + 1, 1, keys) + block - 1) // block
 
     def step(j, carry):
-        m_BTN, l_BTN, acc_BTNX = carry
+        m_BTN, l_BTN, acc_BTN_ = carry
         start = jnp.minimum(j * block, keys - block)
         s_BTNS = jnp.where(visible(start, block, j * block)[..., None, :], scores_fn(start, block), -jnp.inf)
         m_new_BTN = jnp.maximum(m_BTN, jnp.max(s_BTNS, axis=-1))
@@ -104,14 +104,14 @@ def blockwise(scores_fn, weighted_fn, positions_BT, keys: int, block: int):
         p_BTNS = jnp.exp(s_BTNS - shift_BTN[..., None])
         keep_BTN = jnp.exp(m_BTN - shift_BTN)
         return (m_new_BTN, l_BTN * keep_BTN + p_BTNS.sum(-1),
-                acc_BTNX * keep_BTN[..., None] + weighted_fn(p_BTNS, start, block))
+                acc_BTN_ * keep_BTN[..., None] + weighted_fn(p_BTNS, start, block))
 
     s_shape = jax.eval_shape(lambda: scores_fn(0, block))
     x_shape = jax.eval_shape(lambda: weighted_fn(jnp.zeros(s_shape.shape, jnp.float32), 0, block))
     init = (jnp.full(s_shape.shape[:-1], -jnp.inf, jnp.float32), jnp.zeros(s_shape.shape[:-1], jnp.float32),
             jnp.zeros(x_shape.shape, jnp.float32))
-    m_BTN, l_BTN, acc_BTNX = jax.lax.fori_loop(0, n_blocks, step, init)
-    return acc_BTNX / l_BTN[..., None], m_BTN + jnp.log(l_BTN)
+    m_BTN, l_BTN, acc_BTN_ = jax.lax.fori_loop(0, n_blocks, step, init)
+    return acc_BTN_ / l_BTN[..., None], m_BTN + jnp.log(l_BTN)
 
 
 def merge(out_a, lse_a, out_b, lse_b):
@@ -150,17 +150,17 @@ def _causal_bwd(block, res, cotangents):
     delta_BTN = jnp.sum(d_out_BTNH * out_BTNH, axis=-1) - d_lse_BTN
 
     def body(dq_BTGRH, start, kv):
-        k_BKGH, v_BKGH = kv   # zero-padded keys past S lie after every query: masked like later keys
-        K = k_BKGH.shape[1]
-        scores, _ = grouped(q_BTNH, k_BKGH, v_BKGH)
-        visible_TK = jnp.arange(T)[:, None] >= start + jnp.arange(K)[None, :]
-        p_BTNK = jnp.exp(jnp.where(visible_TK[:, None], scores(0, K), -jnp.inf) - lse_BTN[..., None])
-        ds_BTNK = p_BTNK * (jnp.einsum("btgrh,bkgh->btgrk", d_out_BTGRH, v_BKGH.astype(jnp.float32)
+        kb_BSGH, vb_BSGH = kv   # zero-padded keys past S lie after every query: masked like later keys
+        K = kb_BSGH.shape[1]   # keys in this block
+        scores, _ = grouped(q_BTNH, kb_BSGH, vb_BSGH)
+        visible_TS = jnp.arange(T)[:, None] >= start + jnp.arange(K)[None, :]
+        p_BTNS = jnp.exp(jnp.where(visible_TS[:, None], scores(0, K), -jnp.inf) - lse_BTN[..., None])
+        ds_BTNS = p_BTNS * (jnp.einsum("btgrh,bsgh->btgrs", d_out_BTGRH, vb_BSGH.astype(jnp.float32)
                                        ).reshape(B, T, N, K) - delta_BTN[..., None]) * H ** -0.5
-        p_BTGRK, ds_BTGRK = p_BTNK.reshape(B, T, G, R, K), ds_BTNK.reshape(B, T, G, R, K)
-        dq_BTGRH = dq_BTGRH + jnp.einsum("btgrk,bkgh->btgrh", ds_BTGRK, k_BKGH.astype(jnp.float32))
-        return dq_BTGRH, (jnp.einsum("btgrk,btgrh->bkgh", ds_BTGRK, qf_BTGRH),
-                          jnp.einsum("btgrk,btgrh->bkgh", p_BTGRK, d_out_BTGRH))
+        p_BTGRS, ds_BTGRS = p_BTNS.reshape(B, T, G, R, K), ds_BTNS.reshape(B, T, G, R, K)
+        dq_BTGRH = dq_BTGRH + jnp.einsum("btgrs,bsgh->btgrh", ds_BTGRS, kb_BSGH.astype(jnp.float32))
+        return dq_BTGRH, (jnp.einsum("btgrs,btgrh->bsgh", ds_BTGRS, qf_BTGRH),
+                          jnp.einsum("btgrs,btgrh->bsgh", p_BTGRS, d_out_BTGRH))
 
     dq_BTGRH, (dk_BSGH, dv_BSGH) = scan_chunks(body, jnp.zeros(qf_BTGRH.shape, jnp.float32), (k_BSGH, v_BSGH), block)
     return (dq_BTGRH.reshape(q_BTNH.shape).astype(q_BTNH.dtype), dk_BSGH.astype(k_BSGH.dtype),

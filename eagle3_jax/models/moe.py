@@ -5,28 +5,8 @@ for *choosing* experts only; experts are chosen within the ``topk_group`` best g
 scored by the sum of its two best biased scores); the weights are the unbiased scores of the chosen
 experts, normalized when ``norm_topk_prob``, times ``routed_scaling_factor``.
 
-Expert compute. Every kernel has one signature (``ExpertKernel``) and is chosen by name from
-``EXPERT_KERNELS`` (the ``moe_kernel`` argument of ``Target``/``load_target``); all give the same
-result up to float summation order:
-  * ``blocked``: assignments (token, expert) sorted by expert, then a loop over fixed-size row blocks
-    of the *non-empty* experts only; each block is a [b, D] x [D, F] matmul with that expert's
-    weights. Work = O(assignments + experts hit), never O(all experts). Not reverse-differentiable
-    (a dynamic-length loop); on GPU every trip is a kernel launch plus a host-visible predicate.
-    (Gathering every assignment's expert weights at once, ``w_EDF[expert_ids]``, instead of the
-    loop at decode sizes was measured 10x slower on CPU: benchmarks/moe_dispatch.py.)
-  * ``ragged``: tokens sorted by expert through ``jax.lax.ragged_dot``, a grouped matmul (native on
-    TPU and GPU). Differentiable. On the CPU backend XLA lowers it to O(tokens x all experts)
-    (measured in benchmarks/moe_dispatch.py), so it is not the CPU default.
-  * ``padded_blocks``: ``blocked`` with a static trip count: each expert's run padded to whole
-    blocks, and the most blocks any routing can need, ceil(A / b) + E, computed as one batched
-    matmul against per-block gathered weights. Cost about (A + E b) rows. Differentiable, so it is
-    the cheap training kernel on CPU.
-Quantized stacks (INT4 / FP8 held as stored) have their own two (``QUANT_EXPERT_KERNELS``):
-  * ``blocked``: the loop above, each trip dequantizing its expert a tile of columns at a time.
-  * ``grouped``: three Pallas grouped matmuls over all blocks at once, each reading the stored
-    words and dequantizing a tile in the kernel (``kernels/quant_gmm*.py``: Mosaic on TPU, Triton
-    on GPU); the TPU and GPU default.
-The kernels themselves live in ``models/experts.py``.
+Expert compute: the kernel a backend runs (``kernels/experts.py``, chosen there by ``pick`` from the
+``moe_kernel`` argument of ``Target``/``load_target`` and the platform).
 With a mesh, experts are sharded over the expert mesh axis and expert width over the tensor axis
 (the table in ``sharding.py``): inside ``jax.shard_map`` each device runs only its local experts on
 the tokens routed to them, and a psum combines the partial outputs.
@@ -37,7 +17,6 @@ Routing statistics: ``capture_routes(fn)`` returns the expert ids every MoE laye
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import jax
@@ -47,17 +26,10 @@ from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.errors import ConfigError
-from eagle3_jax.kernels import quant_gmm
-from eagle3_jax.models.experts import (  # noqa: F401 - the kernels live there; named here too
-    PADDED_BLOCK_ROWS, block_rows, block_table, experts_blocked, experts_blocked_quantized,
-    experts_grouped_quantized, experts_padded_blocks, experts_ragged, pow2_at_least, sort_assignments)
+from eagle3_jax.kernels import experts
 from eagle3_jax.models.layers import SwiGLU, param
 from eagle3_jax.models.quantized import Int4Stack, QuantLayout, expert_stack
 from eagle3_jax.sharding import mesh_axis
-
-# (x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down_EFD, first_expert) -> y_MD. Experts
-# outside [first_expert, first_expert + E) are someone else's (another device's) and contribute 0.
-ExpertKernel = Callable[..., jax.Array]
 
 
 def route(x_MD: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array, cfg: TargetConfig):
@@ -88,46 +60,9 @@ def route(x_MD: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array, cfg: Targe
     return idx_MK.astype(jnp.int32), weights_MK * cfg.routed_scaling_factor
 
 
-# name -> kernel; ``moe_kernel=`` picks one. New kernels (e.g. for quantized experts) add an entry.
-EXPERT_KERNELS: dict[str, ExpertKernel] = {
-    "blocked": experts_blocked,
-    "ragged": experts_ragged,
-    "padded_blocks": experts_padded_blocks,
-}
-
-
-# Kernels for quantized stacks, same signature with (values, scales, container) triples for weights.
-QUANT_EXPERT_KERNELS = {
-    "blocked": experts_blocked_quantized,
-    "grouped": experts_grouped_quantized,
-}
-
-
-def default_kernel(backend: str | None = None, quantized: bool = False) -> str:
-    """The expert kernel for a platform (``backend``: where the program will run, which for a TPU
-    program planned on a CPU host is not ``jax.default_backend()``).
-
-    Float experts: ``ragged`` (grouped matmul) on TPU and GPU; ``blocked`` on CPU, where ragged_dot
-    is dense. On GPU ``blocked`` would be launch-bound: one loop trip per expert block, each a few
-    small kernels plus a trip-count predicate read back by the host.
-    Quantized experts: ``grouped`` (the Pallas kernels of ``kernels/quant_gmm*.py``: Mosaic on
-    TPU, Triton on GPU); ``blocked`` on CPU, where the kernels only run interpreted.
-    """
-    backend = backend or jax.default_backend()
-    if quantized:
-        return "blocked" if backend == "cpu" else "grouped"
-    return "blocked" if backend == "cpu" else "ragged"
-
-
 def platform_of(mesh) -> str:
     """The platform a model's programs run on: its mesh's devices', else the default backend's."""
     return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-
-
-def get_kernel(name: str) -> ExpertKernel:
-    if name not in EXPERT_KERNELS:
-        raise ConfigError(f"unknown moe kernel '{name}'; choose one of {', '.join(EXPERT_KERNELS)}")
-    return EXPERT_KERNELS[name]
 
 
 class MoE(nnx.Module):
@@ -139,12 +74,6 @@ class MoE(nnx.Module):
         self.quantized = quant is not None and quant.experts is not None
         # Where this layer's programs will run: a TPU program planned on a CPU host names "tpu".
         self.platform = platform or platform_of(mesh)
-        if self.quantized:
-            # A float kernel's name (e.g. the TPU default "ragged") means the platform's quantized one.
-            self.kernel = kernel if kernel in QUANT_EXPERT_KERNELS else default_kernel(self.platform, True)
-        else:
-            self.kernel = kernel or default_kernel(self.platform)
-            get_kernel(self.kernel)  # fail at construction, not at the first trace
         self.record_routes = record_routes
         # The router stays float32 whatever the model dtype, as in the reference checkpoints.
         self.gate = param(rngs, (D, E), ("embed", None), jnp.float32)
@@ -161,6 +90,15 @@ class MoE(nnx.Module):
         self.shared_experts = (
             SwiGLU(D, F * cfg.n_shared_experts, dtype, rngs, quant=quant) if cfg.n_shared_experts > 0 else None
         )
+        # Chosen at construction (an unknown name fails here, not at the first trace), on the
+        # shards each device holds: with the expert width split over ``tensor``, a device's gate/up
+        # have F / n outputs and its down F / n inputs.
+        shards = ()
+        if self.quantized:
+            n_ten = 1 if mesh is None else mesh.shape[mesh_axis("moe_mlp")]
+            F = F // n_ten if self._tensor_split(F, n_ten) else F
+            shards = ((self.w_gate, F, D), (self.w_down, D, F))
+        self.kernel = experts.pick(kernel, self.platform, self.quantized, shards)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         B, T, D = x_BTD.shape
@@ -168,10 +106,10 @@ class MoE(nnx.Module):
         idx_MK, weights_MK = route(x_MD, self.gate[...], self.e_score_correction_bias[...], self.cfg)
         if self.record_routes:
             self.sow(nnx.Intermediate, "expert_ids", idx_MK)
+        kernel = experts.kernel(self.kernel, self.platform, self.quantized)
         if self.quantized:
-            kernel, ws = self._quantized_kernel()
+            kernel, ws = self._with_containers(kernel)
         else:
-            kernel = get_kernel(self.kernel)
             ws = (self.w_gate[...], self.w_up[...], self.w_down[...])
         mesh = self.mesh
         if mesh is None or (mesh.shape[mesh_axis("expert")] == 1 and mesh.shape[mesh_axis("moe_mlp")] == 1):
@@ -183,34 +121,16 @@ class MoE(nnx.Module):
             y_BTD = y_BTD + self.shared_experts(x_BTD)
         return y_BTD
 
-    def _quantized_kernel(self):
-        """The dequantizing kernel and its weights: per stack (values, scales) arrays, with the
-        containers (their static group / block sizes) bound by closure so shard_map sees only arrays."""
+    def _with_containers(self, quant_kernel):
+        """The quantized kernel over per-stack (values, scales) arrays, the containers (their static
+        group / block sizes) bound by closure so shard_map sees only arrays."""
         stacks = (self.w_gate, self.w_up, self.w_down)
-        ws = tuple(st.arrays() for st in stacks)
-
-        quant_kernel = QUANT_EXPERT_KERNELS[self.kernel]
-        if self.kernel == "grouped":
-            if self.grouped_kernel_takes_shards():
-                quant_kernel = functools.partial(experts_grouped_quantized, platform=self.platform)
-            else:
-                quant_kernel = experts_blocked_quantized   # shapes the kernels do not take
 
         def kernel(x_MD, idx_MK, weights_MK, wg, wu, wd, first):
             g, u, d = ((*w, st) for w, st in zip((wg, wu, wd), stacks))
             return quant_kernel(x_MD, idx_MK, weights_MK, g, u, d, first)
 
-        return kernel, ws
-
-    def grouped_kernel_takes_shards(self) -> bool:
-        """Whether the grouped kernels take the stacks as each device holds them: with the expert
-        width split over ``tensor``, a device's gate/up have F / n outputs and its down F / n inputs,
-        and it is that shard's tiles (Triton's power-of-two tiles, whole INT4 groups) that count."""
-        F, D = self.cfg.moe_intermediate_size, self.cfg.hidden_size
-        if self.mesh is not None:
-            n_ten = self.mesh.shape[mesh_axis("moe_mlp")]
-            F = F // n_ten if self._tensor_split(F, n_ten) else F
-        return all(quant_gmm.supports(st, o, i, self.platform) for st, o, i in ((self.w_gate, F, D), (self.w_down, D, F)))
+        return kernel, tuple(st.arrays() for st in stacks)
 
     def _tensor_split(self, F: int, n_ten: int) -> bool:
         """Whether expert width F can be split over ``tensor``: quantized stacks also need every

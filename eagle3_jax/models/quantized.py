@@ -12,17 +12,17 @@ disk are the words held on the devices and the words written back, bit for bit):
     ``[(E,) ceil(out/bo), ceil(in/bi)]``; ``w = weight * scale_inv[o // bo, i // bi]``.
 
 What a target holds quantized (``QuantLayout``) and the formats' facts (nibble order, offset,
-default group and block) are described once, in ``checkpoint/quant.py``; this module computes with them.
+default group and block) are stated once, in ``quant_format.py``; this module computes with them.
 
 Values and scales carry the same logical axes (the grouped axis keeps its name), so
 ``sharding.LOGICAL_AXIS_RULES`` shards both the same way. Nothing here dequantizes a whole matrix
-for a matmul: ``quantized_matmul`` dequantizes one expert's matrix one tile of input columns at a
-time inside the matmul, and ``Fp8Linear.project`` / ``fold_in_tiles`` do the same for a dense FP8
-projection (tiles of output rows where the table splits the input axis).
+for a matmul: ``kernels/dequant.py``'s ``quantized_matmul`` dequantizes one expert's matrix one
+tile of input columns at a time inside the matmul (``tile_product``), and ``Fp8Linear.project`` /
+``fold_in_tiles`` do the same for a dense FP8 projection (tiles of output rows where the table
+splits the input axis).
 
-Why packed int32 words and not ``jnp.int4``: XLA:CPU allocates one byte per ``int4`` element
-(``jnp.zeros((1024, 1024), jnp.int4).on_device_size_in_bytes()`` is 1 MiB, measured with jax
-0.10), twice the packed size; int32 words are 0.5 byte per value on every backend and are the
+Why packed int32 words and not ``jnp.int4``: XLA:CPU allocates one byte per ``int4`` element,
+twice the packed size; int32 words are half a byte per value on every backend and are the
 checkpoint's own words.
 """
 
@@ -35,11 +35,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from eagle3_jax.checkpoint.quant import (  # noqa: F401 (QuantLayout re-exported: models name it from here)
-    INT4_OFFSET, INT4_PER_WORD, NATIVE_INT4_GROUP, QuantLayout, int4_nibbles, int4_plane)
+from eagle3_jax.kernels.dequant import TILE_COLS, as_bytes, tile_width
 from eagle3_jax.models.params import param
+from eagle3_jax.models.quant_format import (  # noqa: F401 (QuantLayout re-exported: models name it from here)
+    INT4_OFFSET, INT4_PER_WORD, QuantLayout, int4_nibbles, int4_plane)
 from eagle3_jax.sharding import mesh_axis
-
 
 
 # ---------------------------------------------------------------------- dequantization (jnp)
@@ -79,20 +79,6 @@ def dequant_fp8(w_OI: jax.Array, scale_RC: jax.Array, block: tuple[int, int], dt
     return (w * s).astype(dtype)
 
 
-def as_bytes(w, index) -> jax.Array:
-    """Float8 ``w`` viewed as uint8, for slicing at the loop-dependent ``index`` just after.
-
-    XLA:CPU runs the view as a copy; left loop-invariant, loop-invariant code motion hoists that
-    copy of the whole array out of every enclosing loop, so a program held a byte copy of every
-    FP8 weight at once (as many bytes as the weights themselves). Tying the array to ``index``
-    through an optimization barrier keeps the view inside the loop, where it fuses into the slice
-    and only the slice is read.
-    """
-    if not isinstance(index, int):
-        w, _ = jax.lax.optimization_barrier((w, index))
-    return jax.lax.bitcast_convert_type(w, jnp.uint8)
-
-
 def dequant_fp8_slice(w_OI, scale_RC, block, start, size: int, axis: int, dtype) -> jax.Array:
     """Rows (axis -2) or columns (axis -1) [start, start + size) of a block-scaled FP8 matrix,
     dequantized; start and size are multiples of the block along that axis.
@@ -107,44 +93,7 @@ def dequant_fp8_slice(w_OI, scale_RC, block, start, size: int, axis: int, dtype)
     return dequant_fp8(w, s, block, dtype)
 
 
-def tile_width(n: int, unit: int, tile: int) -> int | None:
-    """The widest multiple of ``unit`` that divides ``n`` and is at most ``tile`` (None if none)."""
-    return max((w for w in range(unit, min(tile, n) + 1, unit) if n % w == 0), default=None)
-
-
 # ---------------------------------------------------------------------- containers
-TILE_COLS = 512
-
-
-def take_expert(stack_E_, e) -> jax.Array:
-    """``stack[e]`` for a quantized stack. Float8 is indexed as bytes: a backend without float8
-    arithmetic (XLA:CPU) otherwise widens the whole stack to 16 bits, ahead of the loop, to slice it."""
-    if jnp.dtype(stack_E_.dtype).itemsize == 1 and jnp.issubdtype(stack_E_.dtype, jnp.floating):
-        return jax.lax.bitcast_convert_type(as_bytes(stack_E_, e)[e], stack_E_.dtype)
-    return stack_E_[e]
-
-
-def quantized_matmul(x_bI: jax.Array, values, scales, stack, tile: int = TILE_COLS) -> jax.Array:
-    """``x [b, I] @ W.T`` for one quantized ``W [O, I]``, dequantizing ``tile`` input columns at a
-    time inside a loop: the largest weight temporary is one [O, tile] tile, not the matrix.
-
-    (XLA:CPU does not share the temporaries of separate loops, so a whole dequantized expert per
-    layer would add up over the layers of one program.) Partial products accumulate in float32.
-    """
-    I = x_bI.shape[-1]
-    width = tile_width(I, stack.col_unit, tile)
-    if width is None:  # columns not a multiple of whole groups / blocks: one piece
-        return jnp.einsum("bi,oi->bo", x_bI, stack.dequant_one(values, scales, x_bI.dtype))
-
-    def body(i, acc_bO):
-        start = i * width
-        x_bT = jax.lax.dynamic_slice_in_dim(x_bI, start, width, axis=-1)
-        return acc_bO + stack.tile_product(x_bT, values, scales, start, width)
-
-    acc_bO = jnp.zeros((x_bI.shape[0], values.shape[-2]), jnp.float32)
-    return jax.lax.fori_loop(0, I // width, body, acc_bO).astype(x_bI.dtype)
-
-
 def _qparam(value, axes) -> nnx.Param:
     return nnx.Param(value, axes=tuple(axes))
 
@@ -189,7 +138,7 @@ class Int4Stack(nnx.Module):
         words' own [O, W] layout, matched against activation columns k::8. Interleaving the planes
         back into column order (``dequant_int4``) is a minor-dimension reshape that the TPU compiler
         answered by relaying out every packed expert stack ahead of the decode loop (one extra copy
-        of all experts, 29.5 GiB per chip for Kimi-K2.5 on v5p:2x2x4); planes need no such layout.
+        of all experts); planes need no such layout.
         Each weight is still ``(q - 8) * scale`` rounded once to the activation dtype, as
         ``dequant_int4`` makes it, so only the float32 summation order differs.
         """
@@ -232,12 +181,9 @@ class Fp8Stack(nnx.Module):
     def col_unit(self) -> int:
         return self.block[1]
 
-    def dequant_cols(self, w_OI, scale_RC, start, width: int, dtype) -> jax.Array:
-        return dequant_fp8_slice(w_OI, scale_RC, self.block, start, width, -1, dtype)
-
     def tile_product(self, x_bT, w_OI, scale_RC, start, width: int) -> jax.Array:
         """float32 ``x_bT @ W[:, start:start + width].T`` for one expert."""
-        w_OT = self.dequant_cols(w_OI, scale_RC, start, width, x_bT.dtype)
+        w_OT = dequant_fp8_slice(w_OI, scale_RC, self.block, start, width, -1, x_bT.dtype)
         return jnp.einsum("bt,ot->bo", x_bT, w_OT, preferred_element_type=jnp.float32)
 
 
@@ -366,5 +312,3 @@ def linear_param(rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str
         return Fp8Linear(shape, in_ndim, axes, layout, dtype, rngs)
     return param(rngs, shape, axes, dtype)
 
-
-QUANTIZED_CONTAINERS = (Int4Stack, Fp8Stack, Fp8Linear)

@@ -11,6 +11,7 @@ same command to finish).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import os
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--top-k", type=int, help="sample from the k most likely tokens (default 0 = off)")
     a("--num-draft-tokens", help="draft tokens per verify round, or 'auto' (default): chosen from measured "
       "round costs and live acceptance, 0 (target-only) when speculation does not pay")
+    a("--k-table", help="under auto: the K a job starts from per batch size, e.g. 1:0,8:2 (default: what earlier "
+                        "jobs of the pair measured on this machine, else a short probe)")
     a("--batch-size", type=int, help="rows generated together (default 8)")
     a("--max-len", type=int, help="prompt + generation capacity per row in tokens (default 2048); may change "
                                    "between runs of one output: longer prompts that failed are retried")
@@ -140,16 +143,17 @@ def resolve_mesh(spec: str):
     return make_mesh(spec)
 
 
-def load_models(s: ServeSettings, dtype: str):
+def load_models(s: ServeSettings, dtype: str, facts: preflight.PairFacts | None = None):
+    """``facts``: what ``preflight.check_pair`` found for this pair (configs read once, not checked again)."""
     import eagle3_jax as e3
 
     mesh = resolve_mesh(s.mesh)
     log.info("loading target %s (%s%s)", s.target, dtype, f", mesh {dict(mesh.shape)}" if mesh is not None else "")
-    target = e3.load_target(s.target, dtype=dtype, mesh=mesh)
+    target = e3.load_target(s.target, dtype=dtype, mesh=mesh, config=facts.target if facts else None)
     draft = None
     if s.draft:
         log.info("loading draft %s", s.draft)
-        draft = e3.load_draft(s.draft, target)
+        draft = e3.load_draft(s.draft, target, checked=facts)
     return target, draft
 
 
@@ -199,13 +203,15 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
     from eagle3_jax.tokenizer import TokenizerError, check_vocab, load_tokenizer
 
     s.validate()
+    s.check_paths()
     target_cfg = TargetConfig.from_path(s.target)
     dtype, dtype_note = resolve_dtype_name(s.dtype, target_cfg)
-    if dtype_note:
-        log.info("--dtype %s: %s", s.dtype, dtype_note)
-    # before any output or weight (a wrong --draft fails here, of any kind); load_target below keeps
-    # quantized weights as stored
-    preflight.check_pair(s.target, s.draft, mesh=s.mesh, dtype=dtype, max_len=s.max_len, weights="native")
+    if dtype_note:   # auto chose float32 over the checkpoint's dtype (said), or a half dtype was asked (warned)
+        (log.info if s.dtype == "auto" else log.warning)("--dtype %s: %s", s.dtype, dtype_note)
+    # Before any output, and the one read of each config: load_models takes what it found (and
+    # load_target keeps quantized weights as stored).
+    facts = preflight.check_pair(s.target, s.draft, mesh=s.mesh, dtype=dtype, max_len=s.max_len, weights="native",
+                                 target_config=target_cfg)
     tok = load_tokenizer(s.target)
     check_vocab(tok, target_cfg.vocab_size, s.target)
     log.info("%s", tok.describe())
@@ -222,7 +228,7 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
     from eagle3_jax.speculative.autodraft import DEFAULT_MAX_DRAFT_TOKENS
 
     k = (DEFAULT_MAX_DRAFT_TOKENS if s.num_draft_tokens == "auto" else s.num_draft_tokens) if s.draft else 0
-    stats = RunStats(k)
+    stats = RunStats(k, pair=(s.target, s.draft))
     if not records:
         print(f"{s.input} has no prompts; nothing to do.")
         _write_metrics(s, stats, 0, len(bad), dtype)
@@ -256,7 +262,8 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
             requests.append(engine_module.Request(key=rec.key, prompt=ids))
             by_key[rec.key] = rec
         if requests:
-            _generate(s, tok, dtype, requests, by_key, out, stats, models or load_models, engine_module)
+            _generate(s, tok, dtype, requests, by_key, out, stats,
+                      models or functools.partial(load_models, facts=facts), engine_module)
 
     print(summary_table(stats, already, len(bad)))
     _write_metrics(s, stats, already, len(bad), dtype)
@@ -285,10 +292,12 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
     engine = engine_module.Engine(
         target, draft=draft, num_draft_tokens=s.num_draft_tokens, max_len=s.max_len, batch_size=s.batch_size,
         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-        eos_token_ids=tuple(tok.eos_token_ids), max_admit_rows=s.admit_rows, prefill_chunk=s.prefill_chunk)
+        eos_token_ids=tuple(tok.eos_token_ids), max_admit_rows=s.admit_rows, prefill_chunk=s.prefill_chunk,
+        **_auto_settings(s, dtype))
     # Under auto the per-round K varies; the Engine runs the acceptance check on speculating rounds.
     watchdog = Watchdog(0 if s.num_draft_tokens == "auto" else k, context=s.output, pair=(s.target, s.draft))
     buckets: set[int] = set()
+    prompt_tokens = {req.key: len(req.prompt) for req in requests}   # for tau by context length
     compiling = ["compiling the decode programs…"]   # what the progress line says while XLA compiles
 
     def handed_to_engine(reqs):
@@ -302,25 +311,35 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
             yield req
 
     with Progress(len(requests), wants_bar(s.no_progress), quiet=not distributed.is_writer()) as progress:
-        stats.compile.on_compile = lambda: progress.note(compiling[0])
         stats.start_clock()
-        with stats.compile:
+        with stats.compiling(lambda: progress.note(compiling[0])):
             for fin in engine.run(handed_to_engine(requests)):
                 rec = by_key[fin.key]
                 tau = round(fin.accept_length, 4) if k and fin.rounds else None
                 out.append(result_record(rec, s.emit, generation_text(tok, fin.tokens, fin.finish_reason),
                                          len(fin.tokens), fin.finish_reason, tau))
-                stats.add(fin.finish_reason, fin.stats, failure=FAIL_GENERATION)
-                stats.engine_compile_intervals = list(getattr(engine, "compile_intervals", ()))
+                stats.add(fin.finish_reason, fin.stats, failure=FAIL_GENERATION, prompt_tokens=prompt_tokens[fin.key])
                 stats.draft_choice = getattr(engine, "draft_choice", None)
                 stats.tick()
                 compiling[0] = "compiling…"
                 progress.advance(stats.postfix())
                 watchdog.maybe_check(stats)
-        stats.engine_compile_intervals = list(getattr(engine, "compile_intervals", ()))
         stats.draft_choice = getattr(engine, "draft_choice", None)
         stats.tick()
     # The engine itself runs the acceptance check on its totals when the run ends.
+
+
+def _auto_settings(s: ServeSettings, dtype: str) -> dict:
+    """Under auto: the user's K table, and where auto's measurements are kept (beside the compile
+    cache, while it is on)."""
+    from eagle3_jax import compile_cache
+    from eagle3_jax.speculative.calibration import CalibrationStore
+
+    if not s.draft or s.num_draft_tokens != "auto":
+        return {}
+    directory = compile_cache.calibration_dir()
+    store = CalibrationStore.for_pair(directory, s.target, s.draft, dtype, s.mesh) if directory else None
+    return {"calibration": store, "k_table": s.k_table}
 
 
 def _join_process_group(argv) -> None:

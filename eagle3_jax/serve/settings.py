@@ -32,6 +32,18 @@ def draft_tokens_setting(value: Any) -> Any:
     raise SettingsError(f"num_draft_tokens: expected an integer or 'auto', found {type(value).__name__} {value!r}")
 
 
+def k_table_setting(value: Any) -> dict[int, int]:
+    """``k_table``: batch size -> the first K under auto, as ``1:0,8:2`` or a mapping."""
+    try:
+        pairs = value.items() if isinstance(value, dict) else (p.split(":") for p in str(value).split(",") if p.strip())
+        table = {int(b): int(k) for b, k in pairs}
+    except ValueError:
+        table = None
+    if not table or any(b < 1 or k < 0 for b, k in table.items()):
+        raise SettingsError(f"k_table: expected batch:K pairs such as 1:0,8:2 (batch >= 1, K >= 0), found {value!r}")
+    return table
+
+
 @dataclass
 class ServeSettings:
     target: str | None = None
@@ -44,6 +56,8 @@ class ServeSettings:
     top_k: int = 0
     # "auto": K chosen per batch from measured round costs and live acceptance (0 = target-only).
     num_draft_tokens: int | str = "auto"
+    # Under auto: batch size -> the K a job starts from (None: what earlier jobs or a probe measured).
+    k_table: dict | None = None
     batch_size: int = 8
     max_len: int = 2048
     # Memory bounds of prefill (tools.plan plans the same): the most rows one prefill call admits
@@ -85,7 +99,8 @@ class ServeSettings:
         layers = [(getattr(yaml_values, "source", "--config"), yaml_values)]
         layers += [(f"--{k.replace('_', '-')}", {k: v}) for k, v in cli_values.items() if v is not None]
         return settings_io.from_layers(cls, layers, {"mesh": settings_io.mesh_text,
-                                                     "num_draft_tokens": draft_tokens_setting})
+                                                     "num_draft_tokens": draft_tokens_setting,
+                                                     "k_table": k_table_setting})
 
     def validate(self) -> None:
         problems = []
@@ -93,9 +108,6 @@ class ServeSettings:
             problems.append("--input PROMPTS.jsonl is required")
         if not self.output:
             problems.append("--output OUT.jsonl is required")
-        for flag, path in (("--target", self.target), ("--draft", self.draft), ("--input", self.input)):
-            if path and not os.path.exists(path):
-                problems.append(f"{flag} {path} does not exist")
         if self.input and self.output and os.path.abspath(self.input) == os.path.abspath(self.output):
             problems.append("--output must differ from --input")
         if self.max_new_tokens < 1:
@@ -122,6 +134,14 @@ class ServeSettings:
             problems.append(f"emit must be one of {', '.join(EMIT_CHOICES)}, found '{self.emit}'")
         if problems:
             raise SettingsError("invalid serve settings: " + "; ".join(problems))
+
+    def check_paths(self) -> None:
+        """The paths the command line names exist (a typo is a bad command line, exit 2)."""
+        missing = [f"{flag} {path} does not exist" for flag, path in
+                   (("--target", self.target), ("--draft", self.draft), ("--input", self.input))
+                   if path and not os.path.exists(path)]
+        if missing:
+            raise SettingsError("; ".join(missing))
 
     def fingerprint(self, dtype: str, eos_token_ids, tokenizer_kind: str) -> dict:
         fp = {"target": os.path.abspath(self.target) if self.target else None, "dtype": dtype,

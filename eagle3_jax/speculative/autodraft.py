@@ -1,69 +1,79 @@
-"""``num_draft_tokens="auto"``: the K of each bounded run, from round costs timed in this process
-and acceptance learned from the rows' own rounds.
+"""``num_draft_tokens="auto"``: the K of each bounded run, priced end to end.
 
-The model. A round with K draft tokens costs c(K) seconds and emits τ(K) tokens per row, so it
-decodes τ(K) / c(K) tokens per second per row; K = 0 is target-only, τ(0) = 1. Before every run
-the chooser takes the K that maximizes that rate with acceptance at its upper confidence bound
-(``AutoDraft.choose``): a K is tried while the data still allow it to pay, and dropped once they
-show that it does not. No other exploration exists.
+The model. With B rows each emitting N tokens, a K costs per row its admission a(K) (the target's
+prefill, and the draft's with it when K >= 1) and N / τ(K) rounds of c(K) seconds each, the rounds
+shared by the batch; so the batch emits at
+
+    rate(K) = B·N / (B·a(K) + N·c(K) / τ(K))       tokens per wall second,
+
+K = 0 being target-only (τ(0) = 1, no draft prefill). In the last wave nothing is admitted any more
+and rate(K) = τ(K) / c(K). a(K) and c(K) are what the engine's runs took from the start of their
+admission to the end of their harvest (``policy.Run``), so host work between runs counts too: a K
+that loses in wall time cannot look like a win (the loop's own round costs, which left admissions
+and syncs out, once made K = 4 at batch 1 look even where it ran 0.82x).
 
 τ(K) = 1 + Σ_{i≤K} Π_{j≤i} a_j, with a_j the probability that draft position j is accepted given
-that position j-1 was (``Acceptance``).
+that position j-1 was (``Acceptance``), learned from the rows whose draft state is current.
 
-c(K) (``RoundCosts``) is seconds per round of this program (batch size, capacity, greedy or
-sampled) timed in this process: by a K's own latest runs; else, for a K once timed beside live
-target-only rounds, by its ratio to c(0) then; else by a start-up probe (``session.probe_costs``:
-K = 0, 1 and K_max on a scratch state, the Ks between on the line through 1 and K_max) scaled by
-how the Ks that ran compare with their probe. Nothing is cached on disk: a
-cost taken under another load, capacity or prompt length would price this run wrongly.
+Where a choice starts. ``Costs`` starts from a calibration: the costs and acceptance an earlier job
+of this pair on this machine measured (``calibration.CalibrationStore``), else a short probe on a
+scratch state (``session.probe_costs``: K = 0, 1 and 2, each admitted and run; the Ks above on the
+line through 1 and 2). The starting K (the table's K for this batch size) is the one those numbers
+choose. A user's table (``k_table``) names it instead.
 
-Target-only's cost is re-timed live: a probe on a shared machine can misjudge c(K) / c(0) by half
-(predicted 1.13x, ran 0.79x). When a K >= 1 choice predicts less than 1 + RETIME_BELOW and c(0) was
-last timed more than RETIME_AFTER runs ago, the next run whose rows are all just admitted runs
-target-only (no row loses its draft state by it), unless that is the last wave: its rows would
-then stay target-only to the end.
+How it moves. Before every run the K of the best rate at the point estimates is compared with the
+current one; it takes over only if its predicted gain exceeds MARGIN plus SWITCH_Z standard errors
+(acceptance's from its counts, costs' from the spread of their runs). Only Ks whose cost was
+measured (calibrated or run) are compared, so a job runs, and compiles, only Ks it was shown to.
+Exploration is the exception, and bounded: while the acceptance rests on fewer than
+BOOTSTRAP_ROUNDS rounds, one run at the largest measured K (a first job learns the draft's
+acceptance so); beyond that only in jobs of rows longer than SHORT_JOB_TOKENS, where a K whose rate
+with acceptance SWITCH_Z standard errors up beats the current one by MARGIN may run once, while
+explored rounds stay under EXPLORE_SHARE of the job's.
 
-The last wave. Once no prompt waits, the batch runs until its slowest row is done while rows that
-finished sit idle: the rate is then Σ R_b / (n · max_b R_b / τ_b(K)) per running row, with R_b what
-row b has left to emit and τ_b its own acceptance (``Wave``); in a wave of two rows or more, a row
-without counts yet borrows those of a recently finished row, since how far the slowest row lags is
-only known from rows. The mean alone ran K = 5-6 at batch 8 on 8 prompts (one wave) predicting 1.8x and got 1.1x, where
-K = 2 gave 1.3x: the slowest row (τ 2.7 at K = 6, 2.2 at K = 2) set the wave's length.
-
-A "measured" speedup divides target-only's live round cost by K's, both from runs in this process;
-anything resting on the probe is only "predicted".
+``measured_speedup`` divides the tokens per wall second of the runs at the current K by those of the
+runs at K = 0, both run in this process; it is absent otherwise. ``predicted_speedup`` is the model's.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from eagle3_jax.metrics import GenerationStats
+from eagle3_jax.speculative.policy import Batch, Run
 
 AUTO = "auto"
 DEFAULT_MAX_DRAFT_TOKENS = 6
 # Prior of a_1, worth PRIOR_ROUNDS rounds: weak, so that a few runs of data override it. A deeper
 # position's prior is the estimate of the one before it: positions past the Ks that ran are priced
-# as the nearest data say (a fixed 0.7 there held K = 3 where K = 6 ran 14 % faster, demo pair).
+# as the nearest data say.
 PRIOR_ACCEPT = 0.7
 PRIOR_ROUNDS = 8
-# Upper confidence bound: each a_j this many standard errors above its estimate.
-UCB_Z = 1.0
-# Speculation must beat target-only's rate by this much: what the model leaves out (the draft's
-# share of admissions) is small but not zero.
+# Acceptance carried over from earlier jobs counts as at most this many rounds: a job whose prompts
+# accept differently overrides it within a run or two.
+CARRIED_ROUNDS = 256
+# A switch: the predicted gain must exceed MARGIN (what the model leaves out) plus SWITCH_Z
+# standard errors of the comparison.
 MARGIN = 0.03
-# Live costs: each K's latest LIVE_RUNS timed runs, none older than LIVE_AGE runs of any K; runs
-# shorter than MIN_TIMED_ROUNDS rounds are not timed (fixed costs would dominate).
+SWITCH_Z = 1.5
+# A cost timed fewer than twice, whose calibration gave no spread, is this uncertain (relative
+# standard error).
+COST_NOISE = 0.03
+# Exploration: while the draft's acceptance rests on fewer than BOOTSTRAP_ROUNDS rounds, one run at
+# the largest measured K (it teaches the most positions); beyond that only in jobs whose rows may
+# emit more than SHORT_JOB_TOKENS, while explored rounds stay under EXPLORE_SHARE of all rounds.
+BOOTSTRAP_ROUNDS = 32
+SHORT_JOB_TOKENS = 256
+EXPLORE_SHARE = 0.05
+# Live costs: each K's latest LIVE_RUNS timed runs; runs shorter than MIN_TIMED_ROUNDS rounds are not
+# timed (fixed costs would dominate).
 LIVE_RUNS = 8
-LIVE_AGE = 64
 MIN_TIMED_ROUNDS = 4
-# Re-timing target-only (module docstring): below a predicted 1 + RETIME_BELOW, after RETIME_AFTER runs.
-RETIME_BELOW = 0.5
-RETIME_AFTER = 32
-PAST_ROWS = 64   # finished rows whose acceptance stands in for a new wave's rows
+UPDATE_SECONDS = 30.0
 
 
 @dataclass
@@ -87,6 +97,13 @@ class Acceptance:
         self.accepted[:k] += acc
         self.offered[:k] += np.concatenate([[rounds], acc[:-1]])
 
+    def carry(self, accepted, offered) -> None:
+        """Counts from earlier jobs, scaled down to at most CARRIED_ROUNDS rounds."""
+        offered = np.asarray(offered, float)[:self.max_draft_tokens]
+        scale = min(1.0, CARRIED_ROUNDS / offered[0]) if len(offered) and offered[0] > 0 else 0.0
+        self.accepted[:len(offered)] += scale * np.asarray(accepted, float)[:len(offered)]
+        self.offered[:len(offered)] += scale * offered
+
     def conditional(self, z: float = 0.0) -> np.ndarray:
         """a_j, or with ``z`` its estimate plus z standard errors (prior rounds counted as data)."""
         out, prior = np.empty(self.max_draft_tokens), PRIOR_ACCEPT
@@ -100,77 +117,100 @@ class Acceptance:
         return 1.0 + float(np.cumprod(self.conditional(z)[:k]).sum())
 
 
-@dataclass
-class Wave:
-    """The running rows of the last wave, each with its own acceptance since admission."""
+class Costs:
+    """Seconds per round c(K) and per admitted row a(K) of one program: calibrated, then live.
 
-    remaining_B: np.ndarray    # tokens each row has left to emit
-    accepted_BK: np.ndarray    # rounds in which the row's draft position j was accepted
-    offered_BK: np.ndarray     # rounds in which it drafted position j with j-1 accepted
+    ``calibrated``: K -> c(K) of the Ks a calibration measured; ``admit``: a(K) with and without
+    the draft (keys True / False). A K the calibration did not measure is priced on the line
+    through the measured Ks >= 1. Live runs replace a calibrated figure K by K, and scale the
+    others by how the live ones compare with theirs (the machine's load drifts)."""
 
-    def tau(self, k: int, pooled: np.ndarray) -> float:
-        """Tokens per row per iteration at K over the rest of the wave. A row's a_j: its own counts
-        with a prior worth PRIOR_ROUNDS rounds, the pooled a_j scaled by how the row's a_{j-1}
-        compares with the pool's (a row that accepts little early is not priced as the pool deeper)."""
-        R_B = np.maximum(self.remaining_B.astype(float), 1.0)
-        a_BK, scale_B = np.zeros((len(R_B), k)), np.ones(len(R_B))
-        for j in range(k):
-            prior_B = np.minimum(pooled[j] * scale_B, 1.0)
-            a_BK[:, j] = (self.accepted_BK[:, j] + prior_B * PRIOR_ROUNDS) / (self.offered_BK[:, j] + PRIOR_ROUNDS)
-            scale_B = a_BK[:, j] / pooled[j]
-        tau_B = 1.0 + np.cumprod(a_BK, axis=1).sum(axis=1)
-        return float(R_B.sum() / (len(R_B) * np.max(R_B / tau_B)))
+    def __init__(self, calibrated: dict[int, float], admit: dict[bool, float] | None = None,
+                 calibration_seconds: float = 0.0, source: str = "probe", noise: dict[int, float] | None = None):
+        self.calibrated = {int(k): float(c) for k, c in calibrated.items()}
+        self.calibrated_noise = {int(k): float(n) for k, n in (noise or {}).items()}   # relative standard errors
+        self.admit_calibrated = dict(admit or {})
+        self.calibration_seconds = calibration_seconds
+        self.source = source
+        self.runs: dict[int, deque] = {}        # K -> (seconds, rounds) of its latest timed runs
+        self.admissions: dict[bool, list] = {}  # drafted -> [seconds, rows] summed over this job
+        self.emitted: dict[int, list] = {}      # K -> [tokens, seconds] of its timed runs, end to end
 
+    @classmethod
+    def from_record(cls, record: dict) -> "Costs":
+        """From a calibration record (``calibration.CalibrationStore``; ``to_record``'s form)."""
+        return cls({int(k): c for k, c in record["round_seconds"].items()},
+                   {bool(int(d)): a for d, a in record.get("admit_seconds", {}).items()}, source="calibrated",
+                   noise={int(k): n for k, n in record.get("noise", {}).items()})
 
-class RoundCosts:
-    """Seconds per round for each K in 0..max_draft_tokens of one program, timed in this process."""
-
-    def __init__(self, probe: dict[int, float], probe_seconds: float = 0.0):
-        self.probe = dict(probe)            # K -> seconds per round, from the start-up probe
-        self.probe_seconds = probe_seconds  # its wall time, compiles included
-        self.runs: dict[int, deque] = {}   # K -> (run number, seconds, rounds) of its latest timed runs
-        self.clock = 0                     # runs observed, timed or not
-        self.ratio: dict[int, float] = {}  # K >= 1 -> c(K) / c(0) at K's latest timed run, c(0) live
-
-    def observe(self, k: int, seconds: float, rounds: int) -> None:
-        self.clock += 1
-        if rounds >= MIN_TIMED_ROUNDS and seconds > 0:
-            self.runs.setdefault(k, deque(maxlen=LIVE_RUNS)).append((self.clock, seconds, rounds))
-            if k and (c0 := self.live(0)):   # taken as K runs: later c(0)s are another load's
-                self.ratio[k] = self.live(k) / c0
+    def observe(self, run: Run) -> None:
+        if run.seconds is None:
+            return
+        loop = run.seconds - run.admit_seconds
+        if run.iterations >= MIN_TIMED_ROUNDS and loop > 0:
+            self.runs.setdefault(run.k, deque(maxlen=LIVE_RUNS)).append((loop, run.iterations))
+        if run.admitted:
+            total = self.admissions.setdefault(run.k > 0, [0.0, 0])
+            total[0] += run.admit_seconds
+            total[1] += run.admitted
+        total = self.emitted.setdefault(run.k, [0, 0.0])
+        total[0] += run.emitted
+        total[1] += run.seconds
 
     def live(self, k: int) -> float | None:
-        mine = [(s, r) for t, s, r in self.runs.get(k, ()) if self.clock - t < LIVE_AGE]
+        mine = self.runs.get(k)
         return sum(s for s, _ in mine) / sum(r for _, r in mine) if mine else None
 
-    def age(self, k: int) -> float:
-        """Runs since K's latest timed run (inf: none)."""
-        runs = self.runs.get(k)
-        return self.clock - runs[-1][0] if runs else float("inf")
+    def measured(self) -> set[int]:
+        """The Ks with a cost of their own (calibrated or run)."""
+        return set(self.calibrated) | set(self.runs)
 
-    def base(self, k: int) -> float:
-        """The probe's cost, Ks it did not time on the line through the Ks >= 1 it did."""
-        if k in self.probe:
-            return self.probe[k]
-        pts = sorted((j, c) for j, c in self.probe.items() if j >= 1)
+    def _line(self, k: int) -> float:
+        pts = sorted((j, c) for j, c in self.calibrated.items() if j >= 1)
+        if not pts:
+            return self.calibrated[0] * (1.0 + k)   # nothing known: a draft token as dear as a target step
         if len(pts) < 2:
-            return pts[0][1] if pts else self.probe[0]
+            return pts[0][1] * (1.0 + k) / (1.0 + pts[0][0])
         (k1, c1), (k2, c2) = pts[0], pts[-1]
         return c1 + (c2 - c1) * (k - k1) / (k2 - k1)
 
     def drift(self) -> float:
-        ratios = [c / self.base(k) for k in self.runs if (c := self.live(k))]
+        """How the live costs compare with the calibration's, over the Ks it measured."""
+        ratios = [live / self.calibrated[k] for k in self.runs if k in self.calibrated and (live := self.live(k))]
         return float(np.median(ratios)) if ratios else 1.0
 
+    def _base(self, k: int) -> float:
+        return self.calibrated[k] if k in self.calibrated else self._line(k)
+
     def cost(self, k: int) -> float:
-        """As the module docstring orders it. A ratio outlasts a change of load; the probe's ratio
-        can be off by a fifth, and a K whose own runs aged out was re-explored on it (batch 1, T = 1)."""
         live = self.live(k)
-        if live is not None:
-            return live
-        if k in self.ratio:
-            return self.ratio[k] * self.cost(0)
-        return self.base(k) * self.drift()
+        return live if live is not None else self._base(k) * self.drift()
+
+    def admission(self, drafted: bool) -> float:
+        seconds, rows = self.admissions.get(drafted, (0.0, 0))
+        if rows:
+            return seconds / rows
+        return self.admit_calibrated.get(drafted, 0.0) * self.drift()
+
+    def noise(self, k: int) -> float:
+        """Relative standard error of c(K): from the spread of its timed runs, else the calibration's."""
+        runs = self.runs.get(k, ())
+        if len(runs) < 2:
+            return self.calibrated_noise.get(k, COST_NOISE) if not runs else COST_NOISE
+        per_round = np.array([s / r for s, r in runs])
+        return float(per_round.std(ddof=1) / per_round.mean() / np.sqrt(len(per_round)))
+
+    def rate(self, k: int) -> float | None:
+        """Tokens per wall second of the timed runs at K, end to end (None: none ran)."""
+        tokens, seconds = self.emitted.get(k, (0, 0.0))
+        return tokens / seconds if seconds > 0 and tokens > 0 else None
+
+    def to_record(self) -> dict:
+        """What a later job starts from: each K's cost as measured now."""
+        ks = sorted(self.measured())
+        return {"round_seconds": {str(k): self.cost(k) for k in ks}, "noise": {str(k): self.noise(k) for k in ks},
+                "admit_seconds": {str(int(d)): self.admission(d) for d in (False, True)
+                                  if d in self.admissions or d in self.admit_calibrated}}
 
 
 @dataclass
@@ -178,116 +218,129 @@ class DraftChoice:
     """What the K policy decided and how it went: for metrics and progress lines."""
 
     num_draft_tokens: int               # the K of the latest run
-    predicted_speedup: float            # τ(K) · c(0) / c(K) with the model's current costs
-    measured_speedup: float             # the same from both Ks' live runs in this process, else nan
+    start_k: int                        # the table's K this job started from
+    table_source: str                   # where that came from: "user", "calibrated", "probe"
+    predicted_speedup: float            # rate(K) / rate(0) by the model, at the point estimates
+    measured_speedup: float | None      # tokens per wall second at K over those at K = 0, both run here
     tau: float                          # τ(K) at the point estimate
     rounds_per_k: dict[int, int] = field(default_factory=dict)   # loop iterations run with each K
-    compiled_programs: int = 0          # round programs the probe ran (compiled, or found compiled)
-    calibration_seconds: float = 0.0    # the probe's wall time
+    explored_rounds: int = 0            # of which exploration
+    switches: int = 0
+    calibration_seconds: float = 0.0    # the probe's wall time in this process (0: calibrated before)
     round_seconds_per_k: dict[int, float] = field(default_factory=dict)   # live seconds per round
     target_round_seconds: float = float("nan")   # c(0) as priced now
-
-
-class FixedK:
-    """The policy of a fixed K: every run uses it."""
-
-    def __init__(self, k: int):
-        self.k = k
-
-    def next_k(self, drafted_rows: bool = True, all_new: bool = False, wave=None) -> int:
-        return self.k
-
-    def observe(self, *args) -> None:   # a fixed K learns nothing
-        pass
-
-    report = observe
 
 
 class AutoDraft:
     """The policy of ``num_draft_tokens="auto"`` for one program and sampling setting."""
 
-    def __init__(self, costs: RoundCosts, max_draft_tokens: int, acceptance: Acceptance):
+    def __init__(self, costs: Costs, max_draft_tokens: int, acceptance: Acceptance, batch_size: int = 1,
+                 max_new_tokens: int = 256, start_k: int | None = None, on_update=None):
+        """``start_k``: the user's table entry for this batch size (None: the calibration's choice);
+        ``on_update(policy)``: called to keep what it learned (the calibration store)."""
         self.costs = costs
         self.acceptance = acceptance
         self.max_draft_tokens = max_draft_tokens
+        self.batch_size = batch_size
+        self.max_new_tokens = max_new_tokens
+        self.on_update = on_update
         self.rounds_per_k: dict[int, int] = {}
-        self.runs = 0
-        self.last_k = self.choose()
-        self.spec_row_rounds = 0   # rounds with K >= 1 summed over taught rows, and their tokens
-        self.spec_round_tokens = 0
-        self.past_rows: deque = deque(maxlen=PAST_ROWS)   # (accepted_K, offered_K) of rows that finished
+        self.explored_rounds = 0
+        self.last_iterations = 0
+        self.switches = 0
+        self.table_source = "user" if start_k is not None else costs.source
+        self.start_k = self.current = (min(max(start_k, 0), max_draft_tokens) if start_k is not None
+                                       else self._better(0, last_wave=False))
+        self.next = self.current
+        self.exploring = False
+        self.updated = time.perf_counter()
 
-    def rows_finished(self, accepted_BK, offered_BK) -> None:
-        self.past_rows.extend((a, o) for a, o in zip(accepted_BK, offered_BK) if o[0] > 0)
+    # ------------------------------------------------------------------ the model
+    def rate(self, k: int, z: float = 0.0, last_wave: bool = False) -> float:
+        """Tokens per wall second at K with acceptance ``z`` standard errors above its estimate."""
+        tau = self.acceptance.tau(k, z) if k else 1.0
+        c = self.costs.cost(k)
+        if last_wave:
+            return tau / c
+        B, N = self.batch_size, self.max_new_tokens
+        return B * N / (B * self.costs.admission(k > 0) + N * c / tau)
 
-    def _with_past(self, wave: Wave | None) -> Wave | None:
-        """A row of the wave without counts of its own yet borrows those of a recent finished row:
-        how unlike each other rows are (and so how slow the slowest is) is known only from rows. A
-        wave of one row has no slowest row to find: another row's counts would only add that row's
-        luck (batch 1, T = 1: one lucky borrowed row ran K = 2 at 0.87x where target-only was best)."""
-        if wave is None or not self.past_rows or len(wave.remaining_B) < 2:
-            return wave
-        acc, off, past = wave.accepted_BK.copy(), wave.offered_BK.copy(), list(self.past_rows)[::-1]
-        for i, b in enumerate(np.flatnonzero(off[:, 0] == 0)):
-            acc[b], off[b] = past[i % len(past)]
-        return Wave(wave.remaining_B, acc, off)
+    def noise(self, k: int, j: int) -> float:
+        """Standard error of log(rate(K) / rate(J)): acceptance's and both costs'."""
+        def tau_se(k):
+            return (self.acceptance.tau(k, 1.0) - self.acceptance.tau(k)) / self.acceptance.tau(k) if k else 0.0
+        return math.sqrt(tau_se(k) ** 2 + tau_se(j) ** 2 + self.costs.noise(k) ** 2 + self.costs.noise(j) ** 2)
 
-    def rate(self, k: int, z: float = 0.0, wave: Wave | None = None) -> float:
-        """Tokens per second per row at K (acceptance ``z`` standard errors above its estimate);
-        in the last ``wave``, per row still running, until its slowest row is done."""
-        tau = wave.tau(k, self.acceptance.conditional(z)) if wave is not None else self.acceptance.tau(k, z)
-        return tau / self.costs.cost(k)
-
-    def choose(self, wave: Wave | None = None) -> int:
-        """The K >= 1 of the highest optimistic rate (ties to the smaller K) if it beats
-        target-only by MARGIN, else 0."""
-        if self.max_draft_tokens == 0:
-            return 0
-        best = max(range(1, self.max_draft_tokens + 1), key=lambda k: (self.rate(k, UCB_Z, wave), -k))
-        return best if self.rate(best, UCB_Z, wave) >= (1.0 + MARGIN) * self.rate(0, 0.0, wave) else 0
-
-    def next_k(self, drafted_rows: bool = True, all_new: bool = False, wave: Wave | None = None) -> int:
-        """The K of the next run: target-only while no occupied row has a current draft state
-        (``drafted_rows``: one would draft from stale states); a doubtful choice re-times c(0) when
-        every row is just admitted (``all_new``: no draft state is lost); ``wave``: the last wave."""
-        self.runs += 1
-        if not drafted_rows:
-            return 0
-        k = self.choose(self._with_past(wave))
-        # not in the last wave: its rows would then stay target-only to the end (no draft state)
-        if k and all_new and wave is None and self.costs.age(0) > RETIME_AFTER and self.predicted(k) < 1.0 + RETIME_BELOW:
-            return 0
-        return k
+    def _better(self, current: int, last_wave: bool) -> int:
+        """The measured K of the best rate, if its gain over ``current`` is larger than the noise."""
+        ks = sorted(k for k in self.costs.measured() if k <= self.max_draft_tokens) or [current]
+        best = max(ks, key=lambda k: (self.rate(k, 0.0, last_wave), -k))
+        gain = math.log(self.rate(best, 0.0, last_wave) / self.rate(current, 0.0, last_wave))
+        return best if best != current and gain > math.log1p(MARGIN) + SWITCH_Z * self.noise(best, current) else current
 
     def predicted(self, k: int) -> float:
-        """τ(K) · c(0) / c(K) with the model's current costs and acceptance at its estimate."""
-        return self.acceptance.tau(k) * self.costs.cost(0) / self.costs.cost(k)
+        return self.rate(k) / self.rate(0)
 
-    def observe(self, k: int, iterations: int, seconds: float, row_rounds: int, round_tokens: int,
-                accepted_per_position) -> None:
-        """One bounded run: ``iterations`` loop iterations in ``seconds`` (0: not timed, e.g. it
-        compiled); ``row_rounds`` rounds summed over the rows whose draft state was current, which
-        emitted ``round_tokens`` tokens and accepted ``accepted_per_position``."""
-        self.last_k = k
-        self.rounds_per_k[k] = self.rounds_per_k.get(k, 0) + iterations
-        self.acceptance.observe(k, row_rounds, accepted_per_position)
-        self.costs.observe(k, seconds, iterations)
-        if k:
-            self.spec_row_rounds += row_rounds
-            self.spec_round_tokens += round_tokens
+    # ------------------------------------------------------------------ the protocol
+    def next_k(self, batch: Batch) -> int:
+        """The K of the next run: target-only while no row could draft from a current state; else
+        the current K, replaced by a better one on evidence, or for one run by an exploration."""
+        self.exploring = False
+        if not batch.can_draft or self.max_draft_tokens == 0:
+            self.next = 0
+            return 0
+        new = self._better(self.current, batch.last_wave)
+        self.switches += new != self.current
+        self.current = self.next = new
+        explore = self._exploration(batch)
+        if explore is not None:
+            self.exploring, self.next = True, explore
+        return self.next
 
-    def speculative_stats(self) -> GenerationStats:
-        """The speculating rounds only, which the acceptance-collapse watchdog judges."""
-        return GenerationStats(rounds=self.spec_row_rounds, tokens=self.spec_round_tokens,
-                               round_tokens=self.spec_round_tokens, seconds=0.0)
+    def _exploration(self, batch: Batch) -> int | None:
+        if self.acceptance.offered[0] < BOOTSTRAP_ROUNDS and self.table_source != "user":
+            largest = max((k for k in self.costs.measured() if 1 <= k <= self.max_draft_tokens), default=0)
+            return largest if largest not in (0, self.current) else None
+        # the next run taken as long as the latest: it must fit in the share with those explored before
+        total = sum(self.rounds_per_k.values())
+        if (self.max_new_tokens <= SHORT_JOB_TOKENS or not self.last_iterations
+                or self.explored_rounds + self.last_iterations > EXPLORE_SHARE * total):
+            return None
+        hopeful = max(range(self.max_draft_tokens + 1), key=lambda k: (self.rate(k, SWITCH_Z, batch.last_wave), -k))
+        if hopeful == self.current or hopeful in self.costs.runs:
+            return None
+        now = self.rate(self.current, 0.0, batch.last_wave)
+        return hopeful if self.rate(hopeful, SWITCH_Z, batch.last_wave) > (1 + MARGIN) * now else None
+
+    def settled(self, batch: Batch) -> bool:
+        """Target-only in the last wave stays target-only: no row keeps a current draft state."""
+        return self.next == 0
+
+    def observe(self, run: Run) -> None:
+        taught = run.taught_B
+        self.rounds_per_k[run.k] = self.rounds_per_k.get(run.k, 0) + run.iterations
+        self.last_iterations = run.iterations
+        if self.exploring:
+            self.explored_rounds += run.iterations
+        self.acceptance.observe(run.k, int(run.rounds_B[taught].sum()), run.accepted_BK[taught].sum(0))
+        self.costs.observe(run)
+        # kept every UPDATE_SECONDS too: a long job that is killed keeps most of what it learned
+        if self.on_update is not None and time.perf_counter() - self.updated > UPDATE_SECONDS:
+            self.finish()
+
+    def finish(self) -> None:
+        """The job is over: what it learned is kept for the next one."""
+        if self.on_update is not None:
+            self.on_update(self)
+            self.updated = time.perf_counter()
 
     def report(self) -> DraftChoice:
-        k, costs = self.last_k, self.costs
-        tau = self.acceptance.tau(k)
-        plain, live_k = costs.live(0), costs.live(k)
-        measured = 1.0 if k == 0 else tau * plain / live_k if (live_k and plain) else float("nan")
+        k, costs = self.next, self.costs
+        spec, plain = costs.rate(k), costs.rate(0)
         return DraftChoice(
-            num_draft_tokens=k, predicted_speedup=self.predicted(k), measured_speedup=measured,
-            tau=tau, rounds_per_k=dict(self.rounds_per_k), compiled_programs=len(costs.probe) if costs.probe_seconds else 0,
-            calibration_seconds=costs.probe_seconds, target_round_seconds=costs.cost(0),
-            round_seconds_per_k={j: c for j in range(self.max_draft_tokens + 1) if (c := costs.live(j)) is not None})
+            num_draft_tokens=k, start_k=self.start_k, table_source=self.table_source,
+            predicted_speedup=self.predicted(k), measured_speedup=spec / plain if (k and spec and plain) else None,
+            tau=self.acceptance.tau(k), rounds_per_k=dict(self.rounds_per_k), explored_rounds=self.explored_rounds,
+            switches=self.switches, calibration_seconds=costs.calibration_seconds,
+            target_round_seconds=costs.cost(0),
+            round_seconds_per_k={j: c for j in sorted(costs.runs) if (c := costs.live(j)) is not None})

@@ -8,8 +8,9 @@ rows are prefilled, then written into the running state). Rows never interact, s
 output is what it would be alone. ``Generator.generate`` is one ``Engine.run`` too: a static batch is
 simply a run whose prompts all fit at once.
 
-K per run comes from a policy (``DecodeSession.policy``): a fixed K, or ``AutoDraft``, which is
-told how each run went (its rounds, seconds and acceptance) and picks the next run's K.
+K per run comes from a policy (``DecodeSession.policy``, protocol in policy.py): before each run
+the engine shows it the rows (``policy.Batch``), after it hands over what each row did
+(``policy.Run``); whatever the policy remembers is its own.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import numpy as np
 
 from eagle3_jax.distributed import fetch_all
 from eagle3_jax.errors import ConfigError
-from eagle3_jax.metrics import GenerationStats, check_acceptance, compile_log
-from eagle3_jax.speculative.autodraft import AutoDraft, DraftChoice, Wave
+from eagle3_jax.metrics import CompileTally, GenerationStats, check_acceptance, compile_log
 from eagle3_jax.speculative.generate import RUNNING, admit_rows, blank_state, run_rounds
+from eagle3_jax.speculative.policy import Batch, Run
 from eagle3_jax.speculative.session import DecodeSession, SamplingSettings
 
 
@@ -71,7 +72,7 @@ class Engine:
                  seed: int = 0, eos_token_ids: Sequence[int] = (), rounds_per_sync: int = 16,
                  max_draft_tokens: int | None = None, session: DecodeSession | None = None,
                  max_admit_rows: int | None = None, prefill_chunk: int | None = None,
-                 prompt_len: int | None = None):
+                 prompt_len: int | None = None, calibration=None, k_table: dict[int, int] | None = None):
         """``session``: run on an existing session (its target, draft and K setting; the arguments
         naming them are then ignored), e.g. a Generator's, so statistics and acceptance carry over.
         ``max_admit_rows``: the most rows one prefill call admits (more free rows are filled by
@@ -79,13 +80,14 @@ class Engine:
         whole batch). ``python -m tools.plan --admit-rows`` plans the same. ``prefill_chunk``: see
         ``DecodeSession``. ``prompt_len``: every admission pads its prompts to this length (None: the
         longest admitted prompt's bucket, see ``session.bucket_prompt_len``). Pinned, one admission
-        program serves every prompt; else each prompt bucket compiles its own."""
+        program serves every prompt; else each prompt bucket compiles its own. ``calibration``,
+        ``k_table``: see ``DecodeSession`` (under auto only)."""
         if rounds_per_sync < 1:
             raise ConfigError(f"rounds_per_sync must be >= 1, found {rounds_per_sync}")
         if max_admit_rows is not None and max_admit_rows < 1:
             raise ConfigError(f"max_admit_rows must be >= 1, found {max_admit_rows}")
         self.session = session or DecodeSession(target, draft, num_draft_tokens, max_len, max_draft_tokens,
-                                                 prefill_chunk)
+                                                 prefill_chunk, calibration, k_table)
         self.target, self.draft = self.session.target, self.session.draft
         self.sampling = SamplingSettings(temperature, top_p, top_k, seed, tuple(eos_token_ids))
         self.program = self.session.program(batch_size, max_new_tokens, self.sampling)
@@ -100,10 +102,10 @@ class Engine:
         self.refill_rows = max(1, self.batch_size // 8)
         self.prompt_len = prompt_len
         self.policy = None
-        # (start, end) perf_counter times of the calls that compiled a program (tracing and
-        # compiling, until the call returned) or probed auto's round costs: what throughput leaves out.
-        self.compile_intervals: list[tuple[float, float]] = []
-        self.compiled_programs = 0   # programs those calls compiled (or loaded from the persistent cache)
+        # The rounds with K >= 1 of rows whose draft state was current: what the acceptance-collapse
+        # watchdog judges (rounds that could not accept anything would hide a collapse or fake one).
+        self.speculative_stats = GenerationStats.empty(self.max_draft_tokens)
+        self._compile_mark: int | None = None   # compile_log().count when the first run started
 
     @property
     def stats(self) -> GenerationStats:
@@ -111,27 +113,22 @@ class Engine:
         return self.session.stats
 
     @property
-    def draft_choice(self) -> DraftChoice | None:
-        """Under ``num_draft_tokens="auto"``: the K of the latest run, predicted vs measured speedup."""
+    def draft_choice(self):
+        """Under ``num_draft_tokens="auto"``: the policy's report (autodraft.DraftChoice); else None."""
         return self.policy.report() if self.policy is not None else None
 
     @property
-    def compile_seconds(self) -> float:
-        return sum(end - start for start, end in self.compile_intervals)
+    def compiles(self) -> CompileTally:
+        """What this engine's runs compiled or loaded from the persistent cache, and for how long."""
+        return compile_log().since(self._compile_mark) if self._compile_mark is not None else CompileTally()
 
-    def _call(self, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)``; when the call compiled (JAX's compile events, ``metrics.compile_log``),
-        its time until it returned joins ``compile_intervals``: tracing and compiling, not the
-        execution, which dispatch leaves running."""
-        log = compile_log()
-        before = log.count
-        t = time.perf_counter()
-        out = fn(*args, **kwargs)
-        if log.count != before:
-            self.compile_intervals.append((t, time.perf_counter()))
-            self.compiled_programs += log.count - before
-            self.session.compiled_programs += log.count - before
-        return out
+    @property
+    def compile_seconds(self) -> float:
+        return self.compiles.seconds
+
+    @property
+    def compiled_programs(self) -> int:
+        return self.compiles.programs
 
     def _admit(self, models, state, new: dict[int, list[int]], sp):
         """Prefills only the admitted rows: A = the next power of two >= len(new) (capped at the
@@ -141,113 +138,121 @@ class Engine:
         A = min(1 << (len(new) - 1).bit_length(), self.batch_size)
         rows = list(new) + [self.batch_size] * (A - len(new))
         ids, lengths, _ = self.session.pack_prompts(dict(enumerate(new.values())), A, self.prompt_len)
-        return self._call(admit_rows, *models, state, np.asarray(rows, np.int32), ids, lengths, sp, program=self.program)
+        return admit_rows(*models, state, np.asarray(rows, np.int32), ids, lengths, sp, program=self.program)
 
     def run(self, requests: Iterable[Request]) -> Iterator[Finished]:
         """Yields each request's result as soon as its row finishes (completion order)."""
-        session, program = self.session, self.program
+        session, program, B = self.session, self.program, self.batch_size
+        log = compile_log()
+        if self._compile_mark is None:
+            self._compile_mark = log.count
+        mark = log.count
         models = session.models()
         # target-only runs and admissions are called without the draft's weights (admit_rows, run_rounds)
         target_models = models[:2] + (None, None)
         sp = self.sampling.traced()
-        if self.policy is None:   # under auto, a new shape probes its round costs here
-            self.policy = self._call(session.policy, program, sp, self.sampling)
+        if self.policy is None:
+            self.policy = session.policy(program, sp, self.sampling)
         policy = self.policy
-        auto = isinstance(policy, AutoDraft)
         # A sized collection (a list of requests) says when the last one has been admitted, so a
         # single wave is known as one before its first run; an iterator only once it runs dry (no
         # look-ahead: that would take a request before a row is free for it).
         total = len(requests) if hasattr(requests, "__len__") else None
         pending = iter(requests)
         admitted_count = 0
-        occupant: list[Request | None] = [None] * self.batch_size
-        # Per-row counters after the previous run (admitted rows restart at zero): the policy's deltas.
-        seen_rounds_B = np.zeros(self.batch_size, np.int64)
-        seen_acc_BK = np.zeros((self.batch_size, max(self.max_draft_tokens, 1)), np.int64)
-        seen_tokens_B = np.zeros(self.batch_size, np.int64)
-        # Each row's own acceptance since admission and what it has left to emit: the last wave's
-        # pricing (autodraft.Wave).
-        row_acc_BK, row_off_BK = np.zeros_like(seen_acc_BK), np.zeros_like(seen_acc_BK)
-        left_B = np.zeros(self.batch_size, np.int64)
-        # Rows whose draft state is current: admitted with the draft and not advanced by a
-        # target-only run since. Only they teach acceptance, and only they can speculate usefully.
-        drafted_B = np.zeros(self.batch_size, bool)
+        occupant: list[Request | None] = [None] * B
+        # Per-row counters after the previous run (admitted rows restart at zero): each run's own counts.
+        seen = {name: np.zeros(B, np.int64) for name in ("rounds", "round_tokens", "emitted")}
+        seen["accepted"] = np.zeros((B, max(self.max_draft_tokens, 1)), np.int64)
+        left_B = np.zeros(B, np.int64)
+        drafted_B = np.zeros(B, bool)   # rows whose draft state is current (policy.Batch)
         start = time.perf_counter()
         seconds_before = session.stats.seconds
-        with session.activate():
-            state = self._call(blank_state, *models, jax.random.key(self.sampling.seed), sp, program=program)
-            exhausted = False
-            while True:
-                free = [b for b, o in enumerate(occupant) if o is None]
-                new = {}
-                if free and not exhausted:
-                    for b, req in zip(free, itertools.islice(pending, len(free))):
-                        session.check_prompt(req.prompt, f"request {req.key!r}: prompt")
-                        occupant[b] = req
-                        new[b] = list(req.prompt)
-                    admitted_count += len(new)
-                    exhausted = len(new) < len(free) or admitted_count == total
-                if all(o is None for o in occupant):
-                    break
-                running = np.array([o is not None for o in occupant])
-                if new:   # a new row has its whole budget (at most) ahead and no counts yet
-                    left_B[list(new)] = program.max_new_tokens
-                    for arr in (row_acc_BK, row_off_BK):
-                        arr[list(new)] = 0
-                # K is chosen before admitting, so that rows admitted for a target-only run skip the
-                # draft's prefill: K = 0 then costs what having no draft costs.
-                wave = Wave(left_B[running], row_acc_BK[running], row_off_BK[running]) if auto and exhausted else None
-                k = policy.next_k(drafted_rows=bool(new) or bool((drafted_B & running).any()),
-                                  all_new=bool(new) and int(running.sum()) == len(new), wave=wave)
-                if new:
-                    admitted = list(new.items())
-                    for i in range(0, len(admitted), self.max_admit_rows):
-                        state = self._admit(models if k else target_models, state,
-                                            dict(admitted[i:i + self.max_admit_rows]), sp)
-                    for arr in (seen_rounds_B, seen_tokens_B, seen_acc_BK):
-                        arr[list(new)] = 0
-                    drafted_B[list(new)] = k > 0
-                    if auto:
-                        jax.block_until_ready(state)   # the run's timing leaves the admission out
-                # Nothing left to admit and K fixed for the rest (a fixed K, or target-only on rows
-                # without a current draft state): one run to the end, no syncs. Else a bounded run,
-                # which with prompts waiting ends once refill_rows more rows are free.
-                final = exhausted and (not auto or not (drafted_B & running).any())
-                max_rounds = program.max_new_tokens if final else self.rounds_per_sync
-                stop_free = self.batch_size + 1 if exhausted else self.batch_size - int(running.sum()) + self.refill_rows
-                compiles = len(self.compile_intervals)
-                t = time.perf_counter()
-                # host scalars, not jnp ones: an eager jnp.int32 is a dispatch of its own (~0.25 ms)
-                state = self._call(run_rounds, *(models if k else target_models), state, np.int32(max_rounds),
-                                   np.int32(stop_free), sp, program=program.with_draft_tokens(k))
-                finish, rounds_B, tokens_B, acc_BK, n_out_B, budget_B = (np.asarray(x, np.int64) for x in fetch_all(
-                    state.finish_B, state.rounds_B, state.round_tokens_B, state.accepted_BK, state.n_out_B,
-                    state.budget_B))
-                left_B = budget_B - n_out_B
-                seconds = time.perf_counter() - t if compiles == len(self.compile_intervals) else 0.0
-                taught_B = drafted_B & running if k else running
-                d_rounds_B = rounds_B - seen_rounds_B
-                policy.observe(k, int(d_rounds_B.max()), seconds, int(d_rounds_B[taught_B].sum()),
-                               int((tokens_B - seen_tokens_B)[taught_B].sum()), (acc_BK - seen_acc_BK)[taught_B].sum(0))
-                if k:   # position j was offered in the rounds that accepted j-1 (j = 0: every round)
-                    d_acc_BK = np.where(taught_B[:, None], acc_BK - seen_acc_BK, 0)[:, :k]
-                    row_acc_BK[:, :k] += d_acc_BK
-                    row_off_BK[:, :k] += np.concatenate([np.where(taught_B, d_rounds_B, 0)[:, None],
-                                                         d_acc_BK[:, :-1]], axis=1)
-                seen_rounds_B, seen_tokens_B, seen_acc_BK = rounds_B, tokens_B, acc_BK
-                if k == 0:
-                    drafted_B[running] = False   # their target-only rounds did not reach the draft
-                done = [b for b, req in enumerate(occupant) if req is not None and finish[b] != RUNNING]
-                if auto:
-                    policy.rows_finished(row_acc_BK[done], row_off_BK[done])
-                for b, (tokens, reason, stats) in zip(done, session.row_results(state, done,
-                                                                               program.max_draft_tokens)):
-                    fin = Finished(key=occupant[b].key, tokens=tokens, finish_reason=reason, stats=stats)
-                    occupant[b] = None
-                    session.record(stats)
-                    session.stats.seconds = seconds_before + time.perf_counter() - start
-                    yield fin
-        if auto:
-            check_acceptance(policy.speculative_stats(), self.max_draft_tokens, context="batch generation")
-        elif self.draft is not None:
-            check_acceptance(self.stats, self.num_draft_tokens, context="batch generation")
+        try:
+            with session.activate():
+                state = blank_state(*models, jax.random.key(self.sampling.seed), sp, program=program)
+                exhausted = False
+                while True:
+                    free = [b for b, o in enumerate(occupant) if o is None]
+                    new = {}
+                    if free and not exhausted:
+                        for b, req in zip(free, itertools.islice(pending, len(free))):
+                            session.check_prompt(req.prompt, f"request {req.key!r}: prompt")
+                            occupant[b] = req
+                            new[b] = list(req.prompt)
+                        admitted_count += len(new)
+                        exhausted = len(new) < len(free) or admitted_count == total
+                    if all(o is None for o in occupant):
+                        break
+                    running_B = np.array([o is not None for o in occupant])
+                    admitted_B = np.zeros(B, bool)
+                    admitted_B[list(new)] = True
+                    left_B[admitted_B] = program.max_new_tokens   # a new row has its whole budget (at most) ahead
+                    batch = Batch(running_B, admitted_B, drafted_B & ~admitted_B, left_B.copy(), exhausted)
+                    # K is chosen before admitting, so that rows admitted for a target-only run skip the
+                    # draft's prefill: K = 0 then costs what having no draft costs.
+                    k = policy.next_k(batch)
+                    compiles, t = log.count, time.perf_counter()
+                    if new:
+                        admitted = list(new.items())
+                        for i in range(0, len(admitted), self.max_admit_rows):
+                            state = self._admit(models if k else target_models, state,
+                                                dict(admitted[i:i + self.max_admit_rows]), sp)
+                        for counts in seen.values():
+                            counts[admitted_B] = 0
+                        jax.block_until_ready(state)   # the admission's share of the run's time
+                    admit_seconds = time.perf_counter() - t
+                    taught_B = (drafted_B | admitted_B) & running_B if k else np.zeros(B, bool)
+                    drafted_B = (drafted_B | admitted_B) & running_B if k else drafted_B & ~running_B
+                    # The policy's K holding for these rows (and nothing left to admit): one run to the
+                    # end, no syncs. Else a bounded run, which with prompts waiting ends once
+                    # refill_rows more rows are free.
+                    final = exhausted and policy.settled(batch)
+                    max_rounds = program.max_new_tokens if final else self.rounds_per_sync
+                    stop_free = B + 1 if exhausted else B - int(running_B.sum()) + self.refill_rows
+                    # host scalars, not jnp ones: an eager jnp.int32 is a dispatch of its own (~0.25 ms)
+                    state = run_rounds(*(models if k else target_models), state, np.int32(max_rounds),
+                                       np.int32(stop_free), sp, program=program.with_draft_tokens(k))
+                    finish, rounds_B, round_tokens_B, acc_BK, n_out_B, budget_B = (
+                        np.asarray(x, np.int64) for x in fetch_all(state.finish_B, state.rounds_B, state.round_tokens_B,
+                                                                   state.accepted_BK, state.n_out_B, state.budget_B))
+                    left_B = budget_B - n_out_B
+                    done = [b for b, req in enumerate(occupant) if req is not None and finish[b] != RUNNING]
+                    finished_B = np.zeros(B, bool)
+                    finished_B[done] = True
+                    now = {"rounds": rounds_B, "round_tokens": round_tokens_B, "emitted": n_out_B, "accepted": acc_BK}
+                    delta = {name: np.where(running_B.reshape((B,) + (1,) * (x.ndim - 1)), x - seen[name], 0)
+                             for name, x in now.items()}
+                    seen = now
+                    results = session.row_results(state, done, program.max_draft_tokens)
+                    timed = log.count == compiles
+                    run = Run(k=k, seconds=time.perf_counter() - t if timed else None,
+                              admit_seconds=admit_seconds if timed else None,
+                              iterations=int(delta["rounds"].max()), admitted=len(new), taught_B=taught_B,
+                              rounds_B=delta["rounds"], round_tokens_B=delta["round_tokens"],
+                              emitted_B=delta["emitted"], accepted_BK=delta["accepted"], finished_B=finished_B)
+                    policy.observe(run)
+                    self._record_speculation(run)
+                    for b, (tokens, reason, stats) in zip(done, results):
+                        fin = Finished(key=occupant[b].key, tokens=tokens, finish_reason=reason, stats=stats)
+                        occupant[b] = None
+                        session.record(stats)
+                        session.stats.seconds = seconds_before + time.perf_counter() - start
+                        yield fin
+            policy.finish()
+            if self.draft is not None:
+                check_acceptance(self.speculative_stats, self.max_draft_tokens, context="batch generation")
+        finally:
+            session.compiled_programs += log.count - mark
+
+    def _record_speculation(self, run: Run) -> None:
+        if not run.k or not run.taught_B.any():
+            return
+        taught = run.taught_B
+        rounds = int(run.rounds_B[taught].sum())
+        accepted = run.accepted_BK[taught].sum(0)
+        s = self.speculative_stats
+        self.speculative_stats = GenerationStats(
+            rounds=s.rounds + rounds, tokens=s.tokens + int(run.round_tokens_B[taught].sum()),
+            round_tokens=s.round_tokens + int(run.round_tokens_B[taught].sum()), seconds=0.0,
+            accepted_per_position=[a + int(accepted[j]) for j, a in enumerate(s.accepted_per_position)])

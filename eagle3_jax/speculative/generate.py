@@ -5,8 +5,9 @@ Positions. Let a row's target cache hold positions 0..n-1 and ``last`` be the to
 (emitted, not yet run through the target). The draft cache holds, at position p, the pair
 (token at p+1, target aux state at p) — the pairing SpecForge trains with. One round:
 
-  1. draft: d1 comes from the draft output at position n-1 (kept from the previous round);
-     steps j = 1..K-1 feed (d_j, own hidden) at position n-1+j and give d_{j+1};
+  1. draft: d1 comes from the draft output at position n-1 (kept from the previous round), d2..dK
+     from the draft kind's proposal (``drafts``: the chain feeds d_j and its own hidden state back at
+     position n-1+j; P-EAGLE guesses them in one pass);
   2. verify: the target extends [last, d1..dK] at positions n..n+K -> logits, aux;
   3. accept a in 0..K drafts; emit d1..da plus the target's token c (correction or bonus);
   4. catch up: the draft re-reads positions n..n+K with the target's true aux states and the
@@ -25,11 +26,11 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax import drafts
 from eagle3_jax.models.cache import KVCache, MLACache
 from eagle3_jax.sharding import constrain
 from eagle3_jax.speculative.accept import first_argmax, greedy_accept, rejection_accept, sample_from_probs, target_probs
 from eagle3_jax.speculative.prefill import chunked_draft, chunked_target
-from eagle3_jax.speculative.parallel import propose_block, propose_parallel
 from eagle3_jax.speculative.static_graph import merge_models
 
 RUNNING, FINISH_EOS, FINISH_LENGTH, FINISH_CAPACITY = 0, 1, 2, 3
@@ -194,15 +195,17 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
         round_tokens_B=jnp.zeros((B,), jnp.int32), accepted_BK=jnp.zeros((B, max(K, 1)), jnp.int32))
     state.tokens_BN, state.n_out_B, state.finish_B, _ = _emit(
         state, first_B[:, None], jnp.ones((B,), jnp.int32), sp.eos_E)
-    if draft is not None and getattr(draft, "kind", "chain") == "dflash":   # the context's keys alone
-        state.dcache = draft.write_context(aux_BTX, positions_BT, draft.init_cache(B, capacity or max_len))
-    elif draft is not None:
+    if draft is not None:
         # Draft prefill: pair aux at position t with the token at t+1 (the prompt shifted left,
         # with the target's first new token at each row's end).
         shifted_BT = jnp.concatenate([prompt_BT[:, 1:], jnp.zeros((B, 1), prompt_BT.dtype)], axis=1)
         shifted_BT = shifted_BT.at[rows_B, prompt_len_B - 1].set(first_B)
         dcache = draft.init_cache(B, capacity or max_len)
-        if chunk is None or chunk >= T:
+        kind = drafts.of_module(draft)
+        if not kind.seeded:   # no anchor output to keep: the prompt's catch-up is the whole prefill
+            embed_VD = target.embed_tokens[...]
+            state.dcache = kind.catch_up(draft, shifted_BT, aux_BTX, positions_BT, embed_VD, dcache).cache
+        elif chunk is None or chunk >= T:
             dstep = draft(shifted_BT, draft.fuse(aux_BTX), positions_BT, target.embed_tokens[...], dcache,
                           with_logits=False)
             state.dcache = dstep.cache
@@ -218,6 +221,7 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
     """One round of the loop body: speculative with a draft, plain decoding without."""
     aux_ids = program.aux_layer_ids
     embed_VD = target.embed_tokens[...]
+    kind = drafts.of_module(draft) if draft is not None else None   # how it proposes and catches up
 
     def draft_pick(key, logits_BW):
         """The draft's token and its distribution q (zeros at greedy, where nothing reads it)."""
@@ -233,23 +237,8 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
         rows_B = jnp.arange(B)
         key, k_draft, k_accept = _split(s.key, 3, sp)
         draft_keys = _split(k_draft, K, sp)
-        kind = getattr(draft, "kind", "chain")
-        if kind == "peagle":   # all K guesses from one pass (parallel.py)
-            d_BK, q_BKW, dcache = propose_parallel(draft, s.dlogits_BW, s.dcache, s.lengths_B, draft_keys, draft_pick)
-        elif kind == "dflash":   # all K guesses from one block pass (parallel.py)
-            d_BK, q_BKW, dcache = propose_block(draft, target, s.last_B, s.lengths_B, s.dcache, draft_keys, draft_pick)
-        else:
-            d_B, q_BW = draft_pick(draft_keys[0], s.dlogits_BW)
-            d_ids, q_list = [d_B], [q_BW]
-            hidden_BD, dcache = s.dhidden_BD, s.dcache
-            for j in range(1, K):
-                pos_B1 = (s.lengths_B - 1 + j)[:, None]
-                step = draft(draft.to_target_ids(d_B)[:, None], hidden_BD[:, None], pos_B1, embed_VD, dcache)
-                hidden_BD, dcache = step.hidden_BTD[:, 0], step.cache
-                d_B, q_BW = draft_pick(draft_keys[j], step.logits_BTW[:, 0])
-                d_ids.append(d_B)
-                q_list.append(q_BW)
-            d_BK, q_BKW = jnp.stack(d_ids, axis=1), jnp.stack(q_list, axis=1)
+        d_BK, q_BKW, dcache = kind.propose(draft, s.dlogits_BW, s.dhidden_BD, s.dcache, s.lengths_B, draft_keys,
+                                           draft_pick, embed_VD, s.last_B, target.logits)
         drafts_BK = draft.to_target_ids(d_BK)
 
         ids_BK1 = jnp.concatenate([s.last_B[:, None], drafts_BK], axis=1)
@@ -269,13 +258,12 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
         tokens_BN, n_out_B, finish_B, n_emit_B = _emit(s, out_BK1, n_acc_B + 1, sp.eos_E)
 
         # Catch-up: the draft re-reads positions n..n+K with the target's true aux states.
-        if kind == "dflash":   # their context keys only: the next block pass starts from last_B itself
-            dstate = dict(dcache=draft.write_context(tout.aux_BTX, pos_BK1, dcache))
-        else:
-            cstep = draft(out_BK1, draft.fuse(tout.aux_BTX), pos_BK1, embed_VD, dcache, with_logits=False)
-            seed_BD = cstep.hidden_BTD[rows_B, n_acc_B]   # the next round's d1 comes from here
-            dstate = dict(dcache=cstep.cache, dhidden_BD=jnp.where(running_B[:, None], seed_BD, s.dhidden_BD),
-                          dlogits_BW=jnp.where(running_B[:, None], draft.head(seed_BD[:, None])[:, 0], s.dlogits_BW))
+        cstep = kind.catch_up(draft, out_BK1, tout.aux_BTX, pos_BK1, embed_VD, dcache)
+        seeds = {}
+        if kind.seeded:   # the next round's d1 comes from the output at the last accepted position
+            seed_BD = cstep.hidden_BTD[rows_B, n_acc_B]
+            seeds = dict(dhidden_BD=jnp.where(running_B[:, None], seed_BD, s.dhidden_BD),
+                         dlogits_BW=jnp.where(running_B[:, None], draft.head(seed_BD[:, None])[:, 0], s.dlogits_BW))
         # The state's layout is K_max wide (every K of the session shares it); this round fills 0..K-1.
         hit_BK = (jnp.arange(K)[None, :] < n_acc_B[:, None]) & running_B[:, None]
         accepted_BK = s.accepted_BK.at[:, :K].add(hit_BK.astype(jnp.int32))
@@ -283,8 +271,8 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
             s, tokens_BN=tokens_BN, n_out_B=n_out_B, finish_B=finish_B,
             lengths_B=jnp.where(running_B, s.lengths_B + n_acc_B + 1, s.lengths_B),
             last_B=jnp.where(running_B, out_BK1[rows_B, n_acc_B], s.last_B),
-            tcache=tout.cache, key=key, rounds_B=s.rounds_B + running_B, round_tokens_B=s.round_tokens_B + n_emit_B,
-            accepted_BK=accepted_BK.astype(jnp.int32), **dstate)
+            tcache=tout.cache, dcache=cstep.cache, key=key, rounds_B=s.rounds_B + running_B,
+            round_tokens_B=s.round_tokens_B + n_emit_B, accepted_BK=accepted_BK.astype(jnp.int32), **seeds)
 
     def target_round(s: LoopState) -> LoopState:
         key, k = _split(s.key, 2, sp)

@@ -23,18 +23,21 @@ from eagle3_jax.distributed import fetch
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import GenerationStats
 from eagle3_jax.sharding import data_parallel_size, mesh_context
-from eagle3_jax.speculative.autodraft import AUTO, DEFAULT_MAX_DRAFT_TOKENS, Acceptance, AutoDraft, FixedK, RoundCosts
+from eagle3_jax.speculative.autodraft import AUTO, DEFAULT_MAX_DRAFT_TOKENS, Acceptance, AutoDraft, Costs
+from eagle3_jax.speculative.calibration import CalibrationStore
 from eagle3_jax.speculative.generate import FINISH_NAMES, DecodeProgram, LoopState, Sampling
+from eagle3_jax.speculative.policy import FixedK
 from eagle3_jax.speculative.static_graph import StaticGraph
 
 # Prompts are right-padded to a bucket, so nearby lengths share one compiled program. Buckets grow
 # geometrically from PROMPT_BUCKET (16, 24, 32, 48, 64, 96, ...: powers of two and 1.5x them), so a
 # long-running serve compiles at most ~2 log2(max_len / 16) + 1 of them and pads a prompt by < 50 %.
 PROMPT_BUCKET = 16
-# Under auto, a new program's round costs are probed at start-up (``probe_costs``): PROBE_REPEATS
-# interleaved runs of PROBE_ROUNDS rounds per probed K.
+# Under auto, a program shape without a calibration is probed at start-up (``probe_costs``):
+# PROBE_REPEATS interleaved admissions and runs of PROBE_ROUNDS rounds for each of PROBE_KS.
 PROBE_ROUNDS = 8
 PROBE_REPEATS = 3
+PROBE_KS = (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -84,10 +87,13 @@ class DecodeSession:
     """A target and an optional draft, validated once, with the mesh and statistics their programs share."""
 
     def __init__(self, target, draft=None, num_draft_tokens: int | str = 4, max_len: int = 2048,
-                 max_draft_tokens: int | None = None, prefill_chunk: int | None = None):
-        """``num_draft_tokens``: K per round, or ``"auto"`` (K in 0..max_draft_tokens chosen from round
-        costs timed in this process and live acceptance, see autodraft.py; ``max_draft_tokens``
-        defaults to 6).
+                 max_draft_tokens: int | None = None, prefill_chunk: int | None = None,
+                 calibration: CalibrationStore | None = None, k_table: dict[int, int] | None = None):
+        """``num_draft_tokens``: K per round, or ``"auto"`` (K in 0..max_draft_tokens chosen from
+        costs and acceptance measured end to end, see autodraft.py; ``max_draft_tokens`` defaults
+        to 6). Under auto, ``calibration`` keeps what jobs of this pair measured for the next one
+        (None: nothing is kept, every new shape is probed) and ``k_table`` (batch size -> K) gives
+        the first K of a batch size instead.
         ``prefill_chunk``: prompt positions per target call in prefill (None: the whole prompt block;
         a chunk bounds prefill temporaries and never changes the tokens)."""
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -122,10 +128,11 @@ class DecodeSession:
         self.stats = GenerationStats.empty(self.max_draft_tokens)
         # Acceptance per sampling setting: greedy and T = 1 accept very differently (demo pair, batch 8:
         # 0.88 / 0.20 at draft position 1), and a model shared across them priced T = 1 rounds with the
-        # greedy rounds' acceptance (0.70x target-only). Round costs per batch shape (RoundCosts).
+        # greedy rounds' acceptance (0.70x target-only). Costs per batch shape (autodraft.Costs).
         self._acceptance: dict[tuple, Acceptance] = {}
-        self._costs: dict[tuple, RoundCosts] = {}
-        self._auto: dict[tuple, AutoDraft] = {}
+        self._costs: dict[tuple, Costs] = {}
+        self.calibration = calibration
+        self.k_table = {int(b): int(k) for b, k in (k_table or {}).items()}
         self._static = None   # the graphdefs as StaticGraph, made on first use
         # Programs compiled (or loaded from the persistent cache) by this session's calls: bounded
         # by the prompt buckets, admission sizes and Ks, never by how long it serves.
@@ -157,21 +164,29 @@ class DecodeSession:
             prefill_chunk=self.prefill_chunk)
 
     def policy(self, program: DecodeProgram, sp, sampling: SamplingSettings):
-        """What chooses K for each run of this program: ``FixedK``, or under auto the ``AutoDraft``
-        of this batch shape and sampling setting. Its round costs are probed once per shape and
-        greedy-or-sampled (sampling's softmax, sort and key work cost time; the text does not, every
-        shape being static); acceptance is learned per sampling setting across batch shapes (it
-        depends on the text and the sampler, not on the batch)."""
+        """What chooses K for each run of one job on this program: ``FixedK``, or under auto an
+        ``AutoDraft`` on the session's costs of this batch shape and greedy-or-sampled (sampling's
+        softmax, sort and key work cost time; the text does not, every shape being static) and its
+        acceptance of this sampling setting across batch shapes (it depends on the text and the
+        sampler, not on the batch). Both start from the calibration when there is one; a shape
+        without is probed, once per session."""
         if not self.auto:
             return FixedK(program.num_draft_tokens)
         shape = (dataclasses.replace(program, max_new_tokens=0), sampling.greedy)
         setting = (sampling.temperature, sampling.top_p, sampling.top_k)
-        if (shape, setting) not in self._auto:
-            if shape not in self._costs:
-                self._costs[shape] = probe_costs(self, program, sp, sorted({0, 1, self.max_draft_tokens}))
-            acceptance = self._acceptance.setdefault(setting, Acceptance(max(self.max_draft_tokens, 1)))
-            self._auto[shape, setting] = AutoDraft(self._costs[shape], self.max_draft_tokens, acceptance)
-        return self._auto[shape, setting]
+        store = self.calibration
+        shape_key, setting_key = CalibrationStore.shape_key(program, sampling.greedy), CalibrationStore.setting_key(sampling)
+        if setting not in self._acceptance:
+            self._acceptance[setting] = acc = Acceptance(max(self.max_draft_tokens, 1))
+            if store is not None and (carried := store.acceptance(setting_key)):
+                acc.carry(carried["accepted"], carried["offered"])
+        if shape not in self._costs:
+            record = store.costs(shape_key) if store is not None else None
+            self._costs[shape] = (Costs.from_record(record) if record else
+                                  probe_costs(self, program, sp, [k for k in PROBE_KS if k <= self.max_draft_tokens]))
+        on_update = (lambda policy: store.update(shape_key, setting_key, policy)) if store is not None else None
+        return AutoDraft(self._costs[shape], self.max_draft_tokens, self._acceptance[setting], program.batch_size,
+                         program.max_new_tokens, self.k_table.get(program.batch_size), on_update)
 
     def models(self) -> tuple:
         """(target graphdef, target state, draft graphdef, draft state): the loop's leading arguments
@@ -233,9 +248,9 @@ class DecodeSession:
         self.stats = GenerationStats.combine([self.stats, stats])
 
 
-def probe_costs(session, program, sp, ks) -> RoundCosts:
-    """Times ``ks`` on a scratch state of ``program``: one untimed run each (it compiles), then
-    PROBE_REPEATS interleaved runs of PROBE_ROUNDS rounds, the fewest seconds per round (other load
+def probe_costs(session, program, sp, ks) -> Costs:
+    """Times ``ks`` on a scratch state of ``program``, admission and rounds each: one untimed pass
+    per K (it compiles), then PROBE_REPEATS interleaved ones, the fewest seconds of each (other load
     on the machine only ever adds time). Random prompts: a MoE round costs what its distinct
     experts cost; identical rows would be too cheap."""
     from eagle3_jax.speculative.generate import admit_rows, blank_state, run_rounds
@@ -249,16 +264,19 @@ def probe_costs(session, program, sp, ks) -> RoundCosts:
     ids, lengths, _ = session.pack_prompts(prompts, B)
     rows = np.arange(B, dtype=np.int32)
 
-    def timed(k: int) -> float:
+    def timed(k: int) -> tuple[float, float]:
         run_models = models if k else models[:2] + (None, None)   # as the Engine runs K = 0
         state = blank_state(*models, jax.random.key(0), sp, program=program)
-        state = admit_rows(*models, state, rows, ids, lengths, sp, program=program)
+        jax.block_until_ready(state)
+        t = time.perf_counter()
+        state = jax.block_until_ready(admit_rows(*run_models, state, rows, ids, lengths, sp, program=program))
+        admit = (time.perf_counter() - t) / B
         before = fetch(state.rounds_B).max()
         t = time.perf_counter()
         state = run_rounds(*run_models, state, np.int32(PROBE_ROUNDS), np.int32(B + 1), sp,
                            program=program.with_draft_tokens(k))
         executed = fetch(state.rounds_B).max() - before   # the fetch waits for the run
-        return (time.perf_counter() - t) / max(int(executed), 1)
+        return admit, (time.perf_counter() - t) / max(int(executed), 1)
 
     with session.activate():
         for k in ks:
@@ -267,4 +285,9 @@ def probe_costs(session, program, sp, ks) -> RoundCosts:
         for _ in range(PROBE_REPEATS):
             for k in ks:
                 samples[k].append(timed(k))
-    return RoundCosts({k: min(v) for k, v in samples.items()}, time.perf_counter() - start)
+    admit = {False: min(a for a, _ in samples[0])} if 0 in samples else {}
+    if any(k > 0 for k in ks):
+        admit[True] = min(a for k in ks if k > 0 for a, _ in samples[k])
+    noise = {k: float(np.std(c) / np.mean(c) / np.sqrt(len(c))) for k, v in samples.items() for c in [[c for _, c in v]]}
+    return Costs({k: min(c for _, c in v) for k, v in samples.items()}, admit, time.perf_counter() - start,
+                 noise=noise)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from eagle3_jax import settings_io
-from eagle3_jax.config import DraftConfig, MeshConfig, TargetConfig
+from eagle3_jax.config import MeshConfig, TargetConfig
+from eagle3_jax.drafts import DraftConfig, DraftKind
 from eagle3_jax.errors import ConfigError, SettingsError
 from eagle3_jax.settings_io import Layer
 from eagle3_jax.train.shapes import DraftShape, PEagleShape
@@ -40,8 +41,9 @@ class TrainConfig:
     target: str
     out_dir: str | None = None
     data: str | None = None
-    # Which draft trains: "eagle3" (the chain draft, TTT loss) or "peagle" (parallel drafting,
-    # SpecForge's P-EAGLE objective); None = eagle3, or what draft_config_file's architecture says.
+    # Which kind of draft trains (a name in eagle3_jax.drafts.NAMES: the EAGLE-3 chain draft, TTT
+    # loss, or P-EAGLE, SpecForge's parallel-drafting objective); None = what draft_config_file's
+    # architecture says, else the registry's default kind (EAGLE-3).
     draft_kind: str | None = None
     draft_config_file: str | None = None   # a draft config.json whose architecture and sizes the run takes
     draft: DraftShape = field(default_factory=DraftShape)
@@ -59,7 +61,11 @@ class TrainConfig:
     # ("blockwise" over attention_block keys a block: memory linear in the row; "efficient" scores
     # whole rows) and the positions a chunk of the head and loss (None: whole rows). Rows no longer
     # than a block or a chunk run as one.
+    # specforge_batch: with loss_convention=specforge, the rows SpecForge collates on one device (its
+    # training.batch_size, default 1): each group of that many rows is divided by its rows x its
+    # longest row, and the groups are averaged, as SpecForge averages its devices' losses.
     loss_convention: str = "ours"
+    specforge_batch: int = 1
     lk_loss_type: str | None = None
     kl_scale: float = 1.0
     kl_decay: float = 1.0
@@ -84,6 +90,9 @@ class TrainConfig:
     eval_prompts: str | None = None
     eval_new_tokens: int = 64
     eval_draft_tokens: int = 4
+    # the eval stops training when the served draft gets under this share of the tokens its training
+    # accuracies imply (train_serve.py: a train/serve mismatch); 0 turns the check off
+    eval_min_accept_share: float = 0.25
     mode: str = "train"
     hidden_source: str = "online"
     offline_dir: str | None = None
@@ -104,30 +113,39 @@ class TrainConfig:
     def target_config(self) -> TargetConfig:
         return TargetConfig.from_path(self.target)
 
-    def resolved_aux_ids(self, tcfg: TargetConfig | None = None) -> tuple[int, ...]:
-        tcfg = tcfg or self.target_config()
+    def _draft_file_and_kind(self):
+        from eagle3_jax.train.draft_kind import read_draft_file, resolve_kind
+
+        file = read_draft_file(self)
+        return file, resolve_kind(self, file)
+
+    def resolved_aux_ids(self, tcfg: TargetConfig | None = None, file: dict | None = None) -> tuple[int, ...]:
+        """``aux_layer_ids``, else the draft_config_file's (``file``: its JSON) eagle_config ids, else
+        the target's default ids."""
         if self.aux_layer_ids is not None:
             return self.aux_layer_ids
-        from eagle3_jax.train.draft_kind import file_aux_ids
+        from eagle3_jax.train.draft_kind import file_aux_ids, read_draft_file
 
-        ids = file_aux_ids(self)   # a draft_config_file's eagle_config ids, when it names them
-        return ids if ids is not None else tcfg.default_aux_layer_ids()
+        ids = file_aux_ids(file if file is not None else read_draft_file(self))
+        return ids if ids is not None else (tcfg or self.target_config()).default_aux_layer_ids()
 
     @property
     def resolved_draft_kind(self) -> str:
-        from eagle3_jax.train.draft_kind import resolve_kind
-
-        return resolve_kind(self)
+        return self._draft_file_and_kind()[1].name
 
     def draft_config(self, tcfg: TargetConfig | None = None) -> DraftConfig:
-        """The draft config.json this run trains and exports (a ``PEagleConfig`` for P-EAGLE)."""
+        """The draft config.json this run trains and exports (its kind's config class)."""
         from eagle3_jax.train.draft_kind import build_draft_config
 
-        return build_draft_config(self, tcfg or self.target_config())
+        tcfg = tcfg or self.target_config()
+        file, kind = self._draft_file_and_kind()
+        return build_draft_config(self, tcfg, kind, file, self.resolved_aux_ids(tcfg, file))
 
-    def to_dict(self) -> dict:
+    def to_dict(self, draft_kind: str | None = None) -> dict:
+        """The settings as a checkpoint records them, with ``draft_kind`` resolved (unset and the
+        default kind are one kind to a resumed run); ``draft_kind``: already resolved."""
         d = json.loads(json.dumps(dataclasses.asdict(self)))
-        d["draft_kind"] = self.resolved_draft_kind   # unset and "eagle3" are one kind to a resumed run
+        d["draft_kind"] = draft_kind or self.resolved_draft_kind
         return d
 
     # ------------------------------------------------------------------ reading
@@ -151,9 +169,14 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> TargetConfig:
-        """Every check that needs no model: files, ranges, and the target's config.json. Returns it."""
-        positive = ("max_len", "batch_size", "grad_accum", "ttt_steps", "total_steps", "save_every", "log_every", "keep",
-                    "eval_new_tokens", "eval_draft_tokens")
+        """Every check that needs no model (``resolve``); returns the target's config."""
+        return self.resolve().target
+
+    def resolve(self) -> "TrainPlan":
+        """Every check that needs no model: files, ranges, the target's config.json and the draft's
+        kind and config, each file read once; the run's ``TrainPlan``."""
+        positive = ("max_len", "batch_size", "specforge_batch", "grad_accum", "ttt_steps", "total_steps", "save_every",
+                    "log_every", "keep", "eval_new_tokens", "eval_draft_tokens")
         for name in positive:
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1, found {getattr(self, name)}")
@@ -161,6 +184,9 @@ class TrainConfig:
             raise SettingsError(f"max_len must be >= 3 (a token, its successor and one to predict), found {self.max_len}")
         if self.eval_every < 0:
             raise SettingsError(f"eval_every must be >= 0 (0 turns evaluation off), found {self.eval_every}")
+        if not 0 <= self.eval_min_accept_share <= 1:
+            raise SettingsError(f"eval_min_accept_share must be in [0, 1] (0 turns the check off), found "
+                                f"{self.eval_min_accept_share}")
         if self.mode not in MODES:
             raise SettingsError(f"mode '{self.mode}' is not one of {MODES}")
         if self.hidden_source not in HIDDEN_SOURCES:
@@ -185,6 +211,9 @@ class TrainConfig:
 
         if self.loss_convention not in CONVENTIONS:
             raise SettingsError(f"loss_convention '{self.loss_convention}' is not one of {CONVENTIONS}")
+        if self.batch_size % self.specforge_batch:
+            raise SettingsError(f"specforge_batch={self.specforge_batch} (SpecForge's rows per device) must divide "
+                                f"batch_size={self.batch_size}")
         if self.lk_loss_type is not None and self.lk_loss_type not in LK_LOSS_TYPES:
             raise SettingsError(f"lk_loss_type '{self.lk_loss_type}' is not one of {LK_LOSS_TYPES} (or unset: "
                                 "the soft-label cross-entropy alone)")
@@ -243,11 +272,12 @@ class TrainConfig:
                     "each data-parallel device needs the same number of rows")
 
         tcfg = self.target_config()
-        from eagle3_jax.train.draft_kind import check_draft_settings
+        from eagle3_jax.train.draft_kind import build_draft_config, check_draft_settings
 
-        check_draft_settings(self, tcfg)
+        file, kind = self._draft_file_and_kind()
+        check_draft_settings(self, tcfg, kind, file)
         try:
-            ids = tcfg.check_aux_layer_ids(self.resolved_aux_ids(tcfg), where="aux_layer_ids")
+            ids = tcfg.check_aux_layer_ids(self.resolved_aux_ids(tcfg, file), where="aux_layer_ids")
         except ConfigError as e:
             raise SettingsError(str(e)) from None
         if not ids:
@@ -265,10 +295,26 @@ class TrainConfig:
             v = getattr(s, name)
             if v is not None and v < 1:
                 raise SettingsError(f"draft.{name} must be >= 1, found {v}")
-        dcfg = self.draft_config(tcfg)  # heads vs kv heads, vocab sizes
+        dcfg = build_draft_config(self, tcfg, kind, file, ids)  # heads vs kv heads, vocab sizes
         if dcfg.head_dim % 2:
             raise SettingsError(f"draft head_dim must be even for rotary pairs, found {dcfg.head_dim}")
-        return tcfg
+        return TrainPlan(self, tcfg, kind, dcfg, ids)
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """A training run resolved once, at its start (``TrainConfig.resolve``): the settings, the
+    target's config, the draft's kind, the config it trains and exports, and the aux layer ids.
+    Everything downstream reads these instead of reading the config files again."""
+
+    settings: TrainConfig
+    target: TargetConfig
+    kind: DraftKind
+    draft: DraftConfig
+    aux_ids: tuple[int, ...]
+
+    def to_dict(self) -> dict:
+        return self.settings.to_dict(self.kind.name)
 
 
 # ---------------------------------------------------------------------- reading helpers

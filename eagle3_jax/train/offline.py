@@ -126,7 +126,7 @@ def _open(root: str, name: str):
 
 
 class OfflineSource:
-    """Rows of a prepared offline directory: ids, loss mask, aux and final hidden states."""
+    """Rows of a prepared offline directory: ids, loss mask, aux and final hidden states, length."""
 
     ARRAYS = ("ids", "loss_mask", "aux", "hidden")
 
@@ -134,6 +134,9 @@ class OfflineSource:
         self.root = root
         self.meta = read_offline_meta(root)
         self._arrays = {k: _open(root, k) for k in self.ARRAYS}
+        # stores prepared before lengths were kept: every row counts as full (check_offline_meta
+        # refuses them where the length matters, loss_convention=specforge)
+        self._length = _open(root, "length") if has_lengths(root) else None
         self._scales = ({k: _open(root, k + "_scale") for k in SCALED}
                         if self.meta.get("storage") == "float8_e4m3fn" else {})
 
@@ -142,6 +145,8 @@ class OfflineSource:
 
     def __getitem__(self, i: int) -> dict:
         row = {k: self._arrays[k][int(i)].read().result() for k in self.ARRAYS}
+        row["length"] = np.int32(self._length[int(i)].read().result() if self._length is not None
+                                 else row["ids"].shape[0])
         if self._scales:
             for k in SCALED:
                 row[k] = decode(row[k], self._scales[k][int(i)].read().result())
@@ -158,6 +163,10 @@ class OfflineSource:
         return _open(self.root, "embed").read().result(), _open(self.root, "lm_head").read().result()
 
 
+def has_lengths(root: str) -> bool:
+    return os.path.isfile(os.path.join(root, "length", "zarr.json"))
+
+
 def read_offline_meta(root: str) -> dict:
     path = os.path.join(root, "meta.json")
     if not os.path.isfile(path):
@@ -169,40 +178,46 @@ def read_offline_meta(root: str) -> dict:
     return meta
 
 
-def offline_meta_for(cfg, tcfg, data_digest: str) -> dict:
-    """The facts a prepared directory must agree with to be reused by a run of ``cfg``."""
+def offline_meta_for(plan, data_digest: str) -> dict:
+    """The facts a prepared directory must agree with to be reused by a run (a ``TrainPlan``)."""
+    cfg, tcfg = plan.settings, plan.target
     return {"format": OFFLINE_FORMAT, "target_hidden_size": tcfg.hidden_size, "vocab_size": tcfg.vocab_size,
-            "num_hidden_layers": tcfg.num_hidden_layers, "aux_layer_ids": list(cfg.resolved_aux_ids(tcfg)),
+            "num_hidden_layers": tcfg.num_hidden_layers, "aux_layer_ids": list(plan.aux_ids),
             "max_len": cfg.max_len, "data_sha256": data_digest, "storage": storage_dtype(cfg).name}
 
 
-def check_offline_meta(meta: dict, cfg, tcfg, root: str) -> None:
-    want = offline_meta_for(cfg, tcfg, meta.get("data_sha256", ""))
+def check_offline_meta(meta: dict, plan, root: str) -> None:
+    cfg = plan.settings
+    want = offline_meta_for(plan, meta.get("data_sha256", ""))
     for k, v in want.items():
         if k not in ("data_sha256", "storage") and meta.get(k) != v:
             raise ConfigError(
                 f"{root} was prepared with {k}={meta.get(k)!r} but this run has {k}={v!r}; rerun mode=prepare "
                 "with this config (into an empty offline_dir)")
+    if cfg.loss_convention == "specforge" and not has_lengths(root):
+        raise ConfigError(f"{root} was prepared without the rows' lengths, which loss_convention=specforge divides "
+                          "by; rerun mode=prepare into an empty offline_dir, or train with loss_convention=ours")
     if cfg.data is not None and os.path.isfile(cfg.data) and file_digest(cfg.data) != meta["data_sha256"]:
         raise ConfigError(f"{root} was prepared from different data than {cfg.data}; rerun mode=prepare")
 
 
-def prepare_offline(cfg, progress: bool = True) -> str:
-    """``mode=prepare``: runs the target once over the data and writes what training needs."""
+def prepare_offline(cfg, progress: bool = True, plan=None) -> str:
+    """``mode=prepare``: runs the target once over the data and writes what training needs
+    (``plan``: the run's ``TrainPlan`` when the caller resolved it already)."""
     from tqdm import tqdm
 
-    import eagle3_jax as e3
+    from eagle3_jax import distributed
+    from eagle3_jax.loading import load_target
     from eagle3_jax.sharding import mesh_context
 
-    from eagle3_jax import distributed
-
-    tcfg = cfg.validate()
+    plan = plan if plan is not None else cfg.resolve()
+    tcfg = plan.target
     if distributed.is_multi_process():
         raise ConfigError("mode=prepare runs in a single process (it writes one offline directory); run it without "
                           "--coordinator / EAGLE3_COORDINATOR, then train with several processes from its output")
     root = cfg.offline_dir
     digest = file_digest(cfg.data)
-    meta = offline_meta_for(cfg, tcfg, digest)
+    meta = offline_meta_for(plan, digest)
     if os.path.isfile(os.path.join(root, "meta.json")):
         try:
             existing = read_offline_meta(root)
@@ -215,8 +230,8 @@ def prepare_offline(cfg, progress: bool = True) -> str:
         raise ConfigError(f"offline_dir {root} is not empty; give an empty or new directory to prepare into")
     tok = load_tokenizer(cfg.target)
     examples = read_examples(cfg.data, tok, cfg.max_len, tcfg.vocab_size)
-    target = e3.load_target(cfg.target, dtype=cfg.resolved_target_dtype, mesh=cfg.mesh)
-    aux_ids = cfg.resolved_aux_ids(tcfg)
+    target = load_target(cfg.target, dtype=cfg.resolved_target_dtype, mesh=cfg.mesh, config=tcfg)
+    aux_ids = plan.aux_ids
     N, T, D, V = len(examples), cfg.max_len, tcfg.hidden_size, tcfg.vocab_size
     X = len(aux_ids) * D
     dtype = np.dtype(jnp.dtype(target.dtype))
@@ -248,6 +263,8 @@ def prepare_offline(cfg, progress: bool = True) -> str:
     }
     if store.name == "float8_e4m3fn":
         arrays.update({k + "_scale": _create(work, k + "_scale", (N, T), np.float32, (1, T), resume) for k in SCALED})
+    # known before the target runs: written whole on every (re)start
+    _create(work, "length", (N,), np.int32, (N,)).write(np.asarray([len(ex.ids) for ex in examples], np.int32)).result()
     if not resume:
         embed_VD, lm_head_DV = target_head(target.model)
         _create(work, "embed", (V, D), dtype, (min(V, 4096), D)).write(np.asarray(jax.device_get(embed_VD))).result()

@@ -2,18 +2,21 @@
 SpecForge's shifted pairing, COD-sampled rollouts, SpecForge's loss, and the shared AdamW update.
 
 Pairing. The trainer's rows are the target's view: token x_t, its aux states aux[t] and final
-hidden state at t (logits[t] guess x_{t+1}). peagle_objective reads rows in SpecForge's shifted
+hidden state at t (logits[t] guess x_{t+1}). drafts/peagle/objective.py reads rows in SpecForge's shifted
 capture: position t carries ids[t] = x_{t+1}, aux[t], target[t] = logits[t+1]. The shift keeps T
 positions, the last one filled as SpecForge's padding does (id 0, zero logits: a uniform label).
 Which positions count (``loss_convention``, as for EAGLE-3):
   ours       position t predicts x_{t+2}: it counts when x_{t+2} is a loss token (loss_mask[t+2]);
-  specforge  loss_mask[t] as SpecForge passes it, unshifted beside the shifted ids and logits.
+             the batch's loss is the weighted mean over all its rows' sampled tokens;
+  specforge  loss_mask[t] as SpecForge passes it, unshifted beside the shifted ids and logits, the
+             row's last position labelled by the zero row its shift appends (a padded row's next
+             position holds the padding's logits, replaced here); each row's weighted mean, the
+             rows averaged (SpecForge trains one row a device and averages the devices' losses).
 The same mask decides which positions COD sampling may extend rollouts into.
 
 Sampling is host-side numpy before the batch goes to the devices, one generator per (seed, step,
 micro-batch, global row): a resumed run draws what the uninterrupted one drew, and the draw does
-not depend on which process reads the row. A batch's loss is the weighted mean over all its rows'
-sampled tokens (SpecForge trains one row a device and averages the devices' means).
+not depend on which process reads the row.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax.train.peagle_objective import CODSettings, cod_budget, cod_sample, pad_rollouts, peagle_loss
+from eagle3_jax.drafts.peagle.objective import CODSettings, cod_budget, cod_sample, pad_rollouts, peagle_loss
 from eagle3_jax.train.step import OptimizerSpec, accumulate, apply_update, micro_features
 from eagle3_jax.train.ttt import target_logits
 
@@ -59,6 +62,17 @@ def _shift_left(x_BT_):
     return jnp.concatenate([x_BT_[:, 1:], jnp.zeros_like(x_BT_[:, :1])], axis=1)
 
 
+def shifted_rows(mb, aux_BTX, hidden_BTD, lm_head_DV, convention: str) -> tuple:
+    """peagle_loss's row arguments (ids, aux, target logits, loss mask, anchor, depth, valid) of a
+    micro-batch in SpecForge's shifted pairing (module docstring)."""
+    target_BTV = _shift_left(target_logits(hidden_BTD, lm_head_DV))
+    if convention == "specforge":   # SpecForge's row ends at its length: its zero row, then nothing
+        past_BT = jnp.arange(target_BTV.shape[1])[None, :] >= mb["length"][:, None] - 1
+        target_BTV = jnp.where(past_BT[..., None], 0.0, target_BTV)
+    return (_shift_left(mb["ids"]), aux_BTX, target_BTV, shifted_loss_mask(mb["loss_mask"], convention),
+            mb["anchor"], mb["depth"], mb["valid"])
+
+
 def sample_rollouts(loss_mask_ABT: np.ndarray, spec: PEagleSpec, seed: int, step: int, first_row: int) -> dict:
     """{anchor, depth, valid} [A, B, P] of COD-sampled rollouts for one optimizer step's rows
     (``first_row``: the global index of this process's first row of each batch)."""
@@ -82,12 +96,11 @@ def peagle_train_step(params, opt_state, rest, lm_head_DV, tstate, batch, lr, *,
 
     def micro(mb):
         aux_BTX, hidden_BTD = micro_features(mb, tgraph, tstate, aux_ids, spec.target_chunk)
-        target_BTV = _shift_left(target_logits(hidden_BTD, lm_head_DV))
-        rows = (_shift_left(mb["ids"]), aux_BTX, target_BTV, shifted_loss_mask(mb["loss_mask"], spec.convention),
-                mb["anchor"], mb["depth"], mb["valid"])
+        rows = shifted_rows(mb, aux_BTX, hidden_BTD, lm_head_DV, spec.convention)
 
         def loss_fn(p):
-            return peagle_loss(nnx.merge(graphdef, p, rest), *rows, num_depths=spec.cod.num_depths)
+            return peagle_loss(nnx.merge(graphdef, p, rest), *rows, num_depths=spec.cod.num_depths,
+                               row_means=spec.convention == "specforge")
 
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return loss, metrics, grads

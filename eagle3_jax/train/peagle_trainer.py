@@ -5,7 +5,7 @@ COD-sampled rollouts added to each batch, and SpecForge's P-EAGLE loss (peagle_s
 The draft starts from the target's token embedding and trains it, as SpecForge does (its P-EAGLE
 draft loads the target's embedding and leaves it trainable); the other weights start random. The
 export is SpecForge's ``PEagleDraftModel`` layout with the aux ids and the MASK token id it was
-trained with (api.save_draft dispatches on the draft's kind).
+trained with (save_draft finds the draft's kind in the registry).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from flax import nnx
 
 from eagle3_jax import distributed
 from eagle3_jax.config import resolve_dtype
-from eagle3_jax.models.peagle import PEagleDraft
+from eagle3_jax.drafts.peagle.model import PEagleDraft
+from eagle3_jax.drafts.peagle.training import resolve_mask_token_id
 from eagle3_jax.sharding import mesh_context
 from eagle3_jax.train import data as data_lib
-from eagle3_jax.train.draft_kind import resolve_mask_token_id
 from eagle3_jax.train.peagle_step import PEagleSpec, compiled_peagle_step, sample_rollouts
 from eagle3_jax.train.progress import info as _info
 from eagle3_jax.train.trainer import Trainer

@@ -1,8 +1,8 @@
 """The grain input pipeline: padded rows -> ``shuffle(seed) -> repeat -> batch``.
 
-One conversation a row, right-padded (id 0, mask 0). Rows are not packed: the target's attention
-has no document boundaries, so a packed row would let one conversation's tokens shape another's
-hidden states. Shuffling is per epoch and deterministic, and the iterator's state (a position) is
+One conversation a row, right-padded (id 0, mask 0), with its length. Rows are not packed: the
+target's attention has no document boundaries, so a packed row would let one conversation's tokens
+shape another's hidden states. Shuffling is per epoch and deterministic, and the iterator's state (a position) is
 saved with each checkpoint.
 """
 
@@ -34,7 +34,8 @@ class TokenizedSource:
         mask = np.zeros((self.max_len,), bool)
         ids[:len(ex.ids)] = ex.ids
         mask[:len(ex.loss_mask)] = ex.loss_mask
-        return {"index": np.int32(i), "ids": ids, "loss_mask": mask}
+        # the row's own length: SpecForge's loss convention divides by the longest row of a batch
+        return {"index": np.int32(i), "ids": ids, "loss_mask": mask, "length": np.int32(len(ex.ids))}
 
     def iter_tokens(self):
         for ex in self.examples:

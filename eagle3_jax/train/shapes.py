@@ -24,7 +24,7 @@ class DraftShape:
 @dataclass(frozen=True)
 class PEagleShape:
     """``draft_kind: peagle``: the draft's decoder layers (None: 4, SpecForge's recipe, or the
-    draft_config_file's), the MASK token fed at guessed positions (None: draft_kind.py's rule), and
+    draft_config_file's), the MASK token fed at guessed positions (None: drafts/peagle/training.py's rule), and
     COD depth sampling (SpecForge's defaults)."""
 
     num_hidden_layers: int | None = None

@@ -62,7 +62,7 @@ def loss_spec(cfg: TrainConfig) -> LossSpec:
     return LossSpec(steps=cfg.ttt_steps, decay=cfg.loss_decay, convention=cfg.loss_convention,
                     lk_loss_type=cfg.lk_loss_type, kl_scale=cfg.kl_scale, kl_decay=cfg.kl_decay,
                     attention=cfg.attention, attention_block=cfg.attention_block, loss_chunk=cfg.loss_chunk,
-                    target_chunk=cfg.target_chunk, remat=cfg.remat)
+                    target_chunk=cfg.target_chunk, remat=cfg.remat, specforge_batch=cfg.specforge_batch)
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -79,14 +79,8 @@ def train_step(params, opt_state, rest, embed_VD, lm_head_DV, tstate, batch, lr,
 
     def micro(mb):
         aux_BTX, hidden_BTD = micro_features(mb, tgraph, tstate, aux_ids, spec.target_chunk)
-        signal = target_signal_from_hidden(hidden_BTD, lm_head_DV, mb["loss_mask"], rest["d2t"], rest["t2d"],
-                                           spec.convention, spec.loss_chunk)
-
-        def loss_fn(p):
-            draft = nnx.merge(graphdef, p, rest)
-            return ttt_loss(draft, aux_BTX, mb["ids"], signal, embed_VD, spec)
-
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (loss, metrics), grads = jax.value_and_grad(batch_loss, has_aux=True)(
+            params, rest, embed_VD, lm_head_DV, aux_BTX, hidden_BTD, mb, graphdef=graphdef, spec=spec)
         return loss, metrics, grads
 
     loss, metrics, grads = accumulate(micro, batch)
@@ -97,6 +91,14 @@ def train_step(params, opt_state, rest, embed_VD, lm_head_DV, tstate, batch, lr,
     return params, opt_state, {"loss": loss, "ploss": metrics["loss"], "acc": metrics["acc"],
                                "acc_all": metrics["acc_all"], "accept": metrics["accept"],
                                "count": metrics["count"], "grad_norm": grad_norm}
+
+
+def batch_loss(params, rest, embed_VD, lm_head_DV, aux_BTX, hidden_BTD, mb, *, graphdef, spec: LossSpec):
+    """(TTT loss, metrics) of one micro-batch (ids, loss mask and row lengths in ``mb``) from the
+    target's aux and final hidden states: what the step differentiates."""
+    signal = target_signal_from_hidden(hidden_BTD, lm_head_DV, mb["loss_mask"], rest["d2t"], rest["t2d"],
+                                       spec.convention, spec.loss_chunk, length_B=mb["length"])
+    return ttt_loss(nnx.merge(graphdef, params, rest), aux_BTX, mb["ids"], signal, embed_VD, spec)
 
 
 def micro_features(mb, tgraph, tstate, aux_ids, target_chunk):

@@ -28,27 +28,31 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from eagle3_jax import distributed
-from eagle3_jax.api import LoadedDraft
+from eagle3_jax import distributed, drafts
 from eagle3_jax.checkpoint.staging import atomic_file
 from eagle3_jax.config import resolve_dtype
 from eagle3_jax.contracts import check_pairing
+from eagle3_jax.drafts import LoadedDraft
 from eagle3_jax.errors import ConfigError, SettingsError
-from eagle3_jax.models.draft import Draft
+from eagle3_jax.loading import load_target, save_draft
+from eagle3_jax.drafts.eagle3.model import Draft
 from eagle3_jax.sharding import DATA_AXIS, make_mesh, mesh_context, shard_state, state_shardings, train_param_sharding
 from eagle3_jax.train import data as data_lib, offline as offline_lib, pipeline as pipeline_lib
-from eagle3_jax.train.config import TrainConfig
+from eagle3_jax.train.config import TrainConfig, TrainPlan
 from eagle3_jax.train.progress import StepReport, info as _info
 from eagle3_jax.train.step import OptimizerSpec, compiled_step, init_optimizer, loss_spec, lr_schedule  # noqa: F401 (re-exported)
 from eagle3_jax.train.ttt import simulated_acc_len
+from eagle3_jax.train_serve import check_served_acceptance, tau_by_context
 from eagle3_jax.train.vocab import VocabMap, build_vocab_map, load_or_build, token_counts
 
 log = logging.getLogger("eagle3_jax")
 
 # Keys a checkpoint cannot be resumed under if they changed: they alter the parameters' shapes,
-# the data order, or what a step means.
-RESUME_INVARIANTS = ("draft_kind", "draft_config_file", "draft", "peagle", "aux_layer_ids", "draft_vocab_size",
-                     "max_len", "batch_size", "grad_accum", "seed", "dtype", "hidden_source", "ttt_steps")
+# the data order, or what a step means (every draft kind's own settings among them).
+RESUME_INVARIANTS = ("draft_kind", "draft_config_file", "draft",
+                     *(k.settings_key for k in drafts.KINDS if k.settings_key),
+                     "aux_layer_ids", "draft_vocab_size", "max_len", "batch_size", "grad_accum", "seed", "dtype",
+                     "hidden_source", "ttt_steps")
 # Settings that only say where and how the finished draft is written or how the run reports:
 # rerunning a finished run with new ones re-exports it, which is their whole effect.
 OUTPUT_ONLY = ("export_dir", "export_dtype", "log_every", "save_every", "keep", "mesh")
@@ -63,19 +67,22 @@ class TrainResult:
 
 
 class Trainer:
-    """Builds everything a run needs from a ``TrainConfig`` and resumes from its last checkpoint."""
+    """Builds everything a run needs from a ``TrainConfig`` (and its ``TrainPlan`` when the caller
+    resolved it already) and resumes from its last checkpoint."""
 
-    def __init__(self, cfg: TrainConfig, progress: bool = True):
+    def __init__(self, cfg: TrainConfig, progress: bool = True, plan: TrainPlan | None = None):
         import orbax.checkpoint as ocp
 
-        tcfg = cfg.validate()
+        plan = plan if plan is not None else cfg.resolve()
+        tcfg = plan.target
         if cfg.mode != "train":
             raise ConfigError(f"Trainer runs mode=train; mode={cfg.mode} is handled by prepare_offline")
         self.cfg = cfg
+        self.plan = plan
         self.progress = progress
         self.tcfg = tcfg
-        self.aux_ids = cfg.resolved_aux_ids(tcfg)
-        self.dcfg = cfg.draft_config(tcfg)
+        self.aux_ids = plan.aux_ids
+        self.dcfg = plan.draft
         self.mesh = make_mesh(cfg.mesh) if cfg.mesh is not None else None
         self._check_process_mesh()
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -96,7 +103,7 @@ class Trainer:
             embed_VD, lm_head_DV = offline_lib.target_head(self.target.model)
         else:
             self.source = offline_lib.OfflineSource(cfg.offline_dir)
-            offline_lib.check_offline_meta(self.source.meta, cfg, tcfg, cfg.offline_dir)
+            offline_lib.check_offline_meta(self.source.meta, plan, cfg.offline_dir)
             embed_VD, lm_head_DV = (self._replicated(jnp.asarray(a)) for a in self.source.head())
         self.embed_VD, self.lm_head_DV = embed_VD, lm_head_DV
 
@@ -151,9 +158,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup helpers
     def _load_target(self):
-        import eagle3_jax as e3
-
-        return e3.load_target(self.cfg.target, dtype=self.cfg.resolved_target_dtype, mesh=self.mesh)
+        return load_target(self.cfg.target, dtype=self.cfg.resolved_target_dtype, mesh=self.mesh,
+                           config=self.plan.target)
 
     def _check_process_mesh(self):
         if jax.process_count() == 1:
@@ -221,7 +227,7 @@ class Trainer:
             params=ocp.args.StandardSave(self.params),
             opt_state=ocp.args.StandardSave(self.opt_state),
             data=ocp.args.JsonSave(self.data_iter.get_state()),
-            meta=ocp.args.JsonSave({"step": self.step, "config": self.cfg.to_dict()})))
+            meta=ocp.args.JsonSave({"step": self.step, "config": self.plan.to_dict()})))
 
     def _restore_latest(self):
         import orbax.checkpoint as ocp
@@ -244,7 +250,7 @@ class Trainer:
         log.info("resumed from %s at step %d", self.ckpt.directory, self.step)
 
     def _check_resumable(self, saved: dict, saved_step: int):
-        now = self.cfg.to_dict()
+        now = self.plan.to_dict()
         changed = [k for k in RESUME_INVARIANTS if k in saved and saved[k] != now[k]]
         if changed:
             detail = ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed)
@@ -287,8 +293,8 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Acceptance of the current draft on the held-out prompts through the decode session (the
-        serving loop, at K = ``eval_draft_tokens``, greedy), beside SpecForge's offline estimate
-        from the training accuracies since the last evaluation."""
+        serving loop, at K = ``eval_draft_tokens``, greedy), overall and per context length, beside
+        SpecForge's offline estimate from the training accuracies since the last evaluation."""
         from eagle3_jax.speculative.engine import Engine, Request
         from eagle3_jax.metrics import GenerationStats
 
@@ -300,7 +306,8 @@ class Trainer:
         done = list(engine.run([Request(str(i), list(p)) for i, p in enumerate(self.eval_prompts)]))
         stats = GenerationStats.combine(f.stats for f in done)
         record = {"step": self.step, "eval_tau": stats.mean_accept_length,
-                  "eval_accept_rate_per_position": stats.accept_rate_per_position}
+                  "eval_accept_rate_per_position": stats.accept_rate_per_position,
+                  "eval_tau_by_context": tau_by_context((len(self.eval_prompts[int(f.key)]), f.stats) for f in done)}
         if self._acc_window:
             acc_all = np.mean([r["acc_all"] for r in self._acc_window], axis=0)
             record["simulated_acc_len"] = simulated_acc_len(acc_all[:cfg.eval_draft_tokens])
@@ -308,16 +315,14 @@ class Trainer:
         return record
 
     def export(self, path: str | None = None) -> str:
-        import eagle3_jax as e3
-
         path = path or self.cfg.resolved_export_dir
         if not distributed.is_multi_process():
-            e3.save_draft(self.loaded_draft(), path, dtype=self.cfg.export_dtype)
+            save_draft(self.loaded_draft(), path, dtype=self.cfg.export_dtype)
             return path
         # Every process gathers the full weights (a collective); process 0 writes them.
         params, rest = (jax.tree.map(distributed.fetch, t) for t in (self.params, self.rest))
         if distributed.is_writer():
-            e3.save_draft(LoadedDraft(nnx.merge(self.graphdef, params, rest), self.target, self.aux_ids), path,
+            save_draft(LoadedDraft(nnx.merge(self.graphdef, params, rest), self.target, self.aux_ids), path,
                           dtype=self.cfg.export_dtype)
         return path
 
@@ -369,6 +374,8 @@ class Trainer:
                     if cfg.eval_every and self.step % cfg.eval_every == 0:
                         ev = self.evaluate()
                         self._log(ev)
+                        check_served_acceptance(ev["eval_tau"], ev.get("simulated_acc_len"), cfg.eval_draft_tokens,
+                                                cfg.eval_min_accept_share, where=f"step {self.step} eval")
                         if distributed.is_writer():
                             sim = ev.get("simulated_acc_len")
                             bar.write(f"step {self.step}: eval tau {ev['eval_tau']:.3f}" + (

@@ -19,11 +19,10 @@ counts as a loss token and the target's top token has a draft id); total sum_i d
 Two conventions (``LossSpec.convention``) say which positions count and what a step divides by:
   ours       the prediction of x_{t+2+i} counts when x_{t+2+i} is a loss token
              (loss_mask[t+i+2]); a step's loss is the mean over its usable positions.
-  specforge  SpecForge's trainer, with which published drafts were trained: loss_mask[t+i] (its
-             target head shifts the ids and logits but not the mask, so the first two tokens of
-             each loss span are skipped and two after it counted), the position after the last
-             one taught by the zero-padded row (uniform, top id 0), and a step's summed
-             cross-entropy divided by B*T, every position of the padded batch.
+  specforge  SpecForge's offline trainer step (published drafts were trained with it): loss_mask[t+i]
+             (its head shifts ids and logits, not the mask), each row's last token out of the mask;
+             a step's summed cross-entropy over rows x the longest row of each group of
+             ``specforge_batch`` rows (a device's padded batch), the groups averaged. docs/train.md.
 Optionally (``lk_loss_type``) SpecForge's acceptance-aware "LK" objective replaces a step's
 cross-entropy: with a = sum_w min(p_target(w), q_draft(w)), the chance the draft's sample is
 accepted, ``alpha`` is -mean(log a) and ``lambda`` mixes w*KL + (1-w)*(1 - mean a) with
@@ -43,9 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax.drafts.eagle3.model import Draft
 from eagle3_jax.models import attention_core as core
 from eagle3_jax.models import chunks
-from eagle3_jax.models.draft import Draft
 from eagle3_jax.sharding import constrain, constrain_leading, current_axis_size
 
 CONVENTIONS = ("ours", "specforge")
@@ -67,19 +66,21 @@ class LossSpec:
     loss_chunk: int | None = None   # positions per chunk of the head and loss (None: the whole row)
     target_chunk: int | None = None  # online: positions per call of the frozen target (None: the whole row)
     remat: bool = False             # recompute each step's decoder layer in the backward pass
+    specforge_batch: int | None = None  # specforge: rows SpecForge collates per device (None: the whole batch)
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class TargetSignal:
-    """What the loss needs from the target, per logits position p (the target's guess at x_{p+1}).
-
-    Positions run 0..T-1 (convention ours) or 0..T (specforge: p = T is its padded row)."""
+    """What the loss needs from the target, per logits position p (its guess at x_{p+1})."""
 
     probs_BTW: jax.Array       # float32 softmax over the draft vocab of the target's logits at p
     on_draft_BTW: jax.Array    # float32 full-vocab softmax at the draft-vocab tokens (acceptance terms)
     usable_BT: jax.Array       # bool: counted in the loss (a loss token whose target top has a draft id)
     loss_BT: jax.Array         # bool: a loss token under the convention (accuracy counts over these)
+    length_B: jax.Array        # int32: the row's real tokens (specforge divides by the longest)
+
+    PER_POSITION = ("probs_BTW", "on_draft_BTW", "usable_BT", "loss_BT")
 
 
 def _check_convention(convention: str):
@@ -95,45 +96,45 @@ def _signal_fields(logits_BTV, d2t_W, t2d_V):
     return jax.nn.softmax(draft_BTW, axis=-1), on_draft_BTW, t2d_V[jnp.argmax(logits_BTV, axis=-1)]
 
 
-def _masks(in_draft_BT, loss_mask_BT, convention):
-    B = loss_mask_BT.shape[0]
+def _masks(in_draft_BT, loss_mask_BT, convention, length_B):
+    B, T = loss_mask_BT.shape
     none = jnp.zeros((B, 1), bool)
-    if convention == "specforge":   # position p counts when loss_mask[p-1]
-        loss_BT = jnp.concatenate([none, loss_mask_BT], axis=1)
+    if convention == "specforge":   # position p counts when loss_mask[p-1], a row's last token never
+        last_BT = jnp.arange(T)[None, :] >= length_B[:, None] - 1
+        loss_BT = jnp.concatenate([none, (loss_mask_BT & ~last_BT)[:, :-1]], axis=1)
     else:                           # ... when x_{p+1} is a loss token
         loss_BT = jnp.concatenate([loss_mask_BT[:, 1:], none], axis=1)
     return in_draft_BT & loss_BT, loss_BT
 
 
 def target_signal(logits_BTV: jax.Array, loss_mask_BT: jax.Array, d2t_W: jax.Array, t2d_V: jax.Array,
-                  convention: str = "ours") -> TargetSignal:
+                  convention: str = "ours", length_B: jax.Array | None = None) -> TargetSignal:
+    """``length_B``: each row's tokens before its right padding (None: every row fills T)."""
     _check_convention(convention)
-    if convention == "specforge":   # its shifted logits end in a zero row
-        logits_BTV = jnp.pad(logits_BTV, ((0, 0), (0, 1), (0, 0)))
+    B, T = loss_mask_BT.shape
+    length_B = jnp.full((B,), T, jnp.int32) if length_B is None else length_B
     probs, on_draft, in_draft = _signal_fields(logits_BTV, d2t_W, t2d_V)
-    usable, loss = _masks(in_draft, loss_mask_BT.astype(bool), convention)
-    return TargetSignal(probs, on_draft, usable, loss)
+    usable, loss = _masks(in_draft, loss_mask_BT.astype(bool), convention, length_B)
+    return TargetSignal(probs, on_draft, usable, loss, length_B)
 
 
 def target_signal_from_hidden(hidden_BTD: jax.Array, lm_head_DV: jax.Array, loss_mask_BT: jax.Array,
                               d2t_W: jax.Array, t2d_V: jax.Array, convention: str = "ours",
-                              chunk: int | None = None) -> TargetSignal:
+                              chunk: int | None = None, length_B: jax.Array | None = None) -> TargetSignal:
     """``target_signal`` of the target's head on its final hidden states, ``chunk`` positions at a
     time: the full-vocab logits [B, T, V] never exist at once (Kimi-K2.5: 5.4 GB a 8k-token row)."""
     _check_convention(convention)
     B, T, D = hidden_BTD.shape
-    if convention == "specforge":
-        hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, 1), (0, 0)))   # lm_head(0) = the zero row
-    Tp = hidden_BTD.shape[1]
-    S, n, C = _seq_chunks(Tp, chunk)
+    length_B = jnp.full((B,), T, jnp.int32) if length_B is None else length_B
+    S, n, C = _seq_chunks(T, chunk)
     # chunk c of every shard's positions at once: [n, B*S, C, D]
     h_NRCD = jnp.moveaxis(_seq_rows(hidden_BTD, S, n * C).reshape(B, S, n, C, D), 2, 0).reshape(n, B * S, C, D)
     fields = jax.lax.map(lambda h: _signal_fields(target_logits(h, lm_head_DV), d2t_W, t2d_V), h_NRCD)
     probs, on_draft, in_draft = (
-        _seq_join(jnp.moveaxis(x.reshape((n, B, S, C) + x.shape[3:]), 0, 2).reshape((B, S, n * C) + x.shape[3:]), Tp)
+        _seq_join(jnp.moveaxis(x.reshape((n, B, S, C) + x.shape[3:]), 0, 2).reshape((B, S, n * C) + x.shape[3:]), T)
         for x in fields)
-    usable, loss = _masks(in_draft, loss_mask_BT.astype(bool), convention)
-    return TargetSignal(probs, on_draft, usable, loss)
+    usable, loss = _masks(in_draft, loss_mask_BT.astype(bool), convention, length_B)
+    return TargetSignal(probs, on_draft, usable, loss, length_B)
 
 
 # ---------------------------------------------------------------------- sequence parallelism
@@ -236,8 +237,8 @@ def ttt_unroll(draft: Draft, aux_BTX, ids_BT, embed_VD, steps: int, attention: s
 SUMS = ("ce", "hits", "count", "loss_count", "accept", "log_accept")
 
 
-def _chunk_sums(draft: Draft, out_BCD, probs_BCW, on_draft_BCW, usable_BC, loss_BC) -> dict:
-    """Per-step sums over one chunk of positions (reduced by ``_step_loss``)."""
+def _chunk_sums(draft: Draft, out_BCD, probs_BCW, on_draft_BCW, usable_BC, loss_BC, ce_weight_BC) -> dict:
+    """Per-step sums over one chunk of positions (reduced by ``_step_loss``; ``ce`` weighted)."""
     logits_BCW = draft.head(out_BCD)
     logp_BCW = jax.nn.log_softmax(logits_BCW, axis=-1)
     ce_BC = -jnp.sum(probs_BCW * logp_BCW, axis=-1)
@@ -246,18 +247,18 @@ def _chunk_sums(draft: Draft, out_BCD, probs_BCW, on_draft_BCW, usable_BC, loss_
     a_BC = jnp.sum(jnp.minimum(on_draft_BCW, jnp.exp(logp_BCW)), axis=-1)
     log_a_BC = jnp.where(a_BC > 0, jnp.log(jnp.where(a_BC > 0, a_BC, 1.0)), 0.0)
     zero = jnp.zeros((), jnp.float32)
-    return {"ce": jnp.sum(jnp.where(usable_BC, ce_BC, zero)), "hits": jnp.sum(hit_BC).astype(jnp.float32),
-            "count": jnp.sum(usable_BC).astype(jnp.float32), "loss_count": jnp.sum(loss_BC).astype(jnp.float32),
+    return {"ce": jnp.sum(jnp.where(usable_BC, ce_BC * ce_weight_BC, zero)),
+            "hits": jnp.sum(hit_BC).astype(jnp.float32), "count": jnp.sum(usable_BC).astype(jnp.float32), "loss_count": jnp.sum(loss_BC).astype(jnp.float32),
             "accept": jnp.sum(jnp.where(usable_BC, a_BC, zero)),
             "log_accept": jnp.sum(jnp.where(usable_BC, log_a_BC, zero))}
 
 
-def _step_sums(draft: Draft, out_BTD, signal: TargetSignal, k: int, chunk: int | None) -> dict:
+def _step_sums(draft: Draft, out_BTD, per_position: list, k: int, chunk: int | None) -> dict:
     """Sums of step i (signal offset k = i + 1) over T positions, ``chunk`` at a time on each
-    sequence shard. ``signal`` is padded so the window [k, k + T) lies inside it."""
+    sequence shard. ``per_position``: the signal's fields and the cross-entropy weights, padded so
+    the window [k, k + T) lies inside them."""
     B, T, _ = out_BTD.shape
-    fields = [jax.lax.slice_in_dim(x, k, k + T, axis=1)
-              for x in (signal.probs_BTW, signal.on_draft_BTW, signal.usable_BT, signal.loss_BT)]
+    fields = [jax.lax.slice_in_dim(x, k, k + T, axis=1) for x in per_position]
     S, n, C = _seq_chunks(T, chunk)
     if S == 1 and n == 1:
         return _chunk_sums(draft, out_BTD, *fields)
@@ -274,9 +275,21 @@ def _step_sums(draft: Draft, out_BTD, signal: TargetSignal, k: int, chunk: int |
     return sums
 
 
-def _step_loss(sums: dict, B: int, T: int, spec: LossSpec):
+def _ce_weight_B(length_B: jax.Array, spec: LossSpec) -> jax.Array:
+    """Each row's cross-entropy weight in a step's sum. ours: 1 (then / usable positions); specforge:
+    1 / (B x the longest row of its group): G rows x L positions a device, B / G devices averaged."""
+    B = length_B.shape[0]
+    G = spec.specforge_batch or B
+    if B % G:
+        raise ValueError(f"specforge_batch={G} must divide the {B} rows of a micro-batch")
+    if spec.convention != "specforge":
+        return jnp.ones((B,), jnp.float32)
+    return 1.0 / (B * jnp.repeat(jnp.max(length_B.reshape(B // G, G), axis=1), G).astype(jnp.float32))
+
+
+def _step_loss(sums: dict, spec: LossSpec):
     n = jnp.maximum(sums["count"], 1.0)
-    kl = sums["ce"] / (B * T if spec.convention == "specforge" else n)
+    kl = sums["ce"] if spec.convention == "specforge" else sums["ce"] / n
     accept, log_accept = sums["accept"] / n, sums["log_accept"] / n
     if spec.lk_loss_type is None:
         return kl, accept
@@ -295,14 +308,15 @@ def ttt_loss(draft: Draft, aux_BTX: jax.Array, ids_BT: jax.Array, signal: Target
     (expected acceptance sum min(p, q) over usable positions) and ``count`` [steps]."""
     _check_convention(spec.convention)
     B, T = ids_BT.shape
-    # room for every step's window: positions up to T + steps
-    pad = T + spec.steps + 1 - signal.usable_BT.shape[1]
-    signal = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)), signal)
+    weight_BT = jnp.broadcast_to(_ce_weight_B(signal.length_B, spec)[:, None], (B, T))
+    # room for every step's window [i + 1, i + 1 + T); the padding is neither usable nor a loss token
+    per_position = [jnp.pad(x, ((0, 0), (0, spec.steps + 1)) + ((0, 0),) * (x.ndim - 2))
+                    for x in [getattr(signal, f) for f in TargetSignal.PER_POSITION] + [weight_BT]]
     total = jnp.zeros((), jnp.float32)
     rows = {name: [] for name in ("loss", "acc", "acc_all", "accept", "count")}
     for i, out_BTD in enumerate(ttt_outputs(draft, aux_BTX, ids_BT, embed_VD, spec)):
-        sums = _step_sums(draft, out_BTD, signal, i + 1, spec.loss_chunk)
-        loss_i, accept_i = _step_loss(sums, B, T, spec)
+        sums = _step_sums(draft, out_BTD, per_position, i + 1, spec.loss_chunk)
+        loss_i, accept_i = _step_loss(sums, spec)
         total = total + (spec.decay ** i) * loss_i
         rows["loss"].append(loss_i)
         rows["acc"].append(sums["hits"] / jnp.maximum(sums["count"], 1.0))

@@ -4,6 +4,7 @@ See ``tools/convert/core.py`` for what is kept, dropped and dequantized, and ``_
 the command line.
 """
 
-from tools.convert.core import inspect, to_hf, to_jax
+from tools.convert.core import to_hf, to_jax
+from tools.convert.inspect import inspect
 
 __all__ = ["inspect", "to_hf", "to_jax"]

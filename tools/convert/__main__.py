@@ -58,6 +58,7 @@ def main(argv=None) -> int:
 
     from eagle3_jax.errors import Eagle3Error
     from tools.convert import core
+    from tools.convert.inspect import inspect as inspect_checkpoint
 
     try:
         if args.command == "to-jax":
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
                                progress=not args.no_progress)
             print(f"wrote {args.dst}: {len(files)} file(s)")
         else:
-            print(core.inspect(args.dir))
+            print(inspect_checkpoint(args.dir))
     except (Eagle3Error, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

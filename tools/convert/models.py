@@ -10,11 +10,10 @@ from typing import Any, Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from eagle3_jax.checkpoint.draft_map import draft_rules
+from eagle3_jax import drafts
 from eagle3_jax.checkpoint.quant_native import native_rules
 from eagle3_jax.checkpoint.target_map import is_ignored_key
-from eagle3_jax.config import DRAFT_ARCHITECTURES, TARGET_ARCHITECTURES, TARGET_MODEL_TYPES, DraftConfig, TargetConfig
-from eagle3_jax.config.peagle import PEAGLE_ARCHITECTURES, PEagleConfig
+from eagle3_jax.config import TARGET_ARCHITECTURES, TARGET_MODEL_TYPES, TargetConfig
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.quantized import QuantLayout
 
@@ -44,16 +43,16 @@ def detect_kind(hf: dict, where: str = "config.json") -> tuple[str, str]:
     for a in archs:
         if a in TARGET_ARCHITECTURES:
             return TARGET, a
-        if a in DRAFT_ARCHITECTURES or a in PEAGLE_ARCHITECTURES:
+        if a in drafts.ARCHITECTURES:
             return DRAFT, a
     if archs:
         raise ConfigError(
-            f"{where}: architectures {archs} is neither a target ({', '.join(TARGET_ARCHITECTURES)}) nor an "
-            f"EAGLE-3 draft ({', '.join(DRAFT_ARCHITECTURES)}); this tool converts only those")
+            f"{where}: architectures {archs} is neither a target ({', '.join(TARGET_ARCHITECTURES)}) nor a "
+            f"draft ({', '.join(drafts.ARCHITECTURES)}); this tool converts only those")
     if hf.get("model_type") in TARGET_MODEL_TYPES or "text_config" in hf:
         return TARGET, "DeepseekV3ForCausalLM"
     if "eagle_config" in hf or "draft_vocab_size" in hf:
-        return DRAFT, DRAFT_ARCHITECTURES[0]
+        return DRAFT, drafts.KINDS[0].architectures[0]
     raise ConfigError(f"{where}: no architectures field and nothing else that says target or draft; "
                       "add \"architectures\": [\"DeepseekV3ForCausalLM\"] or [\"LlamaForCausalLMEagle3\"]")
 
@@ -77,20 +76,8 @@ def target_spec(hf: dict, architecture: str, dtype=jnp.float32, where: str = "co
 
 def draft_spec(hf: dict, architecture: str, wiring: dict, dtype=jnp.float32,
                where: str = "config.json") -> ModelSpec:
-    from eagle3_jax.models.draft import Draft
-
-    if architecture in PEAGLE_ARCHITECTURES:   # parallel drafting: SpecForge's PEagleDraftModel layout
-        from eagle3_jax.checkpoint.peagle_map import peagle_rules
-        from eagle3_jax.models.peagle import PEagleDraft
-
-        cfg, n_aux = PEagleConfig.from_hf_dict(hf, where), int(wiring["n_aux"])
-        return ModelSpec(DRAFT, architecture, cfg, peagle_rules(cfg, n_aux), "", lambda k: False,
-                         _flat(lambda: PEagleDraft(cfg, n_aux, dtype, None)), dict(wiring))
-    cfg = DraftConfig.from_hf_dict(hf, where)
-    n_aux, own = int(wiring["n_aux"]), bool(wiring["own_embedding"])
-    rules = draft_rules(cfg, n_aux, own, tuple(wiring["vocab_maps"]))
-    flat = _flat(lambda: Draft(cfg, n_aux, dtype, None, own_embedding=own))
-    # A draft without a stored vocab map gets the identity one the model builds; it is not a tensor.
-    ruled = {r.path for r in rules}
-    flat = {p: v for p, v in flat.items() if p in ruled}
+    """A draft of the kind ``architecture`` names (the default kind's without one of ours)."""
+    kind = drafts.for_architectures([architecture]) or drafts.KINDS[0]
+    cfg = kind.config.from_hf_dict(hf, where)
+    rules, flat = kind.convert_table(cfg, wiring, dtype)
     return ModelSpec(DRAFT, architecture, cfg, rules, "", lambda k: False, flat, dict(wiring))

@@ -9,6 +9,7 @@ does not offer what a stage needs yet, the stage stops and says what is missing.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -97,10 +98,16 @@ def train_draft(config: str, target_dir: str, data: str, run_dir: str, export_di
     missing = [k for k in ("target", "data", "out_dir", "export_dir") if k not in names]
     if missing:
         raise StageUnavailable(f"train.py's config has no key(s) {missing}; stage 5 sets them on the command line")
-    overrides = [f"target={target_dir}", f"data={data}", f"out_dir={run_dir}", f"export_dir={export_dir}"]
+    # train.py never writes over a draft, and rebuilding the demo is what asks to replace the shipped
+    # one: the run exports into its own directory, which replaces export_dir once it is complete.
+    staged = os.path.join(run_dir, "draft")
+    overrides = [f"target={target_dir}", f"data={data}", f"out_dir={run_dir}", f"export_dir={staged}"]
     _run([sys.executable, "train.py", "--config", config, "--no-progress", *overrides], say)
-    if not os.path.isfile(os.path.join(export_dir, "config.json")):
-        raise RuntimeError(f"train.py finished but wrote no draft config.json to {export_dir}")
+    if not os.path.isfile(os.path.join(staged, "config.json")):
+        raise RuntimeError(f"train.py finished but wrote no draft config.json to {staged}")
+    if os.path.exists(export_dir):
+        shutil.rmtree(export_dir)
+    shutil.copytree(staged, export_dir)
     return export_dir
 
 

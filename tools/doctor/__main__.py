@@ -1,7 +1,10 @@
-"""Command line: ``python -m tools.doctor --target T --draft D [--prompts P.jsonl] [--num-prompts N] [--json]``.
+"""Command line: ``python -m tools.doctor --target T --draft D [--prompts P.jsonl] [--data DATA.jsonl]
+[--num-prompts N] [--json]``.
 
 Exit status: 0 the configured wiring is best, 3 another wiring accepts more (the verdict says which
-ids to set), 1 a static check failed (the message names both numbers and the fix), 2 bad command line.
+ids to set), 4 (with --data) the draft accepts far less served than its accuracies on the data imply,
+1 a static check failed (the message names both numbers and the fix; with --data, a data file
+rendered unlike serve.py renders), 2 bad command line.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="target checkpoint directory (HF DeepseekV3 / Kimi layout)")
     p.add_argument("--draft", required=True, help="EAGLE-3 draft directory (SpecForge / SGLang layout)")
     p.add_argument("--prompts", help="prompts JSONL (serve.py's input format); default: built-in prompts")
+    p.add_argument("--data", help="training data JSONL (train.py's format): checks its rendering against serve.py's, "
+                                  "measures on its prompts, and compares tau with what the draft's accuracies on "
+                                  "it imply (the training eval's check)")
     p.add_argument("--num-prompts", type=int, default=6, help="prompts to measure on (default 6)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt (default 48)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="K, draft tokens per round (default 4)")
@@ -43,13 +49,15 @@ def main(argv=None) -> int:
     mesh = None if args.mesh == "none" else args.mesh
     say = (lambda msg: None) if args.json else (lambda msg: print(f"doctor: {msg}", file=sys.stderr, flush=True))
     try:
-        report = diagnose(args.target, args.draft, prompts=args.prompts, num_prompts=args.num_prompts,
+        report = diagnose(args.target, args.draft, prompts=args.prompts, data=args.data, num_prompts=args.num_prompts,
                           num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
                           dtype=args.dtype, mesh=mesh, progress=say)
     except Eagle3Error as e:
         print(f"python -m tools.doctor: static check failed: {e}", file=sys.stderr)
         return 1
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    if report.acceptance_gap:
+        return 4
     return 0 if report.configured_is_best else 3
 
 

@@ -25,6 +25,8 @@ from eagle3_jax.metrics import WATCHDOG_TAU
 MIN_GAIN = 0.05
 # Below this share of the text's tokens in the draft vocab, the vocab map is a likely culprit.
 LOW_COVERAGE = 0.8
+# --data rows are read up to this many tokens (the draft's accuracies on them: a training step's work)
+DATA_MAX_LEN = 2048
 
 BUILTIN_PROMPTS = (
     "import os\nimport sys\n\n\ndef main(argv):\n",
@@ -93,6 +95,8 @@ class DoctorReport:
     vocab_coverage: float
     tau_near_one: bool
     likely_causes: list[str]
+    simulated_acc_len: float | None = None   # with --data: what the draft's accuracies on it imply
+    acceptance_gap: str | None = None        # with --data: why tau falls far below that, else None
 
     @property
     def fix_json(self) -> str:
@@ -157,10 +161,12 @@ def rank_causes(wirings: list[Wiring], configured_tau: float, coverage: float, c
 
 def diagnose(target_dir: str, draft_dir: str, prompts: str | None = None, num_prompts: int = 6,
              num_draft_tokens: int = 4, max_new_tokens: int = 48, dtype: str = "float32", mesh=None,
-             progress=None) -> DoctorReport:
-    """Static checks, then greedy acceptance of every plausible wiring of the draft's weights."""
+             progress=None, data: str | None = None) -> DoctorReport:
+    """Static checks, then greedy acceptance of every plausible wiring of the draft's weights; with
+    ``data``, the train/serve gate too (eagle3_jax.train_serve): its rendering, then tau on its
+    prompts against the acceptance its per-step accuracies imply."""
     import eagle3_jax as e3
-    from eagle3_jax.api import LoadedDraft
+    from eagle3_jax.drafts import LoadedDraft
     from eagle3_jax.speculative.session import PROMPT_BUCKET
     from eagle3_jax.tokenizer import load_tokenizer
 
@@ -170,14 +176,24 @@ def diagnose(target_dir: str, draft_dir: str, prompts: str | None = None, num_pr
     say(f"static checks passed: fc fuses {facts.num_aux_layers} layers of width {tcfg.hidden_size}, "
         f"configured ids {list(facts.aux_layer_ids)}")
     tok = load_tokenizer(target_dir)
-    prompt_ids = load_prompts(tok, prompts, num_prompts)
+    if data is not None:
+        from eagle3_jax import train_serve
+        from eagle3_jax.errors import ConfigError
+        from eagle3_jax.train.data import read_examples
+
+        say(f"data rendering agrees with serve.py's ({train_serve.check_rendering(data, tok)} chat records checked)")
+        examples = read_examples(data, tok, max_len=DATA_MAX_LEN, vocab_size=tcfg.vocab_size)
+        if prompts is None and not train_serve.answer_prompts(examples):
+            raise ConfigError(f"{data}: no row has an answer (a loss span after its first token) to prompt with")
+    prompt_ids = (load_prompts(tok, prompts, num_prompts) if data is None or prompts is not None
+                  else train_serve.answer_prompts(examples)[:num_prompts])
     prompt_len = -(-max(len(p) for p in prompt_ids) // PROMPT_BUCKET) * PROMPT_BUCKET
     max_len = prompt_len + max_new_tokens + num_draft_tokens + 2
 
     say(f"loading target {target_dir} ({dtype})")
-    target = e3.load_target(target_dir, dtype=dtype, mesh=mesh)
+    target = e3.load_target(target_dir, dtype=dtype, mesh=mesh, config=tcfg)
     say(f"loading draft {draft_dir}")
-    draft = e3.load_draft(draft_dir, target)
+    draft = e3.load_draft(draft_dir, target, checked=facts)
     wirings = candidate_wirings(draft.aux_layer_ids, tcfg.num_hidden_layers, facts.num_aux_layers)
     generated: list[list[int]] = []
     for w in wirings:
@@ -204,13 +220,25 @@ def diagnose(target_dir: str, draft_dir: str, prompts: str | None = None, num_pr
     coverage = float(t2d_V[text_ids].mean()) if text_ids.size else float("nan")
     near_one = configured.tau < WATCHDOG_TAU
     causes = rank_causes(wirings, configured.tau, coverage, dtype, facts.draft_dtype) if near_one else []
+    simulated = gap = None
+    if data is not None:
+        from eagle3_jax.train.ttt import simulated_acc_len
+
+        say("measuring the draft's per-step accuracy on the data (teacher-forced, as training does)")
+        accs = train_serve.data_accuracies(target, draft.model, draft.aux_layer_ids, examples, num_draft_tokens)
+        simulated = simulated_acc_len(accs)
+        try:
+            train_serve.check_served_acceptance(configured.tau, simulated, num_draft_tokens, where=data)
+        except train_serve.ServedAcceptanceGap as e:
+            gap = str(e)
     return DoctorReport(
         target=os.fspath(target_dir), draft=os.fspath(draft_dir), target_dtype=facts.target_dtype,
         draft_dtype=facts.draft_dtype, compute_dtype=dtype, quantization=facts.quantization,
         num_layers=tcfg.num_hidden_layers, configured_ids=list(configured.ids), notes=facts.notes,
         num_prompts=len(prompt_ids), num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens,
         wirings=wirings, best=best.name, best_ids=list(best.ids), configured_is_best=configured_is_best,
-        vocab_coverage=coverage, tau_near_one=near_one, likely_causes=causes)
+        vocab_coverage=coverage, tau_near_one=near_one, likely_causes=causes, simulated_acc_len=simulated,
+        acceptance_gap=gap)
 
 
 def format_report(r: DoctorReport) -> str:
@@ -240,6 +268,11 @@ def format_report(r: DoctorReport) -> str:
         f"draft vocab coverage: {r.vocab_coverage:.1%} of the target tokens in the prompts and generations",
         f"tau near 1.0 (the collapse symptom): {'YES' if r.tau_near_one else 'no'}",
     ]
+    if r.simulated_acc_len is not None:
+        lines.append(f"on the data: tau {r.wirings[0].tau:.2f} served vs 1 + {r.simulated_acc_len:.2f} implied by the "
+                     f"draft's per-step accuracies: {'GAP' if r.acceptance_gap else 'consistent'}")
+    if r.acceptance_gap:
+        lines.append(r.acceptance_gap)
     if r.likely_causes:
         lines.append("likely causes, most likely first:")
         lines += [f"  {i + 1}. {c}" for i, c in enumerate(r.likely_causes)]

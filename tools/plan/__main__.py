@@ -77,6 +77,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tau", type=float, default=None,
                    help="acceptance length (tokens per round) at K for the TPU predicted speedup (default: the "
                         "demo pair's measured greedy acceptance, demo/README.md)")
+    p.add_argument("--speedup", action="store_true",
+                   help="instead of the memory plan: price one decode round per batch size and K = 0..6 with a "
+                        "roofline of the TPU compiler's per-chip costs and print the predicted EAGLE-3 speedup and "
+                        "best K per batch (tools/plan/speedup.py; --platform tpu; --json writes the K table)")
+    p.add_argument("--speedup-batches", default="1,8,32,128", help="batch sizes of the --speedup table")
+    p.add_argument("--compile-batches", default=None,
+                   help="batches --speedup compiles (default: the first and the last); the others are interpolated "
+                        "linearly in tokens")
+    p.add_argument("--context", type=int, default=2048,
+                   help="filled cache slots per row when the priced rounds run (--speedup); --max-len is the capacity")
+    p.add_argument("--round-store", default=None, metavar="PATH",
+                   help="--speedup: keep compiled round costs in this JSON file and reuse them (a rerun compiles "
+                        "only what is missing)")
+    p.add_argument("--check", action="store_true",
+                   help="--speedup: also compile one deeper cut and one interpolated cell, and print how far the "
+                        "extrapolation and interpolation land")
     p.add_argument("--train", action="store_true",
                    help="also plan the draft training step (eagle3_jax.train.trainer.train_step)")
     p.add_argument("--train-batch", type=int, default=8, help="training rows per micro-batch")
@@ -100,6 +116,36 @@ def _mesh_size(spec: str) -> int:
     return size
 
 
+def _speedup(args, meshes, start) -> int:
+    import jax
+
+    from eagle3_jax.errors import Eagle3Error
+    from tools.plan import serve, speedup
+
+    if args.platform != "tpu" or len(meshes) != 1:
+        print("error: --speedup prices rounds for one TPU mesh: give --platform tpu --topology T and one --mesh",
+              file=sys.stderr)
+        return 2
+    settings = serve.PlanSettings(model=args.model, mesh=meshes[0], dtype=args.dtype, draft=args.draft,
+                                  moe_kernel=args.moe_kernel, platform="tpu", topology=args.topology,
+                                  weights=args.weights)
+    try:
+        grid = speedup.grid_from(args.speedup_batches, args.context, args.max_len, args.compile_batches)
+        # Mosaic kernels refuse bf16 operands at float32 contract precision: compile what the product runs.
+        with jax.default_matmul_precision("default"):
+            lines, obj = speedup.run(settings, grid, lambda m: print(f"[speedup] {m}", file=sys.stderr, flush=True),
+                                     store=args.round_store, check=args.check)
+    except (Eagle3Error, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(obj, f, indent=1)
+    print(f"# total wall time {time.perf_counter() - start:.0f} s", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     meshes = args.mesh or ["data=1,expert=8,tensor=1"]
@@ -113,6 +159,8 @@ def main(argv=None) -> int:
     from tools.plan import report, serve
 
     start = time.perf_counter()
+    if args.speedup:
+        return _speedup(args, meshes, start)
     try:
         bits = tuple(int(b) for b in args.expert_bits.split(",")) if args.expert_bits else (
             {"bfloat16": 16, "float16": 16, "float32": 32}[args.dtype],)

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax.config import resolve_dtype
-from eagle3_jax.config import DraftConfig, TargetConfig
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.drafts.eagle3.config import DraftConfig
 from eagle3_jax import tpu
 from tools.plan.serve import PROGRAM_DOC, Plan, compile_dtype
 
@@ -152,7 +153,8 @@ def format_costs(plan: Plan) -> list[str]:
     lines += _table(["program", "TFLOP", "GB accessed", "estimated ms"], rows)
     if any(r[3] == "-" for r in rows):
         lines.append("# '-': the cost model gave no time for that program (a non-positive figure, as it does for "
-                     "full-depth Kimi-K2.5); no speedup is predicted from it")
+                     "full-depth Kimi-K2.5); no speedup is predicted from it: --speedup prices one round "
+                     "per K and batch with a roofline instead (docs/plan.md)")
     if plan.rounds:
         source = "given" if plan.settings.tau else "the demo pair's measured greedy acceptance"
         lines += [f"# predicted speedup = tau * t(K=0 round) / t(K round), tau {source} (a compiler estimate, "

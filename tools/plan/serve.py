@@ -33,13 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from eagle3_jax import tpu
+from eagle3_jax import drafts, tpu
 from eagle3_jax.checkpoint.quant_native import layout_from_config
-from eagle3_jax.config import DraftConfig, MeshConfig, TargetConfig, resolve_dtype
+from eagle3_jax.config import MeshConfig, TargetConfig, resolve_dtype
 from eagle3_jax.contracts import check_pairing, resolve_aux_ids
+from eagle3_jax.drafts import DraftConfig
 from eagle3_jax.errors import ConfigError
-from eagle3_jax.models.draft import Draft
-from eagle3_jax.models.moe import default_kernel
+from eagle3_jax.kernels.experts import pick as pick_kernel
 from eagle3_jax.models.quantized import QuantLayout
 from eagle3_jax.models.target import Target
 from eagle3_jax.sharding import make_mesh
@@ -173,12 +173,12 @@ def choose_draft(target: TargetConfig, path: str | None = None) -> tuple[DraftCo
     """The draft to plan for: the given config.json, a published shape for this target, or one
     derived from the target's own widths."""
     if path:
-        return DraftConfig.from_path(path), path
+        return drafts.read_config(path), path
     for name in sorted(os.listdir(DRAFTS_DIR)):
         if not name.endswith(".json"):
             continue
         p = os.path.join(DRAFTS_DIR, name)
-        cfg = DraftConfig.from_path(p)
+        cfg = drafts.read_config(p)
         ids = cfg.aux_layer_ids or ()
         if (cfg.vocab_size == target.vocab_size and cfg.target_hidden_size == target.hidden_size
                 and all(0 <= i < target.num_hidden_layers for i in ids)):
@@ -252,17 +252,55 @@ def target_config(s: PlanSettings) -> TargetConfig:
 
 
 # ---------------------------------------------------------------------- the plan
-def plan(s: PlanSettings, log=None) -> Plan:
-    """Builds everything abstractly, compiles the requested programs, returns the numbers."""
-    log = log or (lambda msg: None)
+@dataclass
+class Setup:
+    """What every program of a plan is compiled on: the mesh, the target (cut if asked) and its
+    draft, the static decode program, and abstract models and loop state (ShapeDtypeStructs that
+    carry their shardings) in a dtype. ``plan`` compiles the serving programs on it; ``rounds.py``
+    one decode round at each K."""
+
+    settings: PlanSettings
+    cfg: TargetConfig
+    dcfg: DraftConfig
+    draft_source: str
+    aux_ids: tuple[int, ...]
+    mesh: jax.sharding.Mesh
+    hbm: int | None
+    moe_kernel: str
+    layout: QuantLayout | None
+    planned: jnp.dtype
+    compiled: jnp.dtype
+    static: dict
+    key: jax.ShapeDtypeStruct
+    sp: gen.Sampling
+
+    def models(self, dtype):
+        """((graphdef, abstract state, axes by path) of the target, the same of the draft) in ``dtype``.
+        The float32 compile holds INT4 scales in float32 too: a bf16 -> float32 convert of every
+        scale stack is one of the CPU-only copies the float32 compile exists to avoid."""
+        layout = self.layout
+        held = layout if dtype == self.planned or layout is None else dataclasses.replace(
+            layout, int4_scale_dtype=jnp.dtype(dtype).name)
+        cfg, dcfg, mesh, kernel = self.cfg, self.dcfg, self.mesh, self.moe_kernel
+        t = _abstract_model(lambda: Target(cfg, dtype, None, mesh=mesh, moe_kernel=kernel, quant=held), mesh)
+        d = _abstract_model(lambda: drafts.of_config(dcfg).module(dcfg, len(self.aux_ids), dtype, None), mesh)
+        return t, d
+
+    def loop_state(self, t, d, dtype, log=None, static=None):
+        """The abstract loop state of ``static`` (default: the plan's program) for models ``t``, ``d``."""
+        t0 = time.perf_counter()
+        shapes = gen.blank_state.eval_shape(t[0], t[1], d[0], d[1], self.key, self.sp, **(static or self.static))
+        (log or (lambda m: None))(f"traced the loop state ({dtype}) in {time.perf_counter() - t0:.1f} s")
+        return abstract_state(self.mesh, self.settings.batch, shapes)
+
+
+def setup(s: PlanSettings) -> Setup:
+    """Checks the settings and builds the mesh, configs and static program a plan compiles on."""
     cfg, full = target_config(s), TargetConfig.from_path(s.model)
     mesh_cfg = MeshConfig.parse(s.mesh)
     check_settings(s, cfg, mesh_cfg)
     on_tpu = s.platform == "tpu"
     mesh = tpu.topology_mesh(s.topology, s.mesh) if on_tpu else make_mesh(mesh_cfg)
-    hbm = s.hbm or (tpu.chip_hbm_bytes(s.topology) if on_tpu else None)
-    # The expert kernel the product picks for the platform compiled for, not for this host.
-    moe_kernel = s.moe_kernel or default_kernel(s.platform)
     dcfg, draft_source = choose_draft(full, s.draft)
     if cfg.num_hidden_layers < full.num_hidden_layers:
         # A cut target keeps the full model's draft (same widths, same cache), tapping layers it has.
@@ -271,48 +309,44 @@ def plan(s: PlanSettings, log=None) -> Plan:
         draft_source += f" (aux layers moved into the {L}-layer cut)"
     aux_ids = resolve_aux_ids(dcfg, cfg)
     check_pairing(dcfg, cfg, len(aux_ids) * cfg.hidden_size, len(aux_ids), None, None)
-    planned = jnp.dtype(resolve_dtype(s.dtype))
-    compiled = jnp.dtype(resolve_dtype(compile_dtype(s)))
     B, S, K = s.batch, s.max_len, s.num_draft_tokens
     max_new_tokens = s.max_new_tokens if s.max_new_tokens is not None else S - s.prompt_len
     static = dict(program=gen.DecodeProgram(batch_size=B, max_len=S, max_new_tokens=max_new_tokens,
                                             num_draft_tokens=K, aux_layer_ids=aux_ids))
     key = jax.eval_shape(lambda: jax.random.key(0))
-    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, P()))
-    sp = sampling_args(mesh)
+    return Setup(
+        settings=s, cfg=cfg, dcfg=dcfg, draft_source=draft_source, aux_ids=aux_ids, mesh=mesh,
+        hbm=s.hbm or (tpu.chip_hbm_bytes(s.topology) if on_tpu else None),
+        # The expert kernel the product picks for the platform compiled for, not for this host.
+        moe_kernel=s.moe_kernel or pick_kernel(None, s.platform),
+        layout=layout_from_config(cfg) if s.weights == "native" else None,
+        planned=jnp.dtype(resolve_dtype(s.dtype)), compiled=jnp.dtype(resolve_dtype(compile_dtype(s))),
+        static=static, key=jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, P())),
+        sp=sampling_args(mesh))
 
-    layout = layout_from_config(cfg) if s.weights == "native" else None
 
-    def models(dtype):
-        # The float32 compile holds INT4 scales in float32 too: a bf16 -> float32 convert of every
-        # scale stack is one of the CPU-only copies the float32 compile exists to avoid.
-        held = layout if dtype == planned or layout is None else dataclasses.replace(
-            layout, int4_scale_dtype=jnp.dtype(dtype).name)
-        t = _abstract_model(lambda: Target(cfg, dtype, None, mesh=mesh, moe_kernel=moe_kernel, quant=held), mesh)
-        d = _abstract_model(lambda: Draft(dcfg, len(aux_ids), dtype, None), mesh)
-        return t, d
-
-    def loop_state(t, d, dtype):
-        t0 = time.perf_counter()
-        shapes = gen.blank_state.eval_shape(t[0], t[1], d[0], d[1], key, sp, **static)
-        log(f"traced the loop state ({dtype}) in {time.perf_counter() - t0:.1f} s")
-        return abstract_state(mesh, B, shapes)
-
+def plan(s: PlanSettings, log=None) -> Plan:
+    """Builds everything abstractly, compiles the requested programs, returns the numbers."""
+    log = log or (lambda msg: None)
+    su = setup(s)
+    mesh, static, sp, planned, compiled = su.mesh, su.static, su.sp, su.planned, su.compiled
+    on_tpu, B, K = s.platform == "tpu", s.batch, s.num_draft_tokens
     with jax.set_mesh(mesh):
         # Bytes are counted on models built in the planned dtype; the programs are compiled on models
         # built in the compile dtype (float32 parts such as the router stay float32 in both).
-        (tg, ts, taxes), (dg, ds, daxes) = models(planned)
-        state = loop_state((tg, ts), (dg, ds), planned)
-        result = Plan(settings=s, target=cfg, draft=dcfg, draft_source=draft_source, aux_ids=aux_ids,
+        (tg, ts, taxes), (dg, ds, daxes) = su.models(planned)
+        state = su.loop_state((tg, ts), (dg, ds), planned, log)
+        result = Plan(settings=s, target=su.cfg, draft=su.dcfg, draft_source=su.draft_source, aux_ids=su.aux_ids,
                       mesh_shape=dict(zip(mesh.axis_names, mesh.devices.shape)),
                       target_params=_leaves(ts, taxes, "target."), draft_params=_leaves(ds, daxes, "draft."),
                       state=[_leaf(jax.tree_util.keystr(p).lstrip("."), x)
-                             for p, x in jax.tree_util.tree_leaves_with_path(state)], quant=layout, hbm=hbm)
-        result.moe_kernel = moe_kernel
+                             for p, x in jax.tree_util.tree_leaves_with_path(state)], quant=su.layout, hbm=su.hbm)
+        result.moe_kernel = su.moe_kernel
+        hbm = su.hbm
         if compiled != planned and (s.programs or s.train):
-            (tg, ts, _), (dg, ds, _) = models(compiled)
+            (tg, ts, _), (dg, ds, _) = su.models(compiled)
             if s.programs:
-                state = loop_state((tg, ts), (dg, ds), compiled)
+                state = su.loop_state((tg, ts), (dg, ds), compiled, log)
         prompt = _sds(mesh, (B, s.prompt_len), jnp.int32, ("batch", None))
         rows = _sds(mesh, (B,), jnp.int32, ("batch",))
         scalar = lambda: _sds(mesh, (), jnp.int32)  # noqa: E731
@@ -336,7 +370,7 @@ def plan(s: PlanSettings, log=None) -> Plan:
                 result.programs[name] = _compile_prefill(result, name, gen.admit_rows, args, static, log)
             else:
                 result.programs[name] = _compile_prefill(result, name, gen.generate_loop,
-                                                         (tg, ts, dg, ds, prompt, rows, key, sp), static, log)
+                                                         (tg, ts, dg, ds, prompt, rows, su.key, sp), static, log)
         if s.train:
-            result.train = plan_train(s, cfg, dcfg, aux_ids, mesh, (tg, ts), planned, compiled, log)
+            result.train = plan_train(s, su.cfg, su.dcfg, su.aux_ids, mesh, (tg, ts), planned, compiled, log)
     return result

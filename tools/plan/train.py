@@ -12,9 +12,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from eagle3_jax.config import resolve_dtype
-from eagle3_jax.config import DraftConfig, TargetConfig
+from eagle3_jax import drafts
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.drafts.eagle3.config import DraftConfig
 from eagle3_jax.errors import ConfigError
-from eagle3_jax.models.draft import Draft
+from eagle3_jax.drafts.eagle3.model import Draft
 from eagle3_jax.sharding import DATA_AXIS, data_parallel_size, sharding_for, state_shardings, train_param_sharding
 from tools.plan.common import PlanSettings, ProgramMemory, compile_program, itemsize
 
@@ -61,6 +63,10 @@ def plan_train(s: PlanSettings, cfg: TargetConfig, dcfg: DraftConfig, aux_ids, m
     from eagle3_jax.train.config import TrainConfig
     from eagle3_jax.train.step import map_moments
 
+    kind = drafts.of_config(dcfg)
+    if kind.module is not Draft:   # the step planned here is training-time test, written for that module
+        raise ConfigError(f"planning the training step covers EAGLE-3 drafts (training-time test); the planned draft "
+                          f"is a {kind.title} draft. Plan without --train")
     if s.hidden_source not in ("online", "offline"):
         raise ConfigError(f"hidden_source must be online or offline, found {s.hidden_source!r}")
     data = data_parallel_size(mesh)
@@ -87,7 +93,8 @@ def plan_train(s: PlanSettings, cfg: TargetConfig, dcfg: DraftConfig, aux_ids, m
     V, D, T, A, R = cfg.vocab_size, cfg.hidden_size, s.train_len, s.train_accum, s.train_batch
     rows = NamedSharding(mesh, P(None, DATA_AXIS))
     batch = {"ids": jax.ShapeDtypeStruct((A, R, T), jnp.int32, sharding=rows),
-             "loss_mask": jax.ShapeDtypeStruct((A, R, T), jnp.bool_, sharding=rows)}
+             "loss_mask": jax.ShapeDtypeStruct((A, R, T), jnp.bool_, sharding=rows),
+             "length": jax.ShapeDtypeStruct((A, R), jnp.int32, sharding=rows)}
     tdtype = tstate["embed_tokens"].value.dtype
     if s.hidden_source == "online":
         embed = tstate["embed_tokens"].value

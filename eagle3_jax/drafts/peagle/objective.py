@@ -13,7 +13,9 @@ sequence grows by about 1 / (1 - r) rather than by the number of depths.
 Loss. At a sampled token of position p = anchor + depth: soft-label cross-entropy of the draft's
 logits against the softmax of the target's logits restricted to the draft vocabulary; tokens
 whose position is not a loss position, or whose target argmax is outside the draft vocabulary,
-weigh 0; the loss is the weighted mean over tokens (every depth weighs the same).
+weigh 0; the loss is the weighted mean over tokens (every depth weighs the same): over the batch's
+tokens, or (``row_means``, SpecForge's step: one row a device, the devices' losses averaged) each
+row's weighted mean, averaged over the rows.
 
 Shapes are static for jit: a row's rollouts are padded to :func:`cod_budget` tokens; padding is
 ``valid`` False, attends only to itself, is seen by nobody and weighs nothing.
@@ -27,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.models.peagle import rollout_mask
+from eagle3_jax.drafts.peagle.model import rollout_mask
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,8 @@ def pad_rollouts(anchor: np.ndarray, depth: np.ndarray, budget: int):
             np.arange(budget) < len(anchor))
 
 
-def peagle_loss(draft, ids_BT, aux_BTX, target_BTV, loss_mask_BT, anchor_BP, depth_BP, valid_BP, num_depths: int = 8):
+def peagle_loss(draft, ids_BT, aux_BTX, target_BTV, loss_mask_BT, anchor_BP, depth_BP, valid_BP, num_depths: int = 8,
+                row_means: bool = False):
     """(loss, metrics) of SpecForge's objective on sampled rollouts (P: the padded sampled tokens).
     ``metrics``: ``acc_sum`` / ``acc_total`` [num_depths], top-1 agreement with the target per depth."""
     pos_BP = anchor_BP + depth_BP
@@ -100,7 +103,10 @@ def peagle_loss(draft, ids_BT, aux_BTX, target_BTV, loss_mask_BT, anchor_BP, dep
     weight_BP = take(loss_mask_BT).astype(jnp.float32) * in_vocab_BP * valid_BP
     p_BPW = jax.nn.softmax(target_BPW, axis=-1)
     ce_BP = -jnp.sum(p_BPW * jax.nn.log_softmax(logits_BPW, axis=-1), axis=-1)
-    loss = jnp.sum(weight_BP * ce_BP) / jnp.maximum(jnp.sum(weight_BP), 1e-6)
+    if row_means:
+        loss = jnp.mean(jnp.sum(weight_BP * ce_BP, axis=1) / jnp.maximum(jnp.sum(weight_BP, axis=1), 1e-6))
+    else:
+        loss = jnp.sum(weight_BP * ce_BP) / jnp.maximum(jnp.sum(weight_BP), 1e-6)
     hit_BP = (jnp.argmax(logits_BPW, -1) == jnp.argmax(p_BPW, -1)) & (weight_BP > 0)
     depths_D = jnp.arange(num_depths)
     at_BPD = (depth_BP[..., None] == depths_D) & (weight_BP[..., None] > 0)

@@ -18,15 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle3_jax.checkpoint import store
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
-from eagle3_jax.checkpoint.draft_io import write_staged
 from eagle3_jax.checkpoint.hf_loader import load_state
 from eagle3_jax.checkpoint.target_map import Rule, _linear, _linear_in, _same
-from eagle3_jax.draft_handle import LoadedDraft
-from eagle3_jax.drafts.dflash import DFlashDraft
-from eagle3_jax.drafts.dflash_config import DFlashConfig, check_pairing
-from eagle3_jax.errors import CheckpointError
-from eagle3_jax.sharding import mesh_context, shard_state
+from eagle3_jax.config import resolve_dtype
+from eagle3_jax.drafts.dflash.config import DFlashConfig
+from eagle3_jax.drafts.dflash.model import DFlashDraft
+from eagle3_jax.drafts.loaded import LoadedDraft, check_and_wire, host_params, placed, write_staged
+from eagle3_jax.errors import CheckpointError, ConfigError
+from eagle3_jax.sharding import mesh_context
 
 
 def dflash_rules(cfg: DFlashConfig, n_aux: int) -> list[Rule]:
@@ -68,12 +69,15 @@ def iter_dflash_tensors(cfg: DFlashConfig, flat: Mapping[tuple, np.ndarray], n_a
 
 
 class LoadedDFlash(LoadedDraft):
-    """A DFlash draft wired to its target (an ``api.LoadedTarget``): the target captures the
-    draft's ``aux_layer_ids`` (its ``target_layer_ids``) exactly as it does an EAGLE-3 draft's."""
+    """A DFlash draft wired to its target (a ``LoadedTarget``): the target captures the draft's
+    ``aux_layer_ids`` (its ``target_layer_ids``) exactly as it does an EAGLE-3 draft's."""
 
     def __init__(self, model: DFlashDraft, target, aux_layer_ids: tuple[int, ...]):
         super().__init__(model, target, aux_layer_ids)
         self._blocks = jax.jit(_blocks_call, static_argnums=(0,))
+
+    def forward(self, ids, aux_hidden):
+        raise ConfigError("a DFlash draft has no one-step causal pass; use forward_blocks (blocks at anchors)")
 
     def forward_blocks(self, ids, aux_hidden, anchors, keep=None):
         """The blocks' outputs [B, N * block, D] and the target head's logits of them (float32), for
@@ -94,44 +98,54 @@ def _blocks_call(graphdef, state, embed_VD, head_DV, ids_BS, aux_BSX, anchor_BN,
     return out_BTD, jnp.einsum("btd,dv->btv", out_BTD, head_DV).astype(jnp.float32)
 
 
-def build_dflash_draft(cfg: DFlashConfig, target, dtype=None, seed: int = 0) -> LoadedDFlash:
+def build(cfg: DFlashConfig, target, dtype=None, seed: int = 0) -> LoadedDFlash:
     """A randomly initialised DFlash draft wired to ``target``."""
-    from eagle3_jax.config import resolve_dtype
-
     dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
-    ids = check_pairing(cfg, target.config, None, "DFlash config")
-    model = DFlashDraft(cfg, len(ids), dtype, nnx.Rngs(seed))
-    if target.mesh is not None:
-        graphdef, state = nnx.split(model)
-        model = nnx.merge(graphdef, shard_state(state, target.mesh))
-    return LoadedDFlash(model, target, ids)
+    ids = check_and_wire(cfg, target, len(cfg.aux_layer_ids) * target.config.hidden_size, None, None)
+    return LoadedDFlash(placed(DFlashDraft(cfg, len(ids), dtype, nnx.Rngs(seed)), target.mesh), target, ids)
 
 
-def load_dflash_draft(path: str | os.PathLike, target, dtype=None) -> LoadedDFlash:
-    """A SpecForge-layout DFlash draft directory, checked against and wired to ``target``."""
-    from eagle3_jax.config import resolve_dtype
-
-    from eagle3_jax import preflight
-
+def load(path: str | os.PathLike, cfg: DFlashConfig, target, dtype=None) -> LoadedDFlash:
+    """A SpecForge-layout (or converted) DFlash draft directory, checked against and wired to
+    ``target`` (the pair preflighted by ``load_draft``) before any weight is placed."""
     where = os.fspath(path)
-    preflight.check_pair(target.config, path)   # config.json + headers only, before any tensor is read
-    cfg = DFlashConfig.from_path(path)
-    reader = CheckpointReader(path)
-    if "fc.weight" not in reader:
-        raise CheckpointError(f"{where}: no fc.weight; a DFlash draft fuses the target's states with fc")
-    ids = check_pairing(cfg, target.config, reader.shape("fc.weight")[1], where)
     dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
+    converted = store.is_jax_checkpoint(path)   # written by tools.convert: our layout, with its wiring
+    reader = None if converted else CheckpointReader(path)
+    if converted:
+        fc_in = int(store.read_meta(path)["wiring"]["n_aux"]) * target.config.hidden_size
+    else:
+        if "fc.weight" not in reader:
+            raise CheckpointError(f"{where}: no fc.weight; a DFlash draft fuses the target's states with fc")
+        fc_in = reader.shape("fc.weight")[1]
+    ids = check_and_wire(cfg, target, fc_in, None, None)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: DFlashDraft(cfg, len(ids), dtype, None)))
-    state = load_state(reader, dflash_rules(cfg, len(ids)), abstract, mesh=target.mesh, where=where)
+    if converted:
+        state = store.restore_state(path, abstract, target.mesh, kind="draft")
+    else:
+        state = load_state(reader, dflash_rules(cfg, len(ids)), abstract, mesh=target.mesh, where=where)
     return LoadedDFlash(nnx.merge(graphdef, state), target, ids)
 
 
-def write_dflash(path: str | os.PathLike, cfg: DFlashConfig, flat: Mapping[tuple, np.ndarray], aux_layer_ids,
-                 out_dtype=None, dtype_name: str | None = None, config_overrides: dict | None = None) -> None:
-    """config.json (recording the target layers read) + model.safetensors in SpecForge's layout,
-    staged beside ``path``."""
-    ids = [int(i) for i in aux_layer_ids]
+def save(draft: LoadedDraft, path: str | os.PathLike, out_dtype=None, dtype_name: str | None = None,
+         config_overrides: dict | None = None) -> None:
+    """config.json (recording the target layers read) + model.safetensors in SpecForge's layout."""
+    cfg, ids = draft.config, [int(i) for i in draft.aux_layer_ids]
     overrides = {"dflash_config": {**(cfg.to_hf_dict().get("dflash_config") or {}), "target_layer_ids": ids},
                  **(config_overrides or {})}
-    write_staged(path, cfg, flat, ids, lambda cast: iter_dflash_tensors(cfg, cast, len(ids)), out_dtype, dtype_name,
-                 overrides)
+    write_staged(path, cfg, host_params(draft.model), ids, lambda cast: iter_dflash_tensors(cfg, cast, len(ids)),
+                 out_dtype, dtype_name, overrides)
+
+
+def wiring(path, reader: CheckpointReader, cfg: DFlashConfig) -> dict:
+    """What tools.convert records beside the config to rebuild the name table: the fused states' count."""
+    if "fc.weight" not in reader:
+        raise CheckpointError(f"{os.fspath(path)}: no fc.weight; a DFlash draft fuses the target's states with fc")
+    return {"n_aux": reader.shape("fc.weight")[1] // cfg.hidden_size}
+
+
+def convert_table(cfg: DFlashConfig, wiring: dict, dtype) -> tuple[list, dict]:
+    """(name table, our path -> abstract variable) for tools.convert; every tensor is stored."""
+    n_aux = int(wiring["n_aux"])
+    _, state = nnx.split(nnx.eval_shape(lambda: DFlashDraft(cfg, n_aux, dtype, None)))
+    return dflash_rules(cfg, n_aux), {tuple(p): v for p, v in nnx.to_flat_state(state)}

@@ -19,11 +19,14 @@ from flax import nnx
 
 from eagle3_jax.checkpoint import store
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
-from eagle3_jax.checkpoint.draft_io import write_staged
-from eagle3_jax.checkpoint.draft_map import _cast
 from eagle3_jax.checkpoint.hf_loader import load_state
 from eagle3_jax.checkpoint.target_map import Rule, _linear, _linear_in, _same
-from eagle3_jax.config.peagle import PEagleConfig
+from eagle3_jax.config import resolve_dtype
+from eagle3_jax.contracts import resolve_aux_ids
+from eagle3_jax.drafts.eagle3.names import _cast
+from eagle3_jax.drafts.loaded import LoadedDraft, check_and_wire, host_params, placed, write_staged
+from eagle3_jax.drafts.peagle.config import PEagleConfig
+from eagle3_jax.drafts.peagle.model import PEagleDraft
 from eagle3_jax.errors import CheckpointError
 
 
@@ -88,12 +91,6 @@ def iter_peagle_tensors(cfg: PEagleConfig, flat_params: Mapping[tuple, np.ndarra
             yield key, arr
 
 
-def flat_params(model) -> dict[tuple, np.ndarray]:
-    """Our P-EAGLE module's state as path -> host array (the rule tables' keys)."""
-    _, state = nnx.split(model)
-    return {tuple(k): np.asarray(v[...]) for k, v in nnx.to_flat_state(state)}
-
-
 def write_peagle(path: str | os.PathLike, cfg: PEagleConfig, flat: Mapping[tuple, np.ndarray], aux_layer_ids,
                  out_dtype=None, dtype_name: str | None = None, config_overrides: dict | None = None) -> None:
     """config.json (recording ``aux_layer_ids`` and the MASK token id) + model.safetensors in
@@ -103,36 +100,31 @@ def write_peagle(path: str | os.PathLike, cfg: PEagleConfig, flat: Mapping[tuple
                  out_dtype, dtype_name, config_overrides)
 
 
-def build_peagle_draft(cfg: PEagleConfig, target, dtype=None, seed: int = 0):
-    """A randomly initialised P-EAGLE draft wired to ``target`` (an ``api.LoadedTarget``)."""
-    from eagle3_jax.draft_handle import LoadedDraft, check_and_wire
-    from eagle3_jax.config import resolve_dtype
-    from eagle3_jax.contracts import resolve_aux_ids
-    from eagle3_jax.models.peagle import PEagleDraft
-    from eagle3_jax.sharding import shard_state
+def save(draft: LoadedDraft, path: str | os.PathLike, out_dtype=None, dtype_name: str | None = None,
+         config_overrides: dict | None = None) -> None:
+    write_peagle(path, draft.config, host_params(draft.model), draft.aux_layer_ids, out_dtype, dtype_name, config_overrides)
 
+
+def build_peagle_draft(cfg: PEagleConfig, target, dtype=None, seed: int = 0) -> LoadedDraft:
+    """A randomly initialised P-EAGLE draft wired to ``target`` (a ``LoadedTarget``)."""
     dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
     ids = resolve_aux_ids(cfg, target.config)
     model = PEagleDraft(cfg, len(ids), dtype, nnx.Rngs(seed))
     check_and_wire(cfg, target, model.fc[...].shape[0], None, cfg.hidden_size)
-    if target.mesh is not None:
-        graphdef, state = nnx.split(model)
-        model = nnx.merge(graphdef, shard_state(state, target.mesh))
-    return LoadedDraft(model, target, ids)
+    return LoadedDraft(placed(model, target.mesh), target, ids)
 
 
-def load_peagle_draft(path: str | os.PathLike, target, dtype=None, mask_token_id: int | None = None):
-    """A SpecForge-layout P-EAGLE draft directory, checked against and wired to ``target``: aux ids
-    exist, fc's width is n_aux x target hidden, vocabularies and d2t agree, before any weight is read."""
-    from eagle3_jax.draft_handle import LoadedDraft, check_and_wire
-    from eagle3_jax.config import resolve_dtype
-    from eagle3_jax.models.peagle import PEagleDraft
+def load_peagle_draft(path: str | os.PathLike, target, dtype=None, mask_token_id: int | None = None) -> LoadedDraft:
+    """The P-EAGLE draft at ``path`` with the MASK token ``mask_token_id`` when its config.json names
+    none (SpecForge's exports do not); ``load_draft`` is the door that also preflights the pair."""
+    return load(path, PEagleConfig.from_path(path, mask_token_id), target, dtype)
 
-    from eagle3_jax import preflight
 
+def load(path: str | os.PathLike, cfg: PEagleConfig, target, dtype=None) -> LoadedDraft:
+    """A SpecForge-layout (or converted) P-EAGLE draft directory, checked against and wired to
+    ``target``: aux ids exist, fc's width is n_aux x target hidden, vocabularies and d2t agree,
+    before any weight is read."""
     where = os.fspath(path)
-    preflight.check_pair(target.config, path)   # config.json + headers only, before any tensor is read
-    cfg = PEagleConfig.from_path(path, mask_token_id)
     cfg.require_mask_token(where)
     dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
     converted = store.is_jax_checkpoint(path)   # written by tools.convert: our layout, with its wiring
@@ -151,3 +143,10 @@ def load_peagle_draft(path: str | os.PathLike, target, dtype=None, mask_token_id
     else:
         state = read_peagle_state(path, cfg, abstract, n_aux, mesh=target.mesh, reader=reader)
     return LoadedDraft(nnx.merge(graphdef, state), target, ids)
+
+
+def convert_table(cfg: PEagleConfig, wiring: dict, dtype) -> tuple[list, dict]:
+    """(name table, our path -> abstract variable) for tools.convert; P-EAGLE stores every tensor."""
+    n_aux = int(wiring["n_aux"])
+    _, state = nnx.split(nnx.eval_shape(lambda: PEagleDraft(cfg, n_aux, dtype, None)))
+    return peagle_rules(cfg, n_aux), {tuple(p): v for p, v in nnx.to_flat_state(state)}

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 from eagle3_jax.config.common import _require
 from eagle3_jax.config.target import RopeConfig
-from eagle3_jax.errors import CheckpointError, ConfigError
+from eagle3_jax.errors import ConfigError
 
 DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -31,15 +31,6 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 
 def is_dflash_config(d: Mapping[str, Any]) -> bool:
     return any(a in DFLASH_ARCHITECTURES for a in (d.get("architectures") or []))
-
-
-def is_dflash_dir(path: str | os.PathLike) -> bool:
-    """Whether the draft directory at ``path`` holds a DFlash config.json."""
-    p = os.path.join(os.fspath(path), "config.json")
-    if not os.path.isfile(p):
-        return False
-    with open(p) as f:
-        return is_dflash_config(json.load(f))
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -60,7 +51,7 @@ class DFlashConfig:
     num_hidden_layers: int
     vocab_size: int
     block_size: int
-    aux_layer_ids: tuple[int, ...] | None   # dflash_config.target_layer_ids; None: spread over the target
+    aux_layer_ids: tuple[int, ...]   # dflash_config.target_layer_ids (or SpecForge's spread over num_target_layers)
     mask_token_id: int | None
     layer_types: tuple[str, ...]
     sliding_window: int | None
@@ -70,7 +61,17 @@ class DFlashConfig:
     max_position_embeddings: int = 4096
     hf_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
-    kind = "dflash"
+    # What the shared wiring contracts read (contracts.check_pairing, preflight): the draft reads the
+    # target's states at its own width and guesses target ids through the target's head.
+    use_aux_hidden_state = True
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.vocab_size
+
+    @property
+    def target_hidden_size(self) -> int:
+        return self.hidden_size
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any], where: str = "draft config.json") -> "DFlashConfig":
@@ -101,6 +102,9 @@ class DFlashConfig:
         ids = extra.get("target_layer_ids")
         if ids is None and d.get("num_target_layers"):
             ids = default_target_layer_ids(int(d["num_target_layers"]), layers)
+        if ids is None:   # SpecForge's class cannot be built without one of them either
+            raise ConfigError(f"{where}: neither dflash_config.target_layer_ids nor num_target_layers is set, so "
+                              "which target layers the draft reads is unknown; add dflash_config.target_layer_ids")
         mask = extra.get("mask_token_id")
         cfg = cls(
             hidden_size=hidden, intermediate_size=int(_require(d, "intermediate_size", where)),
@@ -109,7 +113,7 @@ class DFlashConfig:
             vocab_size=int(_require(d, "vocab_size", where)),
             block_size=int(_require({"block_size": d.get("block_size") or extra.get("block_size")}, "block_size",
                                     where)),
-            aux_layer_ids=None if ids is None else tuple(int(i) for i in ids),
+            aux_layer_ids=tuple(int(i) for i in ids),
             mask_token_id=None if mask is None else int(mask), layer_types=types,
             sliding_window=int(window) if SLIDING in types else None,
             attention_bias=bool(d.get("attention_bias", False)), rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6),
@@ -119,6 +123,9 @@ class DFlashConfig:
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of "
                               f"num_key_value_heads={cfg.num_key_value_heads}")
+        if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < cfg.vocab_size:
+            raise ConfigError(f"{where}: dflash_config.mask_token_id={cfg.mask_token_id} outside the vocab "
+                              f"0..{cfg.vocab_size - 1}")
         if cfg.block_size < 2:
             raise ConfigError(f"{where}: block_size={cfg.block_size}; a block is its known token plus at least "
                               "one guess, so it must be >= 2")
@@ -153,40 +160,11 @@ class DFlashConfig:
             "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope.theta, "attention_bias": self.attention_bias,
             "max_position_embeddings": self.max_position_embeddings, "layer_types": list(self.layer_types),
             "use_sliding_window": self.sliding_window is not None, "sliding_window": self.sliding_window,
-            "block_size": self.block_size, "dflash_config": {"mask_token_id": self.mask_token_id},
+            "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.aux_layer_ids)},
         }
-        if self.aux_layer_ids is not None:
-            d["dflash_config"]["target_layer_ids"] = list(self.aux_layer_ids)
         return d
 
     def replace(self, **changes) -> "DFlashConfig":
         return dataclasses.replace(self, **changes)
 
-
-def resolve_ids(cfg: DFlashConfig, tcfg) -> tuple[int, ...]:
-    """The target layers the draft reads; with none in the config, SpecForge's spread over them."""
-    ids = cfg.aux_layer_ids or default_target_layer_ids(tcfg.num_hidden_layers, cfg.num_hidden_layers)
-    bad = [i for i in ids if not 0 <= i < tcfg.num_hidden_layers]
-    if bad:
-        raise ConfigError(f"dflash_config.target_layer_ids {list(ids)}: {bad} outside the target's layers "
-                          f"0..{tcfg.num_hidden_layers - 1} (id i is the output of layer i)")
-    return tuple(ids)
-
-
-def check_pairing(cfg: DFlashConfig, tcfg, fc_in: int | None, where: str) -> tuple[int, ...]:
-    """The wiring contracts of a DFlash draft and its target, before any weight is read."""
-    ids = resolve_ids(cfg, tcfg)
-    if cfg.hidden_size != tcfg.hidden_size:
-        raise ConfigError(f"{where}: DFlash hidden_size={cfg.hidden_size} but the target's is {tcfg.hidden_size}; "
-                          "the draft reads the target's embedding and head, so they must agree")
-    if cfg.vocab_size != tcfg.vocab_size:
-        raise ConfigError(f"{where}: vocab_size={cfg.vocab_size} but the target's is {tcfg.vocab_size}")
-    if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < tcfg.vocab_size:
-        raise ConfigError(f"{where}: mask_token_id={cfg.mask_token_id} outside the target vocab "
-                          f"0..{tcfg.vocab_size - 1}")
-    if fc_in is not None and fc_in != len(ids) * tcfg.hidden_size:
-        raise CheckpointError(
-            f"{where}: fc.weight takes {fc_in} inputs but {len(ids)} target layers {list(ids)} x hidden "
-            f"{tcfg.hidden_size} = {len(ids) * tcfg.hidden_size}; the config's target_layer_ids do not match the "
-            "weights")
-    return ids

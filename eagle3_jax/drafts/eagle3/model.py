@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from eagle3_jax.config import DraftConfig
+from eagle3_jax.drafts.eagle3.config import DraftConfig
 from eagle3_jax.models import attention_core as core
 from eagle3_jax.models.cache import KVCache
 from eagle3_jax.models.layers import RMSNorm, SwiGLU, apply_rope, param, rms_norm, rope_cos_sin, rope_inv_freq

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from eagle3_jax.checkpoint.target_map import Rule, _linear, _linear_in, _same
-from eagle3_jax.config import DraftConfig
+from eagle3_jax.drafts.eagle3.config import DraftConfig
 
 
 def _cast(path, key, mem_dtype, disk_dtype):

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from eagle3_jax.config.draft import DraftConfig
+from eagle3_jax.drafts.eagle3.config import DraftConfig
 from eagle3_jax.config.target import RopeConfig
 from eagle3_jax.errors import ConfigError
 
@@ -103,15 +103,3 @@ def _rope_theta(d: Mapping[str, Any]) -> float:
     if isinstance(params, Mapping) and params.get("rope_theta") is not None:
         return float(params["rope_theta"])
     return float(d.get("rope_theta") or 10000.0)
-
-
-def read_draft_config(path: str | os.PathLike, mask_token_id: int | None = None) -> DraftConfig:
-    """The config of a draft directory of either kind: a ``PEagleConfig`` when its architecture is
-    P-EAGLE, else the chain ``DraftConfig`` (which refuses what is neither)."""
-    p = os.fspath(path)
-    cfg_path = os.path.join(p, "config.json") if os.path.isdir(p) else p
-    if os.path.isfile(cfg_path):
-        with open(cfg_path) as f:
-            if is_peagle_config(json.load(f)):
-                return PEagleConfig.from_path(path, mask_token_id)
-    return DraftConfig.from_path(path)

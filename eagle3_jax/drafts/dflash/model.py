@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from eagle3_jax.drafts.dflash_config import SLIDING, DFlashConfig
+from eagle3_jax.drafts.dflash.config import SLIDING, DFlashConfig
 from eagle3_jax.models import attention_core as core
 from eagle3_jax.models.cache import KVCache
 from eagle3_jax.models.layers import RMSNorm, SwiGLU, apply_rope, param, rope_cos_sin, rope_inv_freq
@@ -120,8 +120,6 @@ class DFlashLayer(nnx.Module):
 
 class DFlashDraft(nnx.Module):
     """The draft's weights and its one pass; the token embedding and the head are the target's."""
-
-    kind = "dflash"
 
     def __init__(self, cfg: DFlashConfig, n_aux: int, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         D = cfg.hidden_size

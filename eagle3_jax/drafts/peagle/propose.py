@@ -1,4 +1,4 @@
-"""Parallel drafting (P-EAGLE, DFlash): a round's K draft tokens from one draft pass.
+"""Parallel drafting (P-EAGLE): a round's K draft tokens from one draft pass.
 
 The chain draft feeds each guess back for the next (K - 1 sequential passes). A P-EAGLE draft
 guesses positions 2..K at once: the first token comes, as in the chain, from the draft's output at
@@ -6,9 +6,6 @@ the anchor (the last known position, kept in the loop state by the previous catc
 over K - 1 MASK positions after the anchor gives the rest. Verify, accept and catch-up are the chain
 draft's: the catch-up re-reads the verified positions with the target's aux states, overwriting the
 MASK positions' keys this pass left in the draft cache.
-
-A DFlash draft guesses all K from one block pass (:func:`propose_block`), the target's head reading
-its outputs; its catch-up only writes the verified positions' context keys.
 
 Each guess is drawn from its own distribution q_j and none depends on another guess, so rejection
 sampling against the target stays exact (the draft's q for position j is what it was drawn from).
@@ -20,8 +17,11 @@ import jax
 import jax.numpy as jnp
 
 
-def propose_parallel(draft, dlogits_BW: jax.Array, dcache, lengths_B: jax.Array, keys, pick):
-    """(draft ids [B, K] in the draft vocab, their distributions [B, K, W], the draft cache).
+def propose_parallel(draft, dlogits_BW: jax.Array, dhidden_BD, dcache, lengths_B: jax.Array, keys, pick, embed_VD,
+                     last_B, head):
+    """(draft ids [B, K] in the draft vocab, their distributions [B, K, W], the draft cache); the
+    anchor's hidden state, the newest token and the target's embedding and head are not needed (the
+    draft embeds its own MASK and has its own head).
 
     ``lengths_B`` is each row's target length n: the anchor is n - 1 and the guessed positions are
     n .. n + K - 2. ``pick(key, logits_BW) -> (ids_B, q_BW)`` chooses a token (greedy or sampled)."""
@@ -39,14 +39,3 @@ def propose_parallel(draft, dlogits_BW: jax.Array, dcache, lengths_B: jax.Array,
             ids.append(d_B)
             qs.append(q_BW)
     return jnp.stack(ids, axis=1), jnp.stack(qs, axis=1), dcache
-
-
-def propose_block(draft, target, last_B: jax.Array, lengths_B: jax.Array, dcache, keys, pick):
-    """(draft ids [B, K] in the target vocab, their distributions [B, K, V], the draft cache): one
-    block pass anchored at each row's newest token (position n = ``lengths_B``); block offset j
-    guesses the token at n + j, read through the target's head."""
-    K = len(keys)
-    out_BTD = draft.propose(last_B, lengths_B, dcache, target.embed_tokens[...])
-    logits_BKV = target.logits(out_BTD[:, 1:K + 1])
-    picks = [pick(keys[j], logits_BKV[:, j]) for j in range(K)]
-    return jnp.stack([d for d, _ in picks], axis=1), jnp.stack([q for _, q in picks], axis=1), dcache

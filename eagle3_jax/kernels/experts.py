@@ -1,20 +1,40 @@
-"""Expert compute kernels for ``models/moe.py`` (chosen there by name; see its docstring).
+"""Routed-expert compute for ``models/moe.py``, one kernel per backend, chosen in one place (``pick``).
 
 Every kernel maps (x_MD, idx_MK, weights_MK, gate, up, down, first_expert) -> y_MD: float kernels
 take the stacks [E, D, F] / [E, F, D]; quantized kernels take (values, scales, container) triples
 in checkpoint orientation [E, out, in]. Experts outside [first_expert, first_expert + E) are
-another device's and contribute 0.
+another device's and contribute 0. All give the same result up to float summation order.
+
+Float stacks (``EXPERT_KERNELS``):
+  * ``blocked`` (CPU): assignments (token, expert) sorted by expert, then a loop over fixed-size
+    row blocks of the *non-empty* experts only, each a [b, D] x [D, F] matmul with that expert's
+    weights. Work = O(assignments + experts hit), never O(all experts). Not reverse-differentiable
+    (a dynamic-length loop); on GPU every trip is a kernel launch plus a host-visible predicate.
+    (Gathering every assignment's expert weights at once instead was much slower on CPU at decode
+    sizes: benchmarks/moe_dispatch.py.)
+  * ``ragged`` (TPU, GPU): tokens sorted by expert through ``jax.lax.ragged_dot``, a native grouped
+    matmul. Differentiable. XLA:CPU lowers it to O(tokens x all experts).
+  * ``padded_blocks``: ``blocked`` with a static trip count: each expert's run padded to whole
+    blocks, at most ceil(A / b) + E of them, as one batched matmul against per-block gathered
+    weights; cost about (A + E b) rows. Differentiable: the cheap training kernel on CPU.
+Quantized stacks (``QUANT_EXPERT_KERNELS``):
+  * ``blocked`` (CPU): the loop above, each trip dequantizing its expert a tile of columns at a time.
+  * ``grouped`` (TPU, GPU): three Pallas grouped matmuls over all blocks at once, each reading the
+    stored words and dequantizing a tile in the kernel (``quant_gmm*.py``: Mosaic, Triton).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.errors import ConfigError
 from eagle3_jax.kernels import quant_gmm
-from eagle3_jax.models.quantized import quantized_matmul, take_expert
+from eagle3_jax.kernels.dequant import quantized_matmul, take_expert
 
 
 def sort_assignments(idx_MK, weights_MK, first_expert, num_local):
@@ -42,12 +62,11 @@ def block_rows(num_tokens: int, top_k: int, num_experts: int) -> int:
     up to a power of two in [1, 256].
 
     A trip's fixed cost is copying its expert's three weight matrices out of the stack (XLA:CPU
-    does not read a dynamic slice in place: ~15 us a trip at the demo's 256 x 48 experts, the
-    price of about five rows of compute at any D x F, since both scale with D x F). So blocks
-    should hold what one expert receives: each expert is hit by a token with probability
-    p = top_k / E, and an expert that is hit holds M p / (1 - (1 - p)^M) rows on average. Sizing by
-    the mean over *all* experts (A / E) made one trip per row when A < 2E: verifying 7 tokens of
-    the demo target took 28 trips a layer instead of ~14.
+    does not read a dynamic slice in place), the price of a few rows of compute at any D x F,
+    since both scale with D x F. So blocks should hold what one expert receives: each expert is
+    hit by a token with probability p = top_k / E, and an expert that is hit holds
+    M p / (1 - (1 - p)^M) rows on average. Sizing by the mean over *all* experts (A / E) made one
+    trip per row when A < 2E, about twice the trips.
     """
     p = min(1.0, top_k / max(1, num_experts))
     hit_rows = num_tokens * p / (1.0 - (1.0 - p) ** num_tokens) if num_tokens > 0 else 1.0
@@ -126,8 +145,7 @@ def experts_blocked_quantized(x_MD, idx_MK, weights_MK, gate, up, down, first_ex
     ``gate`` / ``up`` / ``down`` are (values, scales, container) with values/scales the stacked
     ``[E, out, ...]`` arrays in checkpoint orientation; ``quantized_matmul`` dequantizes the chosen
     expert one tile of input columns at a time, so the largest weight temporary is one tile, never
-    an expert stack. Whatever kernel name is configured, quantized experts run this loop:
-    ``ragged_dot`` would need the whole dequantized stack as one operand.
+    an expert stack (``ragged_dot`` would need the whole dequantized stack as one operand).
     """
     def matmul(x_bI, w, e):
         values, scales, stack = w
@@ -165,3 +183,42 @@ def experts_padded_blocks(x_MD, idx_MK, weights_MK, w_gate_EDF, w_up_EDF, w_down
     y_JBD = jnp.einsum("jbf,jfd->jbd", jax.nn.silu(g_JBF) * u_JBF, w_down_EFD[e_J])
     y_JBD = y_JBD * w_JB[..., None].astype(y_JBD.dtype)
     return jnp.zeros_like(x_MD).at[tok_JB.reshape(-1)].add(y_JBD.reshape(-1, x_MD.shape[-1]))
+
+
+# (x_MD, idx_MK, weights_MK, w_gate, w_up, w_down, first_expert) -> y_MD
+ExpertKernel = Callable[..., jax.Array]
+EXPERT_KERNELS: dict[str, ExpertKernel] = {
+    "blocked": experts_blocked, "ragged": experts_ragged, "padded_blocks": experts_padded_blocks}
+QUANT_EXPERT_KERNELS: dict[str, ExpertKernel] = {
+    "blocked": experts_blocked_quantized, "grouped": experts_grouped_quantized}
+
+
+def pick(name: str | None, platform: str, quantized: bool = False, shards=()) -> str:
+    """The expert kernel for ``platform`` (where the program will run, which for a TPU program
+    planned on a CPU host is not ``jax.default_backend()``): ``name`` if given and valid, else the
+    platform's default. The one place a backend chooses its expert kernel.
+
+    Float experts: ``ragged`` on TPU and GPU; ``blocked`` on CPU, where ragged_dot is dense (on GPU
+    ``blocked`` would be launch-bound: one loop trip per expert block). Quantized experts:
+    ``grouped`` on TPU and GPU (a float kernel's name means this default); ``blocked`` on CPU,
+    where the Pallas kernels only run interpreted, and for stacks whose per-device shards
+    (``shards``: (container, out, in) as each device holds them) the grouped kernels do not take.
+    """
+    if not quantized:
+        name = name or ("blocked" if platform == "cpu" else "ragged")
+        if name not in EXPERT_KERNELS:
+            raise ConfigError(f"unknown moe kernel '{name}'; choose one of {', '.join(EXPERT_KERNELS)}")
+        return name
+    if name not in QUANT_EXPERT_KERNELS:
+        name = "blocked" if platform == "cpu" else "grouped"
+    if name == "grouped" and not all(quant_gmm.supports(st, o, i, platform) for st, o, i in shards):
+        return "blocked"
+    return name
+
+
+def kernel(name: str, platform: str, quantized: bool = False) -> ExpertKernel:
+    """The function of a kernel ``pick`` chose."""
+    if quantized:
+        fn = QUANT_EXPERT_KERNELS[name]
+        return functools.partial(fn, platform=platform) if name == "grouped" else fn
+    return EXPERT_KERNELS[name]

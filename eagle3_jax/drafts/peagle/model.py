@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from eagle3_jax.config.peagle import PEagleConfig
+from eagle3_jax.drafts.eagle3.model import Buffer, DraftAttention, DraftStep
+from eagle3_jax.drafts.peagle.config import PEagleConfig
 from eagle3_jax.models.cache import KVCache
-from eagle3_jax.models.draft import Buffer, DraftAttention, DraftStep
 from eagle3_jax.models.layers import RMSNorm, SwiGLU, param, rope_cos_sin, rope_inv_freq
 
 
@@ -73,8 +73,6 @@ class PEagleDraft(nnx.Module):
     """Same calling convention as the chain draft (``Draft``) for known positions, so prefill and
     catch-up are shared; :meth:`propose` adds the parallel guesses. It always carries its own
     token embedding (P-EAGLE trains it), so the target's embedding argument is ignored."""
-
-    kind = "peagle"
 
     def __init__(self, cfg: PEagleConfig, n_aux: int, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         D, W, V = cfg.hidden_size, cfg.draft_vocab_size, cfg.vocab_size

@@ -1,0 +1,152 @@
+"""An EAGLE-3 draft directory: what it holds (read once for the loader and the converter alike),
+its loader, and the writer of the SpecForge / SGLang layout.
+
+A draft's config.json does not say everything its wiring needs: the fc width (so the number of
+target aux states it fuses), whether it ships its own embedding, and which vocab maps it stores
+are facts of the tensors. :func:`read_draft_layout` reads them from either kind of draft directory
+(Hugging Face / SpecForge safetensors, or one converted by ``tools.convert``, from its metadata)
+without reading any weight.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+from flax import nnx
+
+from eagle3_jax.checkpoint import store
+from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
+from eagle3_jax.checkpoint.hf_loader import load_state
+from eagle3_jax.config import resolve_dtype
+from eagle3_jax.contracts import resolve_aux_ids
+from eagle3_jax.drafts.eagle3.config import DraftConfig
+from eagle3_jax.drafts.eagle3.model import Draft
+from eagle3_jax.drafts.eagle3.names import draft_rules, iter_draft_tensors
+from eagle3_jax.drafts.loaded import LoadedDraft, check_and_wire, host_params, placed, write_staged
+from eagle3_jax.errors import CheckpointError
+
+VOCAB_MAPS = ("d2t", "t2d")
+
+
+@dataclass(frozen=True)
+class DraftLayout:
+    """The wiring facts of a draft's stored tensors."""
+
+    where: str
+    fc_out: int                      # fc.weight is [fc_out, fc_in]
+    fc_in: int                       # n_aux x target hidden
+    own_embedding: bool              # ships embed_tokens (else shares the target's)
+    embed_width: int | None          # embed_tokens' width when it has one
+    vocab_maps: tuple[str, ...]      # which of d2t / t2d are stored
+    _read: Callable[[str], np.ndarray] = field(repr=False, compare=False)
+
+    def d2t(self) -> np.ndarray | None:
+        """The stored draft -> target id offsets (None without one); reads that one small tensor."""
+        return self._read("d2t") if "d2t" in self.vocab_maps else None
+
+    def wiring(self, target_hidden_size: int) -> dict:
+        """JSON-able {n_aux, own_embedding, vocab_maps}: what the rule tables need to be rebuilt."""
+        if self.fc_in % target_hidden_size:
+            raise CheckpointError(
+                f"{self.where}: fc.weight is [{self.fc_out}, {self.fc_in}] but {self.fc_in} is not a multiple of "
+                f"target_hidden_size={target_hidden_size}; fc must take n_aux x target hidden inputs. Fix "
+                "target_hidden_size in config.json")
+        return {"n_aux": self.fc_in // target_hidden_size, "own_embedding": self.own_embedding,
+                "vocab_maps": list(self.vocab_maps)}
+
+
+def _no_fc(where) -> CheckpointError:
+    return CheckpointError(
+        f"{where}: no fc.weight, so this is not an EAGLE-3 draft (EAGLE-3 fuses the target's aux hidden states "
+        "with fc); an EAGLE-1/2 draft cannot be served or converted as EAGLE-3")
+
+
+def read_draft_layout(path: str | os.PathLike, reader: CheckpointReader | None = None) -> DraftLayout:
+    """The layout of the draft at ``path``: a JAX (orbax) checkpoint from its metadata, otherwise its
+    safetensors (through ``reader`` when the caller has one open, else a new one)."""
+    where = os.fspath(path)
+    if store.is_jax_checkpoint(path):
+        stored = store.read_meta(path)["params"]
+        if "fc" not in stored:
+            raise _no_fc(where)
+        fc_out, fc_in = stored["fc"]["shape"][1], stored["fc"]["shape"][0]  # ours is [in, out]
+        embed = stored.get("embed_tokens")
+        return DraftLayout(where, fc_out, fc_in, embed is not None, embed["shape"][1] if embed else None,
+                           tuple(m for m in VOCAB_MAPS if m in stored),
+                           lambda name: store.restore_arrays(path, [name])[name])
+    reader = reader if reader is not None else CheckpointReader(path)
+    if "fc.weight" not in reader:
+        raise _no_fc(where)
+    fc_out, fc_in = reader.shape("fc.weight")
+    own = "embed_tokens.weight" in reader
+    return DraftLayout(where, fc_out, fc_in, own, reader.shape("embed_tokens.weight")[1] if own else None,
+                       tuple(m for m in VOCAB_MAPS if m in reader), reader.read)
+
+
+def load(path: str | os.PathLike, cfg: DraftConfig, target, dtype=None) -> LoadedDraft:
+    """The draft at ``path`` (config ``cfg``, already read and preflighted) for ``target``: every
+    wiring contract is checked before a single weight is placed (aux ids exist in the target, fc's
+    input width is len(ids) x target hidden, vocabularies agree, d2t stays inside the target vocab,
+    a shared embedding has the draft's width)."""
+    path = os.fspath(path)
+    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
+    reader = None if store.is_jax_checkpoint(path) else CheckpointReader(path)
+    layout = read_draft_layout(path, reader)
+    own_embedding, maps, d2t = layout.own_embedding, layout.vocab_maps, layout.d2t()
+    ids = check_and_wire(cfg, target, layout.fc_in, d2t, layout.embed_width)
+    if "d2t" not in maps and cfg.draft_vocab_size != cfg.vocab_size:
+        raise CheckpointError(
+            f"{path}: draft_vocab_size={cfg.draft_vocab_size} < vocab_size={cfg.vocab_size} but the checkpoint has no "
+            "d2t tensor mapping draft ids to target ids; re-export the draft with its vocab map")
+    fill = {}
+    if "d2t" not in maps:
+        fill[("d2t",)] = np.zeros((cfg.draft_vocab_size,), np.int32)
+    if "t2d" not in maps:
+        t2d = np.zeros((cfg.vocab_size,), bool)
+        t2d[np.arange(cfg.draft_vocab_size) + (d2t if d2t is not None else 0)] = True
+        fill[("t2d",)] = t2d
+    abstract = nnx.eval_shape(lambda: Draft(cfg, len(ids), dtype, None, own_embedding=own_embedding))
+    graphdef, abstract_state = nnx.split(abstract)
+    if reader is None:
+        state = store.restore_state(path, abstract_state, target.mesh, kind="draft", fill=fill)
+    else:
+        state = load_state(reader, draft_rules(cfg, len(ids), own_embedding, maps), abstract_state,
+                           mesh=target.mesh, where=path, fill=fill)
+    return LoadedDraft(nnx.merge(graphdef, state), target, ids)
+
+
+def build(cfg: DraftConfig, target, dtype=None, seed: int = 0) -> LoadedDraft:
+    """A randomly initialized draft for ``target`` (tests, training from scratch)."""
+    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
+    ids = resolve_aux_ids(cfg, target.config)
+    model = Draft(cfg, len(ids), dtype, nnx.Rngs(seed))
+    check_and_wire(cfg, target, model.fc.value.shape[0], None, None)
+    return LoadedDraft(placed(model, target.mesh), target, ids)
+
+
+def save(draft: LoadedDraft, path: str | os.PathLike, out_dtype=None, dtype_name: str | None = None,
+         config_overrides: dict | None = None) -> None:
+    """config.json (recording the aux ids) + model.safetensors in the SpecForge / SGLang layout,
+    staged beside ``path``; ``out_dtype`` casts floating-point weights (``torch_dtype`` = ``dtype_name``)."""
+    own_embedding, n_aux = draft.model.embed_tokens is not None, len(draft.aux_layer_ids)
+    write_staged(path, draft.config, host_params(draft.model), draft.aux_layer_ids,
+                 lambda cast: iter_draft_tensors(draft.config, dict(cast), n_aux, own_embedding),
+                 out_dtype, dtype_name, config_overrides)
+
+
+def wiring(path, reader: CheckpointReader, cfg: DraftConfig) -> dict:
+    """What tools.convert records beside the config to rebuild the name table (``DraftLayout.wiring``)."""
+    return read_draft_layout(path, reader).wiring(cfg.target_hidden_size)
+
+
+def convert_table(cfg: DraftConfig, wiring: dict, dtype) -> tuple[list, dict]:
+    """(name table, our path -> abstract variable) of the tensors a stored draft with ``wiring`` has."""
+    n_aux, own = int(wiring["n_aux"]), bool(wiring["own_embedding"])
+    rules = draft_rules(cfg, n_aux, own, tuple(wiring["vocab_maps"]))
+    _, state = nnx.split(nnx.eval_shape(lambda: Draft(cfg, n_aux, dtype, None, own_embedding=own)))
+    # A draft without a stored vocab map gets the identity one the model builds; it is not a tensor.
+    ruled = {r.path for r in rules}
+    return rules, {tuple(p): v for p, v in nnx.to_flat_state(state) if tuple(p) in ruled}
