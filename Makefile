@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 # pytest exits 5 when it collects nothing; that must fail too, and it does because
 # make propagates every non-zero status.
 test: setup
-	$(VENV)/bin/python -m pytest -n 2 --dist loadfile -W ignore::DeprecationWarning --durations=15 -m "not tpu_full" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -W ignore::DeprecationWarning --durations=15 -m "not tpu_full" $(PYTEST_ARGS)
 
 # The full-width TPU compiles (Kimi-K2.5 INT4, DeepSeek-V3 FP8 cut to a few layers): ~10-20 min.
 test-tpu-full: setup

@@ -53,8 +53,7 @@ RESUME_INVARIANTS = ("draft_kind", "draft_config_file", "draft",
                      *(k.settings_key for k in drafts.KINDS if k.settings_key),
                      "aux_layer_ids", "draft_vocab_size", "max_len", "batch_size", "grad_accum", "seed", "dtype",
                      "hidden_source", "ttt_steps")
-# Settings that only say where and how the finished draft is written or how the run reports:
-# rerunning a finished run with new ones re-exports it, which is their whole effect.
+# Where and how the draft is written or the run reports: a finished run rerun with new ones re-exports.
 OUTPUT_ONLY = ("export_dir", "export_dtype", "log_every", "save_every", "keep", "mesh")
 
 
@@ -292,9 +291,8 @@ class Trainer:
         return LoadedDraft(self.draft_model(), self.target, self.aux_ids)
 
     def evaluate(self) -> dict:
-        """Acceptance of the current draft on the held-out prompts through the decode session (the
-        serving loop, at K = ``eval_draft_tokens``, greedy), overall and per context length, beside
-        SpecForge's offline estimate from the training accuracies since the last evaluation."""
+        """Held-out acceptance through the serving loop (K = ``eval_draft_tokens``, greedy), overall and
+        per context length, beside SpecForge's estimate from the accuracies since the last one."""
         from eagle3_jax.speculative.engine import Engine, Request
         from eagle3_jax.metrics import GenerationStats
 
