@@ -6,6 +6,7 @@ attention under its ``create_peagle_mask_mod`` rollout rule). Its trainer step: 
 row a device, its target head on the stored final states, its COD sampling) averaged over the
 rows, loss and gradients."""
 
+import contextlib
 import json
 
 import jax.numpy as jnp
@@ -25,6 +26,16 @@ from tests import specforge_modules as sf
 from tests.test_peagle import ANCHOR, DEPTH, MASK_ID, TH, V, W, _ours, random_draft, tiny_config
 
 
+@contextlib.contextmanager
+def _patched(module, name, value):
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
 def _specforge_model(config_dir):
     from transformers import LlamaConfig
 
@@ -33,7 +44,7 @@ def _specforge_model(config_dir):
 
 def _specforge_logits(model, ids, aux, anchor=ANCHOR, depth=DEPTH):
     """The steps of SpecForge's P-EAGLE training forward up to the logits, on its module's methods."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     anchor, depth = torch.as_tensor(anchor), torch.as_tensor(depth)
     pos = anchor + depth
@@ -42,7 +53,9 @@ def _specforge_logits(model, ids, aux, anchor=ANCHOR, depth=DEPTH):
     hid = torch.where(known[:, None], torch.as_tensor(aux)[pos], model.mask_hidden.reshape(1, -1))
     mask_mod = sf.peagle_model.create_peagle_mask_mod(anchor, depth, torch.tensor([len(ids)]), len(ids))
     block = create_block_mask(mask_mod, B=None, H=None, Q_LEN=len(pos), KV_LEN=len(pos), device="cpu")
-    with torch.no_grad():
+    # torch's own flex attention, run eagerly: SpecForge wraps it in torch.compile, whose inductor
+    # build (a C++ toolchain, minutes, a cache under /tmp) is no part of what is compared here.
+    with torch.no_grad(), _patched(sf.peagle_draft, "compile_friendly_flex_attention", flex_attention):
         h = model.backbone(model.embed_input_ids(tok[None]), model.project_hidden_states(hid[None]),
                            attention_mask=block, position_ids=pos[None])
         return model.compute_logits(h)[0].numpy()

@@ -150,7 +150,9 @@ def test_specforge_convention_is_its_trainer_step(case, name):
     spec = ttt.LossSpec(steps=STEPS, convention="specforge", specforge_batch=len(LENGTHS), **lk, **settings)
     loss, m, grads = _ours(case, spec)
     _assert_same_step(loss, grads, ref_loss, ref_grads)
-    np.testing.assert_allclose(m["loss"], ref_m["plosses"], rtol=1e-5)
+    # per-step losses to 1e-5 of the largest: a late step's loss is ~20x smaller than the first's,
+    # and the chunked sum's order moves its last float32 bits
+    np.testing.assert_allclose(m["loss"], ref_m["plosses"], rtol=1e-5, atol=1e-5 * np.abs(ref_m["plosses"]).max())
     np.testing.assert_allclose(m["acc_all"], ref_m["acces"], rtol=1e-6)
     np.testing.assert_allclose(m["accept"], ref_m["acceptance_rates"], rtol=1e-5)
 
@@ -187,11 +189,15 @@ def test_offline_states_without_lengths_are_refused_for_specforge(tmp_path):
     (tmp_path / "target").mkdir()
     shutil.copy(REPO / "configs/models/tiny_deepseek_v3.json", tmp_path / "target" / "config.json")
     tcfg = e3.TargetConfig.from_path(tmp_path / "target")
-    cfg = TrainConfig(target=str(tmp_path / "target"), aux_layer_ids=(0, 1, 2), loss_convention="specforge")
-    meta = offline.offline_meta_for(cfg, tcfg, "digest")
+    (tmp_path / "rows.jsonl").write_text('{"text": "a row"}\n')
+    base = dict(target=str(tmp_path / "target"), data=str(tmp_path / "rows.jsonl"), out_dir=str(tmp_path / "o"),
+                aux_layer_ids=(0, 1, 2))
+    cfg = TrainConfig(**base, loss_convention="specforge")
+    plan = cfg.resolve()
+    meta = offline.offline_meta_for(plan, offline.file_digest(cfg.data))
     with pytest.raises(ConfigError, match="prepared without the rows' lengths.*rerun mode=prepare"):
-        offline.check_offline_meta(meta, cfg, tcfg, str(tmp_path))
-    offline.check_offline_meta(meta, TrainConfig(target=cfg.target, aux_layer_ids=(0, 1, 2)), tcfg, str(tmp_path))
+        offline.check_offline_meta(meta, plan, str(tmp_path))
+    offline.check_offline_meta(meta, TrainConfig(**base).resolve(), str(tmp_path))
 
 
 def test_simulated_acc_len():

@@ -366,7 +366,9 @@ def main(argv=None, models: Callable | None = None, engine_module=None, demo_dir
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s",
                             datefmt="%H:%M:%S")
-        log.setLevel(logging.INFO)
+    # our own notices (resuming, compile times) at INFO whoever configured the root logger first:
+    # importing orbax logs through absl, which installs a root handler when none is there
+    log.setLevel(logging.INFO)
     # The watchdog logs its warning (above the progress bar); the same text as a Python warning
     # would only print it a second time.
     warnings.simplefilter("ignore", AcceptanceCollapseWarning)

@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="training data JSONL (train.py's format): checks its rendering against serve.py's, "
                                   "measures on its prompts, and compares tau with what the draft's accuracies on "
                                   "it imply (the training eval's check)")
-    p.add_argument("--num-prompts", type=int, default=6, help="prompts to measure on (default 6)")
+    p.add_argument("--num-prompts", type=int, default=6,
+                   help="prompts to measure on (default 6; without --prompts at most the 8 built-in ones)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt (default 48)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="K, draft tokens per round (default 4)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),

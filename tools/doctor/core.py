@@ -20,9 +20,11 @@ import numpy as np
 from eagle3_jax import preflight
 from eagle3_jax.metrics import WATCHDOG_TAU
 
-# A wiring must beat the configured one by more than this (tau) to be recommended: below it the
-# difference is within what a handful of prompts can tell apart.
+# A wiring must beat the configured one by more than this (tau), and by more than NOISE_SE standard
+# errors of the gain measured prompt by prompt, to be recommended: tau moves by tenths from prompt
+# to prompt, so two prompts cannot tell a one-layer shift from luck.
 MIN_GAIN = 0.05
+NOISE_SE = 2.0
 # Below this share of the text's tokens in the draft vocab, the vocab map is a likely culprit.
 LOW_COVERAGE = 0.8
 # --data rows are read up to this many tokens (the draft's accuracies on them: a training step's work)
@@ -48,6 +50,25 @@ class Wiring:
     tau: float | None = None
     accept_rate_per_position: list[float] = field(default_factory=list)
     rounds: int = 0
+    per_prompt_tau: list[float] = field(default_factory=list)
+
+
+def gain_and_noise(better: Wiring, than: Wiring) -> tuple[float, float]:
+    """How much more ``better`` accepts than ``than`` (tau), and the standard error of that gain.
+    Every wiring decodes the same prompts to the same tokens (greedy is lossless), so the gain is
+    paired prompt by prompt: its standard error is that of the mean per-prompt difference. Under 3
+    prompts there is no spread to judge by: the error is infinite and nothing is recommended."""
+    d = np.asarray(better.per_prompt_tau, np.float64) - np.asarray(than.per_prompt_tau, np.float64)
+    d = d[np.isfinite(d)]            # a prompt that ended before its first round has no tau
+    if d.size < 3:
+        return better.tau - than.tau, float("inf")
+    return better.tau - than.tau, float(d.std(ddof=1) / np.sqrt(d.size))
+
+
+def clear_gain(better: Wiring, than: Wiring) -> bool:
+    """Whether ``better`` accepts measurably more than ``than``: by MIN_GAIN and beyond the noise."""
+    gain, se = gain_and_noise(better, than)
+    return gain > max(MIN_GAIN, NOISE_SE * se)
 
 
 def candidate_wirings(configured: tuple[int, ...], num_layers: int, num_aux: int) -> list[Wiring]:
@@ -97,6 +118,7 @@ class DoctorReport:
     likely_causes: list[str]
     simulated_acc_len: float | None = None   # with --data: what the draft's accuracies on it imply
     acceptance_gap: str | None = None        # with --data: why tau falls far below that, else None
+    within_noise: str | None = None          # a wiring measured higher, but not beyond the noise: which
 
     @property
     def fix_json(self) -> str:
@@ -104,6 +126,8 @@ class DoctorReport:
                                             "use_aux_hidden_state": True}})
 
     def verdict(self) -> str:
+        if self.configured_is_best and self.within_noise:
+            return (f"configured wiring kept: {self.configured_ids}; {self.within_noise}")
         if self.configured_is_best:
             return f"configured wiring is best: {self.configured_ids}"
         return (f"use {self.best} {self.best_ids}: set `eagle_config.eagle_aux_hidden_state_layer_ids` to "
@@ -121,8 +145,8 @@ def load_prompts(tokenizer, path: str | None, num_prompts: int) -> list[list[int
     from eagle3_jax.errors import ConfigError
     from eagle3_jax.serve.inputs import read_prompts
 
-    if path is None:
-        texts = [BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)] for i in range(num_prompts)]
+    if path is None:   # each at most once: a repeated prompt would count twice as evidence
+        texts = list(BUILTIN_PROMPTS[:num_prompts])
         return [tokenizer.encode(t) for t in texts]
     records, bad = read_prompts(path)
     if bad:
@@ -141,7 +165,7 @@ def rank_causes(wirings: list[Wiring], configured_tau: float, coverage: float, c
     measured = [w for w in wirings if w.tau is not None]
     best = max(measured, key=lambda w: w.tau)
     causes: list[tuple[float, str]] = []
-    if best.tau - configured_tau > MIN_GAIN:
+    if clear_gain(best, wirings[0]):
         causes.append((3.0, f"wrong aux layer ids: {best.name} {list(best.ids)} reaches tau {best.tau:.2f} "
                             f"against {configured_tau:.2f} configured"))
     if coverage < LOW_COVERAGE:
@@ -207,12 +231,21 @@ def diagnose(target_dir: str, draft_dir: str, prompts: str | None = None, num_pr
         w.tau = float(result.stats.mean_accept_length)
         w.accept_rate_per_position = [float(a) for a in result.stats.accept_rate_per_position]
         w.rounds = result.stats.rounds
+        w.per_prompt_tau = [float(x) for x in result.stats.per_row_accept_length]
         generated = generated or result.tokens
 
     configured = wirings[0]
     measured = [w for w in wirings if w.tau is not None]
     best = max(measured, key=lambda w: w.tau)
-    configured_is_best = best is configured or best.tau - configured.tau <= MIN_GAIN
+    configured_is_best = best is configured or not clear_gain(best, configured)
+    within_noise = None
+    if configured_is_best and best is not configured and best.tau > configured.tau:
+        _, se = gain_and_noise(best, configured)
+        noise = (f"standard error of the per-prompt gain {se:.2f}" if np.isfinite(se)
+                 else "under 3 prompts, no spread to judge by")
+        within_noise = (f"{best.name} {list(best.ids)} measured tau {best.tau:.2f} against {configured.tau:.2f}, "
+                        f"within the noise of {len(prompt_ids)} prompts ({noise}); pass a larger --num-prompts "
+                        "to tell them apart")
     if configured_is_best:
         best = configured
     t2d_V = np.asarray(draft.model.t2d[...])
@@ -238,7 +271,7 @@ def diagnose(target_dir: str, draft_dir: str, prompts: str | None = None, num_pr
         num_prompts=len(prompt_ids), num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens,
         wirings=wirings, best=best.name, best_ids=list(best.ids), configured_is_best=configured_is_best,
         vocab_coverage=coverage, tau_near_one=near_one, likely_causes=causes, simulated_acc_len=simulated,
-        acceptance_gap=gap)
+        acceptance_gap=gap, within_noise=within_noise)
 
 
 def format_report(r: DoctorReport) -> str:
