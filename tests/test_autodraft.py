@@ -441,3 +441,16 @@ def test_a_draft_that_costs_time_is_reported_with_what_to_do():
                                               rounds_per_k={0: 100, 2: 16})
     fallback = speculation_verdict(auto)
     assert not fallback["costs_time"] and "does not pay" in fallback["reason"] and "SLOWER" not in auto.postfix()
+
+
+def test_the_k_table_setting():
+    from eagle3_jax.errors import SettingsError
+    from eagle3_jax.serve import cli
+
+    from eagle3_jax.serve.settings import parse_k_table
+
+    assert parse_k_table(cli.settings_from_argv(["--k-table", "1:0,8:2"]).k_table) == {1: 0, 8: 2}
+    assert cli.settings_from_argv([]).k_table is None
+    for bad in ("8", "1:0:2", "0:1", "1:-1", "one:two"):
+        with pytest.raises(SettingsError, match="k_table: expected batch:K pairs"):
+            cli.settings_from_argv(["--k-table", bad])
