@@ -65,6 +65,18 @@ def test_the_rate_counts_admissions_and_the_last_wave_does_not():
     assert short.rate(2, last_wave=True) == pytest.approx(tau2 / 2.0)
 
 
+def test_an_admission_kind_not_run_is_priced_by_the_calibrations_ratio():
+    """The probe admits 16-token prompts; a job's prompts cost far more to prefill. Once the job has
+    admitted without the draft only, with the draft is priced at the live level times the probe's
+    ratio of the two, not at the probe's own (cheap) figure."""
+    costs = Costs({0: 1.0, 1: 1.5}, {False: 0.01, True: 0.015})
+    assert costs.admission(True) == pytest.approx(0.015)
+    costs.observe(run_of(0, 8, 8 * 1.0 + 0.4, admitted=2, admit_seconds=0.4))   # 0.2 s a row live
+    assert costs.admission(False) == pytest.approx(0.2) and costs.admission(True) == pytest.approx(0.3)
+    costs.observe(run_of(1, 8, 8 * 1.5 + 0.5, admitted=2, admit_seconds=0.5))
+    assert costs.admission(True) == pytest.approx(0.25)
+
+
 def test_the_start_is_the_tables_k():
     """Calibrated costs and acceptance choose the first K (the table's, per batch size); a user's
     table names it instead; with nothing known about acceptance, target-only (the prior cannot
@@ -429,3 +441,16 @@ def test_a_draft_that_costs_time_is_reported_with_what_to_do():
                                               rounds_per_k={0: 100, 2: 16})
     fallback = speculation_verdict(auto)
     assert not fallback["costs_time"] and "does not pay" in fallback["reason"] and "SLOWER" not in auto.postfix()
+
+
+def test_the_k_table_setting():
+    from eagle3_jax.errors import SettingsError
+    from eagle3_jax.serve import cli
+
+    from eagle3_jax.serve.settings import parse_k_table
+
+    assert parse_k_table(cli.settings_from_argv(["--k-table", "1:0,8:2"]).k_table) == {1: 0, 8: 2}
+    assert cli.settings_from_argv([]).k_table is None
+    for bad in ("8", "1:0:2", "0:1", "1:-1", "one:two"):
+        with pytest.raises(SettingsError, match="k_table: expected batch:K pairs"):
+            cli.settings_from_argv(["--k-table", bad])

@@ -333,13 +333,14 @@ def _auto_settings(s: ServeSettings, dtype: str) -> dict:
     """Under auto: the user's K table, and where auto's measurements are kept (beside the compile
     cache, while it is on)."""
     from eagle3_jax import compile_cache
+    from eagle3_jax.serve.settings import parse_k_table
     from eagle3_jax.speculative.calibration import CalibrationStore
 
     if not s.draft or s.num_draft_tokens != "auto":
         return {}
     directory = compile_cache.calibration_dir()
     store = CalibrationStore.for_pair(directory, s.target, s.draft, dtype, s.mesh) if directory else None
-    return {"calibration": store, "k_table": s.k_table}
+    return {"calibration": store, "k_table": parse_k_table(s.k_table) if s.k_table else None}
 
 
 def _join_process_group(argv) -> None:

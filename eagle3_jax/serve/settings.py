@@ -32,11 +32,15 @@ def draft_tokens_setting(value: Any) -> Any:
     raise SettingsError(f"num_draft_tokens: expected an integer or 'auto', found {type(value).__name__} {value!r}")
 
 
-def k_table_setting(value: Any) -> dict[int, int]:
-    """``k_table``: batch size -> the first K under auto, as ``1:0,8:2`` or a mapping."""
+def k_table_setting(value: Any) -> str:
+    """``k_table``: batch size -> the first K under auto, as ``1:0,8:2`` (checked, kept as text)."""
+    parse_k_table(value)
+    return str(value)
+
+
+def parse_k_table(value: Any) -> dict[int, int]:
     try:
-        pairs = value.items() if isinstance(value, dict) else (p.split(":") for p in str(value).split(",") if p.strip())
-        table = {int(b): int(k) for b, k in pairs}
+        table = {int(b): int(k) for b, k in (p.split(":") for p in str(value).split(",") if p.strip())}
     except ValueError:
         table = None
     if not table or any(b < 1 or k < 0 for b, k in table.items()):
@@ -57,7 +61,7 @@ class ServeSettings:
     # "auto": K chosen per batch from measured round costs and live acceptance (0 = target-only).
     num_draft_tokens: int | str = "auto"
     # Under auto: batch size -> the K a job starts from (None: what earlier jobs or a probe measured).
-    k_table: dict | None = None
+    k_table: str | None = None
     batch_size: int = 8
     max_len: int = 2048
     # Memory bounds of prefill (tools.plan plans the same): the most rows one prefill call admits

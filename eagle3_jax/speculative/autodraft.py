@@ -187,10 +187,21 @@ class Costs:
         return live if live is not None else self._base(k) * self.drift()
 
     def admission(self, drafted: bool) -> float:
+        """Seconds per admitted row, with the draft's prefill or without. A kind not admitted in this
+        job is priced from the kind that was, by the calibration's ratio between the two: the
+        prompts of a job set the level (a probe's 16-token prompts are far cheaper to prefill than
+        a job's), the calibration only the draft's share."""
+        own, other = (self._admitted(d) for d in (drafted, not drafted))
+        if own is not None:
+            return own
+        cal, cal_other = self.admit_calibrated.get(drafted), self.admit_calibrated.get(not drafted)
+        if other is not None and cal and cal_other:
+            return other * cal / cal_other
+        return (cal or 0.0) * self.drift()
+
+    def _admitted(self, drafted: bool) -> float | None:
         seconds, rows = self.admissions.get(drafted, (0.0, 0))
-        if rows:
-            return seconds / rows
-        return self.admit_calibrated.get(drafted, 0.0) * self.drift()
+        return seconds / rows if rows else None
 
     def noise(self, k: int) -> float:
         """Relative standard error of c(K): from the spread of its timed runs, else the calibration's."""
