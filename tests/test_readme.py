@@ -105,7 +105,7 @@ def test_readme_quick_commands_run_as_printed(clone):
 
 
 @pytest.mark.skipif(os.environ.get("EAGLE3_README_SLOW") != "1",
-                    reason="the README's slow block (regenerate, train, serve; ~15 min on 2 cores): "
+                    reason="the README's slow block (regenerate, train, serve; ~13 min of 2-core CPU time): "
                            "set EAGLE3_README_SLOW=1")
 def test_readme_train_commands_run_as_printed_and_the_draft_serves(clone):
     commands = readme_commands("slow")

@@ -334,10 +334,10 @@ def run(demo_dir: str) -> int:
             base, spec, par = runs["base"], runs["spec"], runs.get("par")
             case = Case(batch_size, temperature, base, spec, par)
             cases.append(case)
-            also = "" if par is None else (f", P-EAGLE {par.tokens_per_second:.1f} tok/s ({ratio_text(par, base)})")
+            also = "" if par is None else f"; P-EAGLE {par.tokens_per_second:.1f} tok/s, {ratio_text(par, base)}"
             print(f"batch {batch_size:>2} ({n} prompts), T={temperature:g}: target-only "
-                  f"{base.tokens_per_second:.1f} tok/s, EAGLE-3 {spec.tokens_per_second:.1f} tok/s "
-                  f"({ratio_text(spec, base)}){also}", flush=True)
+                  f"{base.tokens_per_second:.1f} tok/s; EAGLE-3 {spec.tokens_per_second:.1f} tok/s, "
+                  f"{ratio_text(spec, base)}{also}", flush=True)
             checked = {"EAGLE-3": case.identical} | ({"P-EAGLE": case.parallel_identical} if par else {})
             for name, same in checked.items():
                 if temperature == 0 and same != n:
