@@ -6,7 +6,10 @@ conditional at its costlier branch. A round has three kinds of loop, and each is
 
 * attention over the filled slots (``models/attention.py``): one trip per block of ``kb`` slots,
   ``kb`` from the product's own ``key_block``; the trips after the first read ``kb`` more slots per
-  row and read and write the running max, sum and weighted sum (float32);
+  row and read and write the running max, sum and weighted sum (float32). The draft's GQA trip
+  also copies its block of keys and of values to the layout its dot wants (read, write, read
+  again: ``GQA_BLOCK_PASSES``; seen in the compiled Kimi-K2.5 round on v5p, where the target's MLA
+  trips copy nothing);
 * FP8 projections (``Fp8Linear``, DeepSeek-V3's checkpoint form): one trip per tile of input
   columns (or output rows), the trips after the first read the rest of the matrix and its scales;
 * routed experts: the compiled program reserves blocks for the worst routing, so its kernels'
@@ -31,6 +34,7 @@ from tools.plan.common import Leaf
 from tools.plan.roofline import Routing, experts_touched
 
 F32 = 4
+GQA_BLOCK_PASSES = 3
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,8 @@ def draft_attention_extra(d: DraftConfig, s: Shape, cache_itemsize: int, tensor:
     G, H, N = d.num_key_value_heads // tensor, d.head_dim, d.num_attention_heads // tensor
     total_b = total_f = 0.0
     for tokens, filled in [(1, s.context + j) for j in range(1, s.k)] + [(s.k + 1, s.context + s.k + 1)]:
-        b, f = attention_extra(s.rows, tokens, N, s.capacity, filled, 2 * G * H * cache_itemsize, H, 2 * H)
+        b, f = attention_extra(s.rows, tokens, N, s.capacity, filled, GQA_BLOCK_PASSES * 2 * G * H * cache_itemsize,
+                               H, 2 * H)
         total_b, total_f = total_b + b, total_f + f
     return total_b, total_f
 
