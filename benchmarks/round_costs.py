@@ -85,7 +85,6 @@ class Models:
     cfg: object
     dcfg: object
     aux_ids: tuple
-    layout: object
     dtype: object
 
 
@@ -97,7 +96,7 @@ def demo_models(demo_dir: str) -> Models:
     t = e3.load_target(os.path.join(demo_dir, "target"), dtype=dtype)
     d = e3.load_draft(os.path.join(demo_dir, "draft"), t)
     return Models(f"demo pair {os.path.relpath(demo_dir, REPO)} ({dtype})", (t.graphdef, t.state),
-                  (d.graphdef, d.state), t.config, d.config, tuple(d.aux_layer_ids), None, jnp.dtype(dtype))
+                  (d.graphdef, d.state), t.config, d.config, tuple(d.aux_layer_ids), jnp.dtype(dtype))
 
 
 def random_models(config: str, layers: int | None, dtype: str, quant_override: dict | None = None) -> Models:
@@ -123,7 +122,7 @@ def random_models(config: str, layers: int | None, dtype: str, quant_override: d
     target = nnx.split(Target(cfg, dt, nnx.Rngs(0), quant=layout))
     draft = nnx.split(drafts.of_config(dcfg).module(dcfg, len(aux), dt, nnx.Rngs(1)))
     what = f"{os.path.basename(config)} cut to {L} of {full.num_hidden_layers} layers at full width, random weights"
-    return Models(what + (f", {layout.name}" if layout else ""), target, draft, cfg, dcfg, aux, layout, dt)
+    return Models(what + (f", {layout.name}" if layout else ""), target, draft, cfg, dcfg, aux, dt)
 
 
 def state_for(models: Models, batch: int, capacity: int, context: int, k_max: int):
@@ -156,7 +155,7 @@ def run_cell(models: Models, batch: int, k: int, args, chip: Chip) -> dict:
     axes = {".".join(map(str, p)): getattr(v, "axes", None) for p, v in nnx.to_flat_state(ts)}
     whole = NamedSharding(Mesh(jax.devices()[:1], ("one",)), P())   # one device: every array whole
     abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=whole), ts)
-    pair = rounds.Pair(models.cfg, models.dcfg, {"data": 1, "expert": 1, "tensor": 1}, models.layout, models.dtype,
+    pair = rounds.Pair(models.cfg, models.dcfg, {"data": 1, "expert": 1, "tensor": 1}, models.dtype,
                        _leaves(abstract, axes, "target."))
     shape = uncounted.Shape(rows=batch, k=k, context=args.context, capacity=args.context + args.headroom)
     counted = rounds.counted_cost(rc, pair, shape)

@@ -2,6 +2,7 @@
 the routing model, interpolation, acceptance, and on the TPU compiler (tiny config, INT4 experts)
 the speedup table end to end with its per-layer extrapolation checked against a deeper compile."""
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -164,3 +165,21 @@ def test_report_on_synthetic_costs_names_a_best_k_per_batch():
         assert regen.keys() == {32, 64, 128, 256}
         assert regen[256]["tokens_per_s"] > regen[32]["tokens_per_s"]
     assert any("does not fit" in line for line in lines)   # 50 GB + 0.2 GB a row passes 70 GB by 128 rows
+
+
+def test_round_store_keeps_what_was_compiled(tmp_path):
+    from tools.plan.roofline import HloCosts
+    from tools.plan.serve import PlanSettings
+
+    path = str(tmp_path / "rounds.json")
+    s = PlanSettings(model="m.json", mesh="data=1,expert=8,tensor=1", platform="tpu", topology="v5p:2x2x2")
+    grid = rounds.GridSettings()
+    rc = rounds.RoundCost(batch=8, k=3, layers=2, flops=1.0, bytes_accessed=2.0, hlo=HloCosts(collective_bytes=3.0),
+                          compile_s=4.0, argument_bytes=5, temp_bytes=6)
+    key = rounds.Store.key(s, 2, 8, 3, grid)
+    rounds.Store(path).put(key, rc)
+    again = rounds.Store(path)
+    assert again.get(key) == rc
+    assert again.get(rounds.Store.key(s, 3, 8, 3, grid)) is None   # another cut is another program
+    other = dataclasses.replace(grid, capacity=grid.capacity * 2)
+    assert again.get(rounds.Store.key(s, 2, 8, 3, other)) is None   # another capacity too

@@ -140,18 +140,13 @@ def cut_layers(cfg) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Pair:
     """What the uncounted costs of a round depend on besides its shape: the target and draft configs,
-    the mesh's axis sizes, the quantized layout, the compiled dtype, the target's parameter leaves."""
+    the mesh's axis sizes, the compiled dtype, the target's parameter leaves."""
 
     cfg: object
     dcfg: object
     mesh_shape: dict
-    layout: object
     dtype: object
     target_leaves: list
-
-    @property
-    def fp8_block(self):
-        return tuple(self.layout.fp8_block) if self.layout is not None and self.layout.fp8_block else None
 
     def experts(self):
         return uncounted.expert_layer(self.cfg, self.target_leaves, self.mesh_shape, uncounted.itemsize(self.dtype))
@@ -163,9 +158,8 @@ def counted_cost(rc: RoundCost, pair: Pair, shape: uncounted.Shape) -> Counted:
     size = uncounted.itemsize(pair.dtype)
     tb, tf = uncounted.target_attention_extra(pair.cfg, pair.cfg.num_hidden_layers, shape, size, tensor)
     db, df = uncounted.draft_attention_extra(pair.dcfg, shape, size, tensor)
-    fb, ff = uncounted.fp8_tiles_extra(pair.target_leaves, pair.fp8_block, shape.rows * (shape.k + 1))
-    return Counted(flops=rc.flops - rc.hlo.kernel_flops + tf + df + ff,
-                   bytes=rc.bytes_accessed - rc.hlo.kernel_bytes + tb + db + fb,
+    return Counted(flops=rc.flops - rc.hlo.kernel_flops + tf + df,
+                   bytes=rc.bytes_accessed - rc.hlo.kernel_bytes + tb + db,
                    collective_bytes=rc.hlo.collective_bytes, argument_bytes=float(rc.argument_bytes))
 
 
@@ -218,8 +212,8 @@ def compile_cut(settings, layers: int, cells: list[tuple[int, int]], grid: GridS
         with jax.set_mesh(su.mesh):
             (tg, ts, taxes), (dg, ds, _) = su.models(su.compiled)
             state = su.loop_state((tg, ts), (dg, ds), su.compiled)
-            pair = Pair(su.cfg, su.dcfg, dict(zip(su.mesh.axis_names, su.mesh.devices.shape)), su.layout,
-                        su.compiled, _leaves(ts, taxes, "target."))
+            pair = Pair(su.cfg, su.dcfg, dict(zip(su.mesh.axis_names, su.mesh.devices.shape)), su.compiled,
+                        _leaves(ts, taxes, "target."))
             out.setdefault("experts", pair.experts())
             for k in sorted(k for bb, k in cells if bb == b):
                 key = Store.key(settings, layers, b, k, grid)

@@ -2,13 +2,18 @@
 
 The cost analysis counts a loop's body once, whatever its trip count (checked on the TPU
 compiler: a static 8-trip ``fori_loop`` over tiles of a matrix reports one tile's bytes), and a
-conditional at its costlier branch. A round has three kinds of loop, and each is added here:
+conditional at its costlier branch. What a round's loops leave out is added here:
 
 * attention over the filled slots (``models/attention.py``): one trip per block of ``kb`` slots,
   ``kb`` from the product's own ``key_block``; the trips after the first read ``kb`` more slots per
-  row and read and write the running max, sum and weighted sum (float32);
-* FP8 projections (``Fp8Linear``, DeepSeek-V3's checkpoint form): one trip per tile of input
-  columns (or output rows), the trips after the first read the rest of the matrix and its scales;
+  row and read and write the running max, sum and weighted sum (float32). The draft's GQA trip
+  also copies its block of keys and of values to the layout its dot wants (read, write, read
+  again: ``GQA_BLOCK_PASSES``; seen in the compiled Kimi-K2.5 round on v5p, where the target's MLA
+  trips copy nothing);
+* FP8 projections (``Fp8Linear``, DeepSeek-V3's checkpoint form) loop over tiles of columns, but
+  nothing is added for them: in the compiled DeepSeek-V3 round the tile loop's body takes each
+  whole matrix and relays it out inside a fusion, so the one trip counted already charges the
+  whole matrix (0.51 GB per MoE layer counted beside 0.23 GB of FP8 values and scales);
 * routed experts: the compiled program reserves blocks for the worst routing, so its kernels'
   estimates are replaced by what a routing model expects (``roofline.experts_touched``): the
   experts the busiest chip reads (values and scales, as held) and the rows it computes.
@@ -27,11 +32,11 @@ import jax.numpy as jnp
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.drafts import DraftConfig
 from eagle3_jax.models.attention_core import key_block
-from eagle3_jax.models.quantized import TILE_COLS, tile_width
 from tools.plan.common import Leaf
 from tools.plan.roofline import Routing, experts_touched
 
 F32 = 4
+GQA_BLOCK_PASSES = 3
 
 
 @dataclass(frozen=True)
@@ -73,32 +78,10 @@ def draft_attention_extra(d: DraftConfig, s: Shape, cache_itemsize: int, tensor:
     G, H, N = d.num_key_value_heads // tensor, d.head_dim, d.num_attention_heads // tensor
     total_b = total_f = 0.0
     for tokens, filled in [(1, s.context + j) for j in range(1, s.k)] + [(s.k + 1, s.context + s.k + 1)]:
-        b, f = attention_extra(s.rows, tokens, N, s.capacity, filled, 2 * G * H * cache_itemsize, H, 2 * H)
+        b, f = attention_extra(s.rows, tokens, N, s.capacity, filled, GQA_BLOCK_PASSES * 2 * G * H * cache_itemsize,
+                               H, 2 * H)
         total_b, total_f = total_b + b, total_f + f
     return total_b, total_f
-
-
-def fp8_tiles_extra(target_leaves: list[Leaf], block: tuple[int, int] | None, tokens: int) -> tuple[float, float]:
-    """(bytes, flops) of the FP8 projections' tile trips after the first, for one target pass of
-    ``tokens`` tokens per chip."""
-    if block is None:
-        return 0.0, 0.0
-    by_path = {leaf.path: leaf for leaf in target_leaves}
-    extra_b = extra_f = 0.0
-    for leaf in target_leaves:
-        if leaf.routed_expert or not leaf.path.endswith(".weight") or "float8" not in leaf.dtype:
-            continue
-        O, I = leaf.shard_shape[-2], leaf.shard_shape[-1]
-        input_split = len(leaf.spec) > 1 and leaf.spec[1] is not None and leaf.spec[0] is None
-        width = tile_width(O, block[0], TILE_COLS) if input_split else tile_width(I, block[1], TILE_COLS)
-        if width is None:
-            continue
-        tiles = (O if input_split else I) // width
-        scale = by_path.get(leaf.path.removesuffix(".weight") + ".scale_inv")
-        rest = 1.0 - 1.0 / tiles
-        extra_b += rest * (leaf.device_bytes + (scale.device_bytes if scale else 0))
-        extra_f += rest * 2.0 * tokens * O * I
-    return extra_b, extra_f
 
 
 @dataclass(frozen=True)
