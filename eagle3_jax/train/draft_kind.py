@@ -71,11 +71,6 @@ def trainer_class(kind: DraftKind):
     return getattr(importlib.import_module(f"eagle3_jax.train.{module}"), name)
 
 
-def file_aux_ids(d: dict | None) -> tuple[int, ...] | None:
-    ids = ((d or {}).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return None if ids is None else tuple(int(i) for i in ids)
-
-
 def check_draft_settings(cfg, tcfg: TargetConfig, kind: DraftKind, d: dict | None) -> None:
     """The draft-kind settings against each other and the target (the sizes are checked when
     ``build_draft_config`` parses the result)."""

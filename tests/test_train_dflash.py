@@ -1,0 +1,131 @@
+"""``train.py`` with ``draft_kind: dflash``: the step's loss and gradients equal SpecForge's own DFlash
+training forward (``OnlineDFlashModel``, eager attention) on the same batch and blocks; a run lowers
+the loss, a killed run resumes to the same weights as an uninterrupted one, online and offline
+target states train alike, the export loads strictly here and into SpecForge's ``DFlashDraftModel``
+with the same logits, and settings of other objectives are refused."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+import eagle3_jax as e3
+from eagle3_jax import drafts
+from eagle3_jax.drafts.dflash.checkpoint import iter_dflash_tensors
+from eagle3_jax.errors import ConfigError
+from eagle3_jax.train import TrainConfig, run
+from eagle3_jax.train.dflash_step import block_loss
+from eagle3_jax.train.dflash_trainer import DFlashTrainer
+from eagle3_jax.train.step import micro_features
+from tests.test_train import predictable_target, predictable_target_dir  # noqa: F401  (a peaked tiny target)
+from tests.test_train_peagle import T, corpus, rows_file  # noqa: F401  (its target-written rows)
+
+torch = pytest.importorskip("torch")
+family = pytest.importorskip("specforge.algorithms.common.dflash_family_model")
+dflash_module = pytest.importorskip("specforge.modeling.draft.dflash")
+
+BLOCK, ANCHORS = 4, 6
+SMALL = dict(max_len=T, batch_size=4, grad_accum=2, aux_layer_ids=[0, 1, 2],
+             draft={"intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+             dflash={"num_hidden_layers": 2, "block_size": BLOCK, "num_anchors": ANCHORS})
+
+
+def _config(target_dir, data, out_dir, **over) -> TrainConfig:
+    d = {"target": str(target_dir), "data": None if data is None else str(data), "out_dir": str(out_dir),
+         "draft_kind": "dflash", "lr": 3e-3, "warmup_ratio": 0.0, "total_steps": 6, "save_every": 2, "keep": 2,
+         "seed": 0, **SMALL}
+    d.update(over)
+    return TrainConfig.from_dict(d)
+
+
+def _losses(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [(r["step"], r["loss"], r["acc"]) for r in map(json.loads, f) if "loss" in r]
+
+
+def _dflash_file(tmp_path, **over):
+    """A SpecForge DFlash config.json with a full and a sliding layer."""
+    d = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64, "vocab_size": 256,
+         "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+         "num_hidden_layers": 2, "layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": True,
+         "sliding_window": 3, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256,
+         "block_size": BLOCK, "dflash_config": {"target_layer_ids": [0, 1, 2]}, **over}
+    path = tmp_path / f"dflash_config_{len(list(tmp_path.glob('dflash_config_*')))}.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+def _specforge_draft(path):
+    """SpecForge's own class built from an export's config.json, its tensors loaded strictly."""
+    from safetensors.torch import load_file as load_torch
+    from transformers import Qwen3Config
+
+    theirs = dflash_module.DFlashDraftModel(Qwen3Config.from_pretrained(str(path))).float()
+    theirs.config._attn_implementation = "eager"
+    missing, unexpected = theirs.load_state_dict(load_torch(str(path / "model.safetensors")), strict=True)
+    assert not missing and not unexpected
+    return theirs
+
+
+def _online_specforge(theirs, target, mask_id, gamma=None):
+    embed_VD, head_VD = (np.array(a) for a in (target.model.embed_tokens[...], target.model.lm_head[...].T))
+    lm_head = torch.nn.Linear(*head_VD.shape[::-1], bias=False)
+    embed = torch.nn.Embedding(*embed_VD.shape)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.as_tensor(head_VD))
+        embed.weight.copy_(torch.as_tensor(embed_VD))
+    for p in (*lm_head.parameters(), *embed.parameters()):
+        p.requires_grad_(False)
+    return family.OnlineDFlashModel(theirs, lm_head, embed, mask_token_id=mask_id, block_size=BLOCK,
+                                    attention_backend="sdpa", num_anchors=ANCHORS, loss_decay_gamma=gamma)
+
+
+@pytest.mark.parametrize("gamma", [None, 3.0])
+def test_step_loss_and_gradients_equal_specforges(predictable_target_dir, predictable_target,  # noqa: F811
+                                                  rows_file, tmp_path, gamma):  # noqa: F811
+    """Full and sliding layers (a SpecForge config file), two micro-batches of four rows whose loss
+    masks start past the prompt: the step's loss is the mean of SpecForge's micro-batch losses, and
+    the gradient the step takes of each micro-batch is SpecForge's, tensor by tensor (float32)."""
+    cfg = _config(predictable_target_dir, rows_file, tmp_path / "run", draft={}, draft_config_file=_dflash_file(tmp_path),
+                  dflash={"num_anchors": ANCHORS, "loss_decay_gamma": gamma})
+    trainer = DFlashTrainer(cfg, progress=False)
+    batch = trainer.next_batch()
+    draft = trainer.draft_model()   # the weights the step starts from
+    trainer.export(tmp_path / "start")
+    theirs = _specforge_draft(tmp_path / "start")
+    online = _online_specforge(theirs, predictable_target, trainer.dcfg.mask_token_id, gamma)
+    graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
+    losses = []
+    for a in range(batch["ids"].shape[0]):
+        mb = {k: v[a] for k, v in batch.items()}
+        aux, _ = micro_features(mb, trainer.target.graphdef, trainer.target.state, trainer.aux_ids, cfg.target_chunk)
+        (loss, _), grads = jax.value_and_grad(
+            lambda p: block_loss(nnx.merge(graphdef, p, rest), trainer.embed_VD, trainer.lm_head_DV, aux, mb,
+                                 trainer.spec), has_aux=True)(params)
+        width = int(np.asarray(mb["keep"]).sum(1).max())   # SpecForge's blocks a row: the most any row keeps
+        anchors = torch.as_tensor(np.asarray(mb["anchor"], np.int64)[:, :width])
+        keep = torch.as_tensor(np.asarray(mb["keep"])[:, :width])
+        online._sample_anchor_positions = lambda *args, **kw: (anchors, keep)
+        theirs.zero_grad()
+        ref, _, _ = online(torch.as_tensor(np.asarray(mb["ids"], np.int64)), torch.as_tensor(np.array(aux)),
+                           torch.as_tensor(np.array(mb["loss_mask"], np.float32)))
+        ref.backward()
+        assert abs(float(loss) - float(ref)) <= 1e-5 * abs(float(ref)), (float(loss), float(ref))
+        losses.append(float(ref))
+        ours = dict(iter_dflash_tensors(trainer.dcfg, {tuple(p): np.asarray(v[...])
+                                                        for p, v in nnx.to_flat_state(grads)}, 3))
+        worst = 0.0
+        for name, p in theirs.named_parameters():
+            g = p.grad.numpy()
+            err = np.abs(ours[name] - g).max() / max(np.abs(g).max(), 1e-30)
+            worst = max(worst, err)
+            assert err <= 1e-5, (name, err)
+        print(f"DFlash step vs SpecForge, gamma={gamma}, micro-batch {a}: loss {float(loss):.7f} vs {float(ref):.7f}, "
+              f"worst gradient {worst:.2e} (max |ours - specforge| / max |specforge| per tensor)")
+    assert trainer.run_step(batch)["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+    trainer.close()
