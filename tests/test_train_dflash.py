@@ -129,3 +129,74 @@ def test_step_loss_and_gradients_equal_specforges(predictable_target_dir, predic
               f"worst gradient {worst:.2e} (max |ours - specforge| / max |specforge| per tensor)")
     assert trainer.run_step(batch)["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
     trainer.close()
+
+
+def test_training_lowers_the_loss_and_the_draft_is_accepted(predictable_target_dir, corpus, tmp_path):  # noqa: F811
+    rows, prompts = corpus
+    result = run(_config(predictable_target_dir, rows, tmp_path / "run", total_steps=30, save_every=30,
+                         eval_every=30, eval_prompts=str(prompts), eval_new_tokens=10, eval_draft_tokens=BLOCK - 1),
+                 progress=False)
+    assert result.finished and result.step == 30
+    losses = [loss for _, loss, _ in _losses(tmp_path / "run")]
+    print(f"DFlash training: loss {np.mean(losses[:3]):.3f} -> {np.mean(losses[-3:]):.3f}, "
+          f"last accuracy by offset {_losses(tmp_path / 'run')[-1][2]}")
+    assert np.mean(losses[-3:]) < 0.3 * np.mean(losses[:3]), losses
+    # The evaluation serves the draft in the decode loop (one block pass, K = 3) on the rows' prompts:
+    # the memorized continuations are accepted (a random draft's tau is about 1).
+    evals = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "eval_tau" in r]
+    print(f"DFlash eval tau {evals[0]['eval_tau']:.2f}")
+    assert len(evals) == 1 and evals[0]["eval_tau"] > 1.5, evals
+
+
+def test_kill_and_resume_equals_uninterrupted_and_export_loads_strictly(predictable_target_dir,  # noqa: F811
+                                                                         predictable_target, rows_file, tmp_path):
+    straight = DFlashTrainer(_config(predictable_target_dir, rows_file, tmp_path / "a"), progress=False)
+    straight.train()
+    straight.close()
+
+    cfg = _config(predictable_target_dir, rows_file, tmp_path / "b")
+    first = DFlashTrainer(cfg, progress=False)
+    stopped = first.train(stop_at=5)   # killed after step 5; the last checkpoint is step 4
+    first.close()
+    assert not stopped.finished and not (tmp_path / "b" / "draft").exists()
+    resumed = DFlashTrainer(cfg, progress=False)
+    assert resumed.step == 4
+    resumed.train()
+    resumed.close()
+    assert _losses(tmp_path / "b") == _losses(tmp_path / "a")
+    for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    wa = load_file(str(tmp_path / "a" / "draft" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "b" / "draft" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        np.testing.assert_array_equal(wa[k], wb[k])
+
+    # The export: SpecForge's DFlash layout with the target layers and MASK token it was trained with.
+    out = tmp_path / "b" / "draft"
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["architectures"] == ["DFlashDraftModel"] and hf["num_hidden_layers"] == 2 and hf["block_size"] == BLOCK
+    assert hf["dflash_config"] == {"target_layer_ids": [0, 1, 2], "mask_token_id": resumed.dcfg.mask_token_id}
+    loaded = e3.load_draft(out, predictable_target)   # strict: any missing or extra tensor is an error
+    assert drafts.of_module(loaded.model).name == "dflash" and loaded.aux_layer_ids == (0, 1, 2)
+    trained = dict(nnx.to_flat_state(nnx.state(resumed.draft_model())))
+    for path, v in nnx.to_flat_state(nnx.state(loaded.model)):
+        np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(trained[path][...]), err_msg=str(path))
+
+    # SpecForge's class takes it strictly and gives our blocks' logits.
+    theirs = _specforge_draft(out)
+    assert theirs.target_layer_ids == [0, 1, 2] and theirs.mask_token_id == resumed.dcfg.mask_token_id
+    online = _online_specforge(theirs, predictable_target, theirs.mask_token_id)
+    ids = np.asarray(json.loads(open(rows_file).readline())["input_ids"])[None]
+    mask = np.zeros(ids.shape, np.float32)
+    mask[:, 2:] = 1
+    aux = np.asarray(predictable_target.forward(ids, aux_layer_ids=(0, 1, 2)).aux_hidden, np.float32)
+    anchors, keep = np.array([[2, 7, 11]]), np.array([[True, True, True]])
+    online._sample_anchor_positions = lambda *a, **k: (torch.as_tensor(anchors), torch.as_tensor(keep))
+    with torch.no_grad():
+        _, _, hidden = online._forward_draft_blocks(torch.as_tensor(ids), torch.as_tensor(aux), torch.as_tensor(mask))
+        ref = online.lm_head(hidden).numpy()
+    logits = np.asarray(loaded.forward_blocks(ids, aux, anchors, keep)[1])
+    err = np.abs(logits - ref).max() / np.abs(ref).max()
+    print(f"DFlash export in SpecForge's class: logits {err:.2e} (max |ours - specforge| / max |specforge|)")
+    assert err <= 1e-5
