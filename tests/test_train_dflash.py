@@ -200,3 +200,55 @@ def test_kill_and_resume_equals_uninterrupted_and_export_loads_strictly(predicta
     err = np.abs(logits - ref).max() / np.abs(ref).max()
     print(f"DFlash export in SpecForge's class: logits {err:.2e} (max |ours - specforge| / max |specforge|)")
     assert err <= 1e-5
+
+
+def test_online_and_offline_states_train_alike(predictable_target_dir, rows_file, tmp_path):  # noqa: F811
+    off = dict(offline_dir=str(tmp_path / "offline"), total_steps=2)
+    run(_config(predictable_target_dir, rows_file, tmp_path / "unused", mode="prepare", **off), progress=False)
+    online = DFlashTrainer(_config(predictable_target_dir, rows_file, tmp_path / "on", **off), progress=False)
+    offline = DFlashTrainer(_config(predictable_target_dir, None, tmp_path / "off", hidden_source="offline", **off),
+                            progress=False)
+    assert offline.target is None and offline.dcfg.mask_token_id == online.dcfg.mask_token_id
+    for _ in range(2):
+        b_on, b_off = online.next_batch(), offline.next_batch()
+        for k in ("ids", "anchor", "keep"):   # the same rows and the same drawn blocks
+            np.testing.assert_array_equal(b_on[k], b_off[k])
+        m_on, m_off = online.run_step(b_on), offline.run_step(b_off)
+        np.testing.assert_allclose(m_on["loss"], m_off["loss"], rtol=1e-5)
+        assert m_on["count"] == m_off["count"]
+    for a, b in zip(jax.tree.leaves(online.params), jax.tree.leaves(offline.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    online.close()
+    offline.close()
+
+
+def test_dflash_settings(predictable_target_dir, rows_file, tmp_path):  # noqa: F811
+    base = dict(target=str(predictable_target_dir), data=str(rows_file), out_dir=str(tmp_path / "o"))
+    check = lambda **kw: TrainConfig.from_dict({**base, **kw}).resolve()  # noqa: E731
+
+    # Without ids, SpecForge's spread: one target layer per draft layer; the config is SpecForge's.
+    plan = check(draft_kind="dflash")
+    assert plan.kind.name == "dflash" and plan.aux_ids == (2,)   # one layer of a 4-layer target: the middle
+    d = plan.draft
+    assert type(d).__name__ == "DFlashConfig" and d.block_size == 16 and d.num_hidden_layers == 1
+    assert d.layer_types == ("full_attention",) and d.aux_layer_ids == (2,) and d.hidden_size == 64
+    # A draft config file decides the kind, the layout and the ids; the run's settings override them.
+    f = _dflash_file(tmp_path)
+    plan = check(draft_config_file=f)
+    assert plan.kind.name == "dflash" and plan.aux_ids == (0, 1, 2) and plan.draft.sliding_window == 3
+    plan = check(draft_config_file=f, aux_layer_ids=[1, 3], dflash={"block_size": 8, "mask_token_id": 7})
+    assert plan.aux_ids == (1, 3) and plan.draft.block_size == 8 and plan.draft.mask_token_id == 7
+    assert plan.draft.to_hf_dict()["dflash_config"]["target_layer_ids"] == [1, 3]
+
+    for kw, words in [
+            (dict(dflash={"num_anchors": 4}), "apply to draft_kind: dflash, but this run trains an eagle3 draft"),
+            (dict(draft_kind="dflash", lk_loss_type="alpha"), "SpecForge's DFlash loss"),
+            (dict(draft_kind="dflash", loss_convention="specforge"), "SpecForge's DFlash loss"),
+            (dict(draft_kind="dflash", draft_vocab_size=128), "the target's own head"),
+            (dict(draft_kind="dflash", dflash={"block_size": 1}), "dflash.block_size must be >= 2"),
+            (dict(draft_kind="dflash", dflash={"num_anchors": 0}), "dflash.num_anchors"),
+            (dict(draft_kind="dflash", dflash={"mask_token_id": 999}), r"outside the vocab \[0, 256\)"),
+            (dict(draft_config_file=f, dflash={"num_hidden_layers": 3}), "set it in one place"),
+            (dict(draft_kind="peagle", draft_config_file=f), r"\(a dflash draft\)")]:
+        with pytest.raises(ConfigError, match=words):
+            check(**kw)

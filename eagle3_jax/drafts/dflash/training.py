@@ -53,7 +53,7 @@ def check_train(cfg, tcfg, file: dict | None) -> None:
     if s.num_anchors < 1:
         raise SettingsError(f"dflash.num_anchors (blocks a row) must be >= 1, found {s.num_anchors}")
     if s.loss_decay_gamma is not None and s.loss_decay_gamma < 0:
-        raise SettingsError(f"dflash.loss_decay_gamma must be > 0 (or unset: no decay), found {s.loss_decay_gamma}")
+        raise SettingsError(f"dflash.loss_decay_gamma must be >= 0 (0 or unset: no decay), found {s.loss_decay_gamma}")
     if s.mask_token_id is not None and not 0 <= s.mask_token_id < tcfg.vocab_size:
         raise SettingsError(f"dflash.mask_token_id={s.mask_token_id} is outside the vocab [0, {tcfg.vocab_size})")
 
