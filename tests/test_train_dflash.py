@@ -8,7 +8,6 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -91,8 +90,8 @@ def test_step_loss_and_gradients_equal_specforges(predictable_target_dir, predic
     """Full and sliding layers (a SpecForge config file), two micro-batches of four rows whose loss
     masks start past the prompt: the step's loss is the mean of SpecForge's micro-batch losses, and
     the gradient the step takes of each micro-batch is SpecForge's, tensor by tensor (float32)."""
-    cfg = _config(predictable_target_dir, rows_file, tmp_path / "run", draft={}, draft_config_file=_dflash_file(tmp_path),
-                  dflash={"num_anchors": ANCHORS, "loss_decay_gamma": gamma})
+    cfg = _config(predictable_target_dir, rows_file, tmp_path / "run", draft={},
+                  draft_config_file=_dflash_file(tmp_path), dflash={"num_anchors": ANCHORS, "loss_decay_gamma": gamma})
     trainer = DFlashTrainer(cfg, progress=False)
     batch = trainer.next_batch()
     draft = trainer.draft_model()   # the weights the step starts from
