@@ -8,6 +8,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -84,14 +85,16 @@ def _online_specforge(theirs, target, mask_id, gamma=None):
                                     attention_backend="sdpa", num_anchors=ANCHORS, loss_decay_gamma=gamma)
 
 
-@pytest.mark.parametrize("gamma", [None, 3.0])
+@pytest.mark.parametrize("gamma,chunk", [(None, 0), (3.0, 4)])
 def test_step_loss_and_gradients_equal_specforges(predictable_target_dir, predictable_target,  # noqa: F811
-                                                  rows_file, tmp_path, gamma):  # noqa: F811
+                                                  rows_file, tmp_path, gamma, chunk):  # noqa: F811
     """Full and sliding layers (a SpecForge config file), two micro-batches of four rows whose loss
     masks start past the prompt: the step's loss is the mean of SpecForge's micro-batch losses, and
-    the gradient the step takes of each micro-batch is SpecForge's, tensor by tensor (float32)."""
+    the gradient the step takes of each micro-batch is SpecForge's, tensor by tensor (float32); the
+    head's logits all at once, or four blocks at a time."""
     cfg = _config(predictable_target_dir, rows_file, tmp_path / "run", draft={},
-                  draft_config_file=_dflash_file(tmp_path), dflash={"num_anchors": ANCHORS, "loss_decay_gamma": gamma})
+                  draft_config_file=_dflash_file(tmp_path),
+                  dflash={"num_anchors": ANCHORS, "loss_decay_gamma": gamma, "objective_chunk_blocks": chunk})
     trainer = DFlashTrainer(cfg, progress=False)
     batch = trainer.next_batch()
     draft = trainer.draft_model()   # the weights the step starts from
@@ -124,7 +127,7 @@ def test_step_loss_and_gradients_equal_specforges(predictable_target_dir, predic
             err = np.abs(ours[name] - g).max() / max(np.abs(g).max(), 1e-30)
             worst = max(worst, err)
             assert err <= 1e-5, (name, err)
-        print(f"DFlash step vs SpecForge, gamma={gamma}, micro-batch {a}: loss {float(loss):.7f} vs {float(ref):.7f}, "
+        print(f"DFlash step vs SpecForge, gamma={gamma}, chunk={chunk}, micro-batch {a}: loss {float(loss):.7f} vs {float(ref):.7f}, "
               f"worst gradient {worst:.2e} (max |ours - specforge| / max |specforge| per tensor)")
     assert trainer.run_step(batch)["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
     trainer.close()
@@ -251,3 +254,26 @@ def test_dflash_settings(predictable_target_dir, rows_file, tmp_path):  # noqa: 
             (dict(draft_kind="peagle", draft_config_file=f), r"\(a dflash draft\)")]:
         with pytest.raises(ConfigError, match=words):
             check(**kw)
+
+
+def test_chunked_objective_equals_one_chunk():
+    """The step's loss over chunks of blocks (the last one padded with dropped blocks) is the loss
+    over all blocks at once, and so are its gradients."""
+    from eagle3_jax.drafts.dflash.objective import chunked_terms, sample_anchors_host, terms_loss
+
+    rng = np.random.default_rng(0)
+    B, S, D, V, N = 2, 20, 8, 32, 7
+    ids, mask = rng.integers(0, V, (B, S)), (rng.random((B, S)) < 0.8).astype(np.float32)
+    anchors, keep = (np.stack(x) for x in zip(*(sample_anchors_host(m, N, rng) for m in mask)))
+    out, head = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((B, N * BLOCK, D), (D, V)))
+
+    def loss(out, head, chunk):
+        t = chunked_terms(out, head, ids, mask, anchors, keep, BLOCK, 3.0, chunk)
+        return terms_loss(t), t["hits_K"]
+
+    (whole, hits), g_whole = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(out, head, 0)
+    for chunk in (3, 4):
+        (part, hits_c), g_part = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(out, head, chunk)
+        assert float(part) == pytest.approx(float(whole), rel=1e-6) and (np.asarray(hits_c) == np.asarray(hits)).all()
+        for a, b in zip(g_whole, g_part):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)

@@ -21,11 +21,10 @@ import functools
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax.drafts.dflash.objective import dflash_terms, sample_anchors_host, terms_loss
+from eagle3_jax.drafts.dflash.objective import chunked_terms, sample_anchors_host, terms_loss
 from eagle3_jax.train.step import OptimizerSpec, accumulate, apply_update, micro_features
 
 
@@ -35,12 +34,14 @@ class DFlashSpec:
 
     num_anchors: int
     decay_gamma: float | None = None
+    chunk_blocks: int | None = None
     target_chunk: int | None = None
 
     @classmethod
     def from_config(cls, cfg, max_len: int) -> "DFlashSpec":
+        s = cfg.dflash
         # a row of max_len tokens has at most max_len - 1 anchors: more would only add empty blocks
-        return cls(min(cfg.dflash.num_anchors, max_len - 1), cfg.dflash.loss_decay_gamma, cfg.target_chunk)
+        return cls(min(s.num_anchors, max_len - 1), s.loss_decay_gamma, s.objective_chunk_blocks, cfg.target_chunk)
 
 
 def sample_blocks(loss_mask_ABT: np.ndarray, spec: DFlashSpec, seed: int, step: int, first_row: int) -> dict:
@@ -59,9 +60,8 @@ def sample_blocks(loss_mask_ABT: np.ndarray, spec: DFlashSpec, seed: int, step: 
 def block_loss(draft, embed_VD, lm_head_DV, aux_BSX, mb, spec: DFlashSpec):
     """(loss, {hits_K, scored_K}) of one micro-batch's blocks: what the step differentiates."""
     out_BTD = draft.forward_blocks(aux_BSX, embed_VD, mb["ids"], mb["anchor"], mb["keep"])
-    logits_BTV = jnp.einsum("btd,dv->btv", out_BTD, lm_head_DV.astype(out_BTD.dtype))
-    t = dflash_terms(logits_BTV, mb["ids"], mb["loss_mask"], mb["anchor"], mb["keep"], draft.cfg.block_size,
-                     spec.decay_gamma)
+    t = chunked_terms(out_BTD, lm_head_DV, mb["ids"], mb["loss_mask"], mb["anchor"], mb["keep"], draft.cfg.block_size,
+                      spec.decay_gamma, spec.chunk_blocks)
     return terms_loss(t), {"hits_K": t["hits_K"], "scored_K": t["scored_K"]}
 
 

@@ -80,6 +80,34 @@ def dflash_loss(logits_BTV, ids_BS, loss_mask_BS, anchor_BN, keep_BN, block: int
     return terms_loss(t), jnp.sum(t["hits_K"]) / jnp.maximum(jnp.sum(t["scored_K"]), 1)
 
 
+def chunked_terms(out_BTD, head_DV, ids_BS, loss_mask_BS, anchor_BN, keep_BN, block: int,
+                  decay_gamma: float | None = None, chunk_blocks: int | None = None) -> dict:
+    """:func:`dflash_terms` of the head's logits of the blocks' outputs [B, N * block, D], computed
+    ``chunk_blocks`` blocks at a time and recomputed chunk by chunk in the backward pass, so only one
+    chunk's logits [B, chunk * block, V] exist at once (SpecForge's ``objective_chunk_blocks``).
+    None or 0: all blocks in one chunk."""
+    B, N = anchor_BN.shape
+    D = out_BTD.shape[-1]
+    c = N if not chunk_blocks else min(chunk_blocks, N)
+    n, pad = -(-N // c), -(-N // c) * c - N   # the last chunk is filled with dropped blocks
+    out_BNKD = jnp.pad(out_BTD.reshape(B, N, block, D), ((0, 0), (0, pad), (0, 0), (0, 0)))
+    anchor_BN, keep_BN = (jnp.pad(x, ((0, 0), (0, pad))) for x in (anchor_BN, keep_BN))
+
+    @jax.checkpoint
+    def one(out_BCKD, anchor_BC, keep_BC):
+        logits_BTV = jnp.einsum("bckd,dv->bckv", out_BCKD, head_DV.astype(out_BCKD.dtype)).reshape(B, c * block, -1)
+        return dflash_terms(logits_BTV, ids_BS, loss_mask_BS, anchor_BC, keep_BC, block, decay_gamma)
+
+    if n == 1:
+        return one(out_BNKD, anchor_BN, keep_BN)
+    xs = (out_BNKD.reshape(B, n, c, block, D).swapaxes(0, 1), anchor_BN.reshape(B, n, c).swapaxes(0, 1),
+          keep_BN.reshape(B, n, c).swapaxes(0, 1))
+    first = jax.eval_shape(one, *(x[0] for x in xs))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first)
+    total, _ = jax.lax.scan(lambda acc, x: (jax.tree.map(jnp.add, acc, one(*x)), None), zeros, xs)
+    return total
+
+
 def terms_loss(t: dict) -> jax.Array:
     """The loss of :func:`dflash_terms`' sums; 0 where nothing is scored."""
     return jnp.where(t["den"] > 0, t["num"] / jnp.maximum(t["den"], 1e-30), 0.0)

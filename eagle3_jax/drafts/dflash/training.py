@@ -50,8 +50,9 @@ def check_train(cfg, tcfg, file: dict | None) -> None:
         v = getattr(s, name)
         if v is not None and v < (2 if name == "block_size" else 1):
             raise SettingsError(f"dflash.{name} must be >= {2 if name == 'block_size' else 1}, found {v}")
-    if s.num_anchors < 1:
-        raise SettingsError(f"dflash.num_anchors (blocks a row) must be >= 1, found {s.num_anchors}")
+    if s.num_anchors < 1 or s.objective_chunk_blocks < 0:
+        raise SettingsError(f"dflash.num_anchors (blocks a row, {s.num_anchors}) must be >= 1 and "
+                            f"dflash.objective_chunk_blocks ({s.objective_chunk_blocks}) >= 0")
     if s.loss_decay_gamma is not None and s.loss_decay_gamma < 0:
         raise SettingsError(f"dflash.loss_decay_gamma must be >= 0 (0 or unset: no decay), found {s.loss_decay_gamma}")
     if s.mask_token_id is not None and not 0 <= s.mask_token_id < tcfg.vocab_size:
