@@ -277,3 +277,16 @@ def test_chunked_objective_equals_one_chunk():
         assert float(part) == pytest.approx(float(whole), rel=1e-6) and (np.asarray(hits_c) == np.asarray(hits)).all()
         for a, b in zip(g_whole, g_part):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+
+
+def test_shipped_dflash_recipe_fits_the_demo_target():
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    cfg = TrainConfig.load(repo / "configs/train/demo_dflash.yaml")
+    tcfg = e3.TargetConfig.from_path(repo / "demo/target")
+    d = cfg.draft_config(tcfg)
+    assert cfg.resolved_draft_kind == "dflash" and type(d).__name__ == "DFlashConfig"
+    assert d.num_hidden_layers == 2 and d.block_size == 8 and d.hidden_size == tcfg.hidden_size
+    assert cfg.resolved_aux_ids(tcfg) == (1, 21) == d.aux_layer_ids   # SpecForge's spread over 24 layers
+    assert d.vocab_size == tcfg.vocab_size and cfg.eval_draft_tokens <= d.block_size - 1
