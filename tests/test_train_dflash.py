@@ -251,6 +251,8 @@ def test_dflash_settings(predictable_target_dir, rows_file, tmp_path):  # noqa: 
             (dict(draft_kind="dflash", dflash={"num_anchors": 0}), "dflash.num_anchors"),
             (dict(draft_kind="dflash", dflash={"mask_token_id": 999}), r"outside the vocab \[0, 256\)"),
             (dict(draft_config_file=f, dflash={"num_hidden_layers": 3}), "set it in one place"),
+            (dict(draft_config_file=f, eval_every=5, eval_prompts=str(rows_file), eval_draft_tokens=4),
+             "block_size - 1 = 3"),
             (dict(draft_kind="peagle", draft_config_file=f), r"\(a dflash draft\)")]:
         with pytest.raises(ConfigError, match=words):
             check(**kw)

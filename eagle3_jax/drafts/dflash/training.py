@@ -55,6 +55,10 @@ def check_train(cfg, tcfg, file: dict | None) -> None:
                             f"dflash.objective_chunk_blocks ({s.objective_chunk_blocks}) >= 0")
     if s.loss_decay_gamma is not None and s.loss_decay_gamma < 0:
         raise SettingsError(f"dflash.loss_decay_gamma must be >= 0 (0 or unset: no decay), found {s.loss_decay_gamma}")
+    block = s.block_size or int((file or {}).get("block_size") or DEFAULT_BLOCK_SIZE)
+    if cfg.eval_every > 0 and cfg.eval_draft_tokens > block - 1:
+        raise SettingsError(f"eval_draft_tokens={cfg.eval_draft_tokens}, but one block pass guesses at most "
+                            f"block_size - 1 = {block - 1} tokens; lower eval_draft_tokens or raise dflash.block_size")
     if s.mask_token_id is not None and not 0 <= s.mask_token_id < tcfg.vocab_size:
         raise SettingsError(f"dflash.mask_token_id={s.mask_token_id} is outside the vocab [0, {tcfg.vocab_size})")
 
