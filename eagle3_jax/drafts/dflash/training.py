@@ -46,10 +46,10 @@ def check_train(cfg, tcfg, file: dict | None) -> None:
     if cfg.draft_vocab_size is not None and cfg.draft_vocab_size != tcfg.vocab_size:
         raise SettingsError(f"draft_vocab_size={cfg.draft_vocab_size}: a DFlash draft guesses through the target's "
                             f"own head, over its whole vocab ({tcfg.vocab_size}); leave draft_vocab_size unset")
-    for name in ("num_hidden_layers", "block_size"):
-        v = getattr(s, name)
-        if v is not None and v < (2 if name == "block_size" else 1):
-            raise SettingsError(f"dflash.{name} must be >= {2 if name == 'block_size' else 1}, found {v}")
+    if s.num_hidden_layers is not None and s.num_hidden_layers < 1:
+        raise SettingsError(f"dflash.num_hidden_layers must be >= 1, found {s.num_hidden_layers}")
+    if s.block_size is not None and s.block_size < 2:   # the anchor's token and at least one guess
+        raise SettingsError(f"dflash.block_size must be >= 2, found {s.block_size}")
     if s.num_anchors < 1 or s.objective_chunk_blocks < 0:
         raise SettingsError(f"dflash.num_anchors (blocks a row, {s.num_anchors}) must be >= 1 and "
                             f"dflash.objective_chunk_blocks ({s.objective_chunk_blocks}) >= 0")
@@ -75,7 +75,7 @@ def train_config(d: dict, cfg, from_file: bool, where: str) -> DFlashConfig:
     if not from_file:
         d.update(model_type="qwen3", layer_types=[FULL] * layers)
     d["num_hidden_layers"] = layers
-    d["block_size"] = s.block_size or d.get("block_size") or extra.pop("block_size", None) or DEFAULT_BLOCK_SIZE
+    d["block_size"] = s.block_size or d.get("block_size") or extra.get("block_size") or DEFAULT_BLOCK_SIZE
     extra["target_layer_ids"] = ids
     if s.mask_token_id is not None:
         extra["mask_token_id"] = s.mask_token_id
