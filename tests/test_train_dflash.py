@@ -224,6 +224,21 @@ def test_online_and_offline_states_train_alike(predictable_target_dir, rows_file
     offline.close()
 
 
+def test_a_mesh_step_matches_one_device(predictable_target_dir, rows_file, tmp_path):  # noqa: F811
+    small = dict(total_steps=2, save_every=2)
+    one = DFlashTrainer(_config(predictable_target_dir, rows_file, tmp_path / "one", **small), progress=False)
+    mesh = DFlashTrainer(_config(predictable_target_dir, rows_file, tmp_path / "mesh", mesh="data=2,tensor=2",
+                                 **small), progress=False)
+    r_one, r_mesh = one.train(), mesh.train()
+    one.close()
+    mesh.close()
+    np.testing.assert_allclose(r_mesh.last_metrics["loss"], r_one.last_metrics["loss"], rtol=1e-5)
+    assert r_mesh.last_metrics["count"] == r_one.last_metrics["count"]
+    for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(mesh.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    assert any(x.sharding.spec != () for x in jax.tree.leaves(mesh.params))   # split, not replicated
+
+
 def test_dflash_settings(predictable_target_dir, rows_file, tmp_path):  # noqa: F811
     base = dict(target=str(predictable_target_dir), data=str(rows_file), out_dir=str(tmp_path / "o"))
     check = lambda **kw: TrainConfig.from_dict({**base, **kw}).resolve()  # noqa: E731
