@@ -1,8 +1,9 @@
 """``train.py`` with ``draft_kind: dflash``: the step's loss and gradients equal SpecForge's own DFlash
 training forward (``OnlineDFlashModel``, eager attention) on the same batch and blocks; a run lowers
-the loss, a killed run resumes to the same weights as an uninterrupted one, online and offline
-target states train alike, the export loads strictly here and into SpecForge's ``DFlashDraftModel``
-with the same logits, and settings of other objectives are refused."""
+the loss and its draft is accepted when served; a killed run resumes to the same weights as an
+uninterrupted one; online and offline target states, and one device and a mesh, train alike; the
+export loads strictly here and into SpecForge's ``DFlashDraftModel`` with the same logits; settings
+of other objectives are refused."""
 
 import json
 import os
