@@ -1,5 +1,5 @@
-"""Train an EAGLE-3 draft for a target (training-time test), or a P-EAGLE one (``draft_kind: peagle``),
-and export it in the SpecForge layout.
+"""Train an EAGLE-3 draft for a target (training-time test), or a P-EAGLE one (``draft_kind: peagle``)
+or a DFlash one (``draft_kind: dflash``), and export it in the SpecForge layout.
 
     python train.py --config configs/train/NAME.yaml [key=value ...]
 
@@ -20,7 +20,7 @@ import sys
 
 USAGE = """usage: python train.py --config configs/train/NAME.yaml [key=value ...]
 
-Trains an EAGLE-3 draft (or a P-EAGLE one: draft_kind: peagle); the YAML config names the target, the data and out_dir (see configs/train/,
+Trains an EAGLE-3 draft (or draft_kind: peagle / dflash); the YAML config names the target, the data and out_dir (see configs/train/,
 e.g. configs/train/demo.yaml). `python train.py --help` lists every config key and the data formats."""
 
 

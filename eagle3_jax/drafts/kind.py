@@ -45,6 +45,9 @@ class DraftKind:
     train_config: Callable[..., Any]  # (d: config.json dict, run settings, from_file, where) -> config
     check_train: Callable[..., None]  # (run settings, target config, draft file dict | None) -> raises
     settings_key: str | None = None   # the TrainConfig key of this kind's own settings (None: none)
+    # (draft file dict | None, run settings, target config) -> the aux layer ids a run trains with
+    # when its ``aux_layer_ids`` is unset
+    train_aux_ids: Callable[..., tuple] = lambda file, cfg, tcfg: eagle_file_aux_ids(file, tcfg)
 
     # ---- preflight: observations that do not stop a run, (cfg, where) -> [str]
     notes: Callable[..., list] = lambda cfg, where: []
@@ -54,6 +57,12 @@ class DraftKind:
     # the kind keeps none (its pass starts from the newest token itself) and its catch-up's hidden
     # states are not read
     seeded: bool = True
+
+
+def eagle_file_aux_ids(file: dict | None, tcfg) -> tuple[int, ...]:
+    """The EAGLE-3 layout's rule: the draft file's ``eagle_config`` ids, else the target's default."""
+    ids = ((file or {}).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return tcfg.default_aux_layer_ids() if ids is None else tuple(int(i) for i in ids)
 
 
 def catch_up_by_rereading(draft, ids_BT, aux_BTX, positions_BT, embed_VD, dcache):

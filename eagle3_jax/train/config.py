@@ -17,7 +17,7 @@ from eagle3_jax.config import MeshConfig, TargetConfig
 from eagle3_jax.drafts import DraftConfig, DraftKind
 from eagle3_jax.errors import ConfigError, SettingsError
 from eagle3_jax.settings_io import Layer
-from eagle3_jax.train.shapes import DraftShape, PEagleShape
+from eagle3_jax.train.shapes import DFlashShape, DraftShape, PEagleShape
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 MODES = ("train", "prepare")
@@ -42,12 +42,13 @@ class TrainConfig:
     out_dir: str | None = None
     data: str | None = None
     # Which kind of draft trains (a name in eagle3_jax.drafts.NAMES: the EAGLE-3 chain draft, TTT
-    # loss, or P-EAGLE, SpecForge's parallel-drafting objective); None = what draft_config_file's
-    # architecture says, else the registry's default kind (EAGLE-3).
+    # loss; P-EAGLE, SpecForge's parallel-drafting objective; DFlash, SpecForge's block objective);
+    # None = what draft_config_file's architecture says, else the registry's default kind (EAGLE-3).
     draft_kind: str | None = None
     draft_config_file: str | None = None   # a draft config.json whose architecture and sizes the run takes
     draft: DraftShape = field(default_factory=DraftShape)
     peagle: PEagleShape = field(default_factory=PEagleShape)
+    dflash: DFlashShape = field(default_factory=DFlashShape)
     aux_layer_ids: tuple[int, ...] | None = None
     draft_vocab_size: int | None = None
     max_len: int = 2048
@@ -120,14 +121,14 @@ class TrainConfig:
         return file, resolve_kind(self, file)
 
     def resolved_aux_ids(self, tcfg: TargetConfig | None = None, file: dict | None = None) -> tuple[int, ...]:
-        """``aux_layer_ids``, else the draft_config_file's (``file``: its JSON) eagle_config ids, else
-        the target's default ids."""
+        """``aux_layer_ids``, else the draft kind's rule (``train_aux_ids``: the draft_config_file's ids,
+        ``file`` its JSON, else the kind's default for the target)."""
         if self.aux_layer_ids is not None:
             return self.aux_layer_ids
-        from eagle3_jax.train.draft_kind import file_aux_ids, read_draft_file
+        from eagle3_jax.train.draft_kind import read_draft_file, resolve_kind
 
-        ids = file_aux_ids(file if file is not None else read_draft_file(self))
-        return ids if ids is not None else (tcfg or self.target_config()).default_aux_layer_ids()
+        file = file if file is not None else read_draft_file(self)
+        return tuple(resolve_kind(self, file).train_aux_ids(file, self, tcfg or self.target_config()))
 
     @property
     def resolved_draft_kind(self) -> str:

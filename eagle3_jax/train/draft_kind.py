@@ -2,11 +2,12 @@
 
 ``draft_kind`` names a registered kind (``eagle3_jax.drafts``: ``eagle3``, SpecForge's
 ``LlamaForCausalLMEagle3`` chain draft trained by training-time test; ``peagle``, parallel drafting,
-SpecForge's ``PEagleDraftModel``, trained on COD-sampled rollouts). A ``draft_config_file`` (a draft
+SpecForge's ``PEagleDraftModel``, trained on COD-sampled rollouts; ``dflash``, block drafting,
+SpecForge's ``DFlashDraftModel``, trained on blocks at sampled anchors). A ``draft_config_file`` (a draft
 config.json, e.g. SpecForge's ``configs/qwen3-8b-peagle.json``) gives the draft's sizes and, by its
 architecture, the kind; a ``draft_kind`` that disagrees with it is refused, so neither is silently
 ignored. Without a file the sizes come from the ``draft:`` keys (an unset one: the target's) and
-the kind's own settings (``peagle.*``).
+the kind's own settings (``peagle.*``, ``dflash.*``).
 """
 
 from __future__ import annotations
@@ -69,11 +70,6 @@ def trainer_class(kind: DraftKind):
     """The training loop the kind names (``module:Class`` in eagle3_jax.train)."""
     module, name = kind.trainer.split(":")
     return getattr(importlib.import_module(f"eagle3_jax.train.{module}"), name)
-
-
-def file_aux_ids(d: dict | None) -> tuple[int, ...] | None:
-    ids = ((d or {}).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return None if ids is None else tuple(int(i) for i in ids)
 
 
 def check_draft_settings(cfg, tcfg: TargetConfig, kind: DraftKind, d: dict | None) -> None:

@@ -32,3 +32,18 @@ class PEagleShape:
     num_depths: int = 8
     down_sample_ratio: float = 0.7
     down_sample_ratio_min: float = 0.2
+
+
+@dataclass(frozen=True)
+class DFlashShape:
+    """``draft_kind: dflash``: the draft's layers (None: the draft_config_file's, else 1, SpecForge's
+    target-derived default) and block (None: the file's, else 16), the MASK token (None:
+    drafts/dflash/training.py's rule), and SpecForge's objective settings (its ``training.num_anchors``,
+    ``training.loss_decay_gamma`` and ``training.objective_chunk_blocks``, with its defaults)."""
+
+    num_hidden_layers: int | None = None
+    block_size: int | None = None
+    mask_token_id: int | None = None
+    num_anchors: int = 512
+    loss_decay_gamma: float | None = None
+    objective_chunk_blocks: int = 128   # blocks whose logits exist at once (0: all of a row's)

@@ -33,10 +33,11 @@ from eagle3_jax.checkpoint.staging import atomic_file
 from eagle3_jax.config import resolve_dtype
 from eagle3_jax.contracts import check_pairing
 from eagle3_jax.drafts import LoadedDraft
+from eagle3_jax.drafts.loaded import placed
 from eagle3_jax.errors import ConfigError, SettingsError
 from eagle3_jax.loading import load_target, save_draft
 from eagle3_jax.drafts.eagle3.model import Draft
-from eagle3_jax.sharding import DATA_AXIS, make_mesh, mesh_context, shard_state, state_shardings, train_param_sharding
+from eagle3_jax.sharding import DATA_AXIS, make_mesh, mesh_context, state_shardings, train_param_sharding
 from eagle3_jax.train import data as data_lib, offline as offline_lib, pipeline as pipeline_lib
 from eagle3_jax.train.config import TrainConfig, TrainPlan
 from eagle3_jax.train.progress import StepReport, info as _info
@@ -99,24 +100,13 @@ class Trainer:
             t0 = time.perf_counter()
             self.target = self._load_target()
             _info("loaded target %s (%s) in %.1fs", cfg.target, cfg.resolved_target_dtype, time.perf_counter() - t0)
-            embed_VD, lm_head_DV = offline_lib.target_head(self.target.model)
+            self.embed_VD, self.lm_head_DV = offline_lib.target_head(self.target.model)
         else:
             self.source = offline_lib.OfflineSource(cfg.offline_dir)
             offline_lib.check_offline_meta(self.source.meta, plan, cfg.offline_dir)
-            embed_VD, lm_head_DV = (self._replicated(jnp.asarray(a)) for a in self.source.head())
-        self.embed_VD, self.lm_head_DV = embed_VD, lm_head_DV
+            self.embed_VD, self.lm_head_DV = (self._replicated(jnp.asarray(a)) for a in self.source.head())
 
-        # ---- vocab map (saved once, reused on resume) and the draft
-        V, W = tcfg.vocab_size, self.dcfg.draft_vocab_size
-        self.vocab: VocabMap = self._vocab_map(V, W)
-        check_pairing(self.dcfg, tcfg, len(self.aux_ids) * tcfg.hidden_size, len(self.aux_ids), self.vocab.d2t, None)
-        model = self._new_draft()
-        model.d2t.value = jnp.asarray(self.vocab.d2t, jnp.int32)
-        model.t2d.value = jnp.asarray(self.vocab.t2d, jnp.bool_)
-        if self.mesh is not None:
-            graphdef, state = nnx.split(model)
-            model = nnx.merge(graphdef, shard_state(state, self.mesh))
-        self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        self.graphdef, params, rest = nnx.split(placed(self._wired_draft(), self.mesh), nnx.Param, ...)
         if self.mesh is not None:   # trainable weights split over the mesh, not replicated (sharding.py)
             params = jax.device_put(params, state_shardings(params, self.mesh, train_param_sharding))
         self.params = nnx.to_pure_dict(params)
@@ -148,6 +138,16 @@ class Trainer:
         self._step = self._compile_step(tuple(leaves), tree)
 
     # ------------------------------------------------------------------ what the draft kind decides
+    def _wired_draft(self):
+        """The new draft checked against the target, with its vocab map (saved once, reused on resume)."""
+        V, W, n_aux = self.tcfg.vocab_size, self.dcfg.draft_vocab_size, len(self.aux_ids)
+        self.vocab: VocabMap = self._vocab_map(V, W)
+        check_pairing(self.dcfg, self.tcfg, n_aux * self.tcfg.hidden_size, n_aux, self.vocab.d2t, None)
+        model = self._new_draft()
+        model.d2t.value = jnp.asarray(self.vocab.d2t, jnp.int32)
+        model.t2d.value = jnp.asarray(self.vocab.t2d, jnp.bool_)
+        return model
+
     def _new_draft(self):
         return Draft(self.dcfg, len(self.aux_ids), resolve_dtype(self.cfg.dtype), nnx.Rngs(self.cfg.seed))
 
@@ -278,10 +278,9 @@ class Trainer:
             f.writelines(keep)
 
     def _log(self, record: dict):
-        if not distributed.is_writer():
-            return
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if distributed.is_writer():
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
     # ------------------------------------------------------------------ the draft as a servable object
     def draft_model(self) -> Draft:

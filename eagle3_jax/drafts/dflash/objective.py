@@ -6,13 +6,15 @@ supervised (:func:`sample_anchors`, up to ``num_anchors`` a row, in position ord
 j >= 1 is scored against the sequence's own token at a + j, a hard label, where that position
 exists and is supervised; offset 0 (the known token) never is. The loss is the weighted mean of the
 cross-entropy of the target head's logits, weights ``exp(-(j - 1) / gamma)`` with a decay ``gamma``
-(else 1); accuracy is top-1 agreement over the same positions, unweighted.
+(else 1); accuracy is top-1 agreement over the same positions, unweighted. The trainer draws the
+anchors on the host (:func:`sample_anchors_host`, the same rule row by row).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def sample_anchors(key, loss_mask_BS: jax.Array, num_anchors: int) -> tuple[jax.Array, jax.Array]:
@@ -27,6 +29,18 @@ def sample_anchors(key, loss_mask_BS: jax.Array, num_anchors: int) -> tuple[jax.
     anchors_BN = jnp.sort(jnp.where(kept_BN, picked_BN, S), axis=1)
     kept_BN = anchors_BN < S
     return jnp.where(kept_BN, anchors_BN, 0), kept_BN
+
+
+def sample_anchors_host(loss_mask_S: np.ndarray, num_anchors: int, rng: np.random.Generator
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`sample_anchors` for one row in numpy with its own generator (the trainer draws on the
+    host, so a resumed run draws what the uninterrupted one drew): (anchors [N], kept [N])."""
+    valid_C = (loss_mask_S[:-1] > 0.5) & (loss_mask_S[1:] > 0.5)
+    picked = np.sort(rng.permutation(np.flatnonzero(valid_C))[:num_anchors])
+    anchors_N = np.zeros(num_anchors, np.int32)
+    anchors_N[:len(picked)] = picked
+    kept_N = np.arange(num_anchors) < len(picked)
+    return anchors_N, kept_N
 
 
 def block_weights(ids_BS, loss_mask_BS, anchor_BN, keep_BN, block: int, decay_gamma: float | None = None):
@@ -45,13 +59,55 @@ def block_weights(ids_BS, loss_mask_BS, anchor_BN, keep_BN, block: int, decay_ga
     return labels_BNK, weights_BNK, scored_BNK
 
 
-def dflash_loss(logits_BTV, ids_BS, loss_mask_BS, anchor_BN, keep_BN, block: int, decay_gamma: float | None = None):
-    """(loss, accuracy) of the blocks' logits [B, N * block, V] (float32)."""
+def dflash_terms(logits_BTV, ids_BS, loss_mask_BS, anchor_BN, keep_BN, block: int,
+                 decay_gamma: float | None = None) -> dict:
+    """The loss's sums over the blocks' logits [B, N * block, V]: ``num`` (weighted cross-entropy)
+    and ``den`` (weights), and per block offset ``hits_K`` (top-1 agreements) and ``scored_K``."""
     B, N = anchor_BN.shape
     labels_BNK, weights_BNK, scored_BNK = block_weights(ids_BS, loss_mask_BS, anchor_BN, keep_BN, block, decay_gamma)
     logits_BNKV = logits_BTV.reshape(B, N, block, -1).astype(jnp.float32)
     logp_BNKV = jax.nn.log_softmax(logits_BNKV, axis=-1)
     ce_BNK = -jnp.take_along_axis(logp_BNKV, labels_BNK[..., None], axis=-1)[..., 0]
-    loss = jnp.sum(ce_BNK * weights_BNK) / jnp.sum(weights_BNK)
-    hits = jnp.sum((jnp.argmax(logits_BNKV, axis=-1) == labels_BNK) & scored_BNK)
-    return loss, hits / jnp.sum(scored_BNK)
+    hits_BNK = (jnp.argmax(logits_BNKV, axis=-1) == labels_BNK) & scored_BNK
+    return {"num": jnp.sum(ce_BNK * weights_BNK), "den": jnp.sum(weights_BNK),
+            "hits_K": jnp.sum(hits_BNK, axis=(0, 1)), "scored_K": jnp.sum(scored_BNK, axis=(0, 1))}
+
+
+def dflash_loss(logits_BTV, ids_BS, loss_mask_BS, anchor_BN, keep_BN, block: int, decay_gamma: float | None = None):
+    """(loss, accuracy) of the blocks' logits [B, N * block, V] (float32). A batch with nothing to
+    score (SpecForge refuses one) has loss 0, so a step over it changes nothing."""
+    t = dflash_terms(logits_BTV, ids_BS, loss_mask_BS, anchor_BN, keep_BN, block, decay_gamma)
+    return terms_loss(t), jnp.sum(t["hits_K"]) / jnp.maximum(jnp.sum(t["scored_K"]), 1)
+
+
+def chunked_terms(out_BTD, head_DV, ids_BS, loss_mask_BS, anchor_BN, keep_BN, block: int,
+                  decay_gamma: float | None = None, chunk_blocks: int | None = None) -> dict:
+    """:func:`dflash_terms` of the head's logits of the blocks' outputs [B, N * block, D], computed
+    ``chunk_blocks`` blocks at a time and recomputed chunk by chunk in the backward pass, so only one
+    chunk's logits [B, chunk * block, V] exist at once (SpecForge's ``objective_chunk_blocks``).
+    None or 0: all blocks in one chunk."""
+    B, N = anchor_BN.shape
+    D = out_BTD.shape[-1]
+    c = N if not chunk_blocks else min(chunk_blocks, N)
+    n, pad = -(-N // c), -(-N // c) * c - N   # the last chunk is filled with dropped blocks
+    out_BNKD = jnp.pad(out_BTD.reshape(B, N, block, D), ((0, 0), (0, pad), (0, 0), (0, 0)))
+    anchor_BN, keep_BN = (jnp.pad(x, ((0, 0), (0, pad))) for x in (anchor_BN, keep_BN))
+
+    @jax.checkpoint
+    def one(out_BCKD, anchor_BC, keep_BC):
+        logits_BTV = jnp.einsum("bckd,dv->bckv", out_BCKD, head_DV.astype(out_BCKD.dtype)).reshape(B, c * block, -1)
+        return dflash_terms(logits_BTV, ids_BS, loss_mask_BS, anchor_BC, keep_BC, block, decay_gamma)
+
+    if n == 1:
+        return one(out_BNKD, anchor_BN, keep_BN)
+    xs = (out_BNKD.reshape(B, n, c, block, D).swapaxes(0, 1), anchor_BN.reshape(B, n, c).swapaxes(0, 1),
+          keep_BN.reshape(B, n, c).swapaxes(0, 1))
+    first = jax.eval_shape(one, *(x[0] for x in xs))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first)
+    total, _ = jax.lax.scan(lambda acc, x: (jax.tree.map(jnp.add, acc, one(*x)), None), zeros, xs)
+    return total
+
+
+def terms_loss(t: dict) -> jax.Array:
+    """The loss of :func:`dflash_terms`' sums; 0 where nothing is scored."""
+    return jnp.where(t["den"] > 0, t["num"] / jnp.maximum(t["den"], 1e-30), 0.0)

@@ -48,8 +48,9 @@ def train_config(d: dict, cfg, from_file: bool, where: str) -> PEagleConfig:
     return PEagleConfig.from_hf_dict(d, where=where, mask_token_id=cfg.peagle.mask_token_id)
 
 
-def resolve_mask_token_id(dcfg: PEagleConfig, tokenizer) -> tuple[int, str]:
-    """(id, where it came from) of the MASK token, by the module docstring's order."""
+def resolve_mask_token_id(dcfg, tokenizer, setting: str = "peagle.mask_token_id") -> tuple[int, str]:
+    """(id, where it came from) of the MASK token of a draft config with ``mask_token_id`` and
+    ``vocab_size``, by the module docstring's order; ``setting``: the key that sets it."""
     from eagle3_jax.tokenizer import _token_content as _content
 
     V = dcfg.vocab_size
@@ -67,5 +68,5 @@ def resolve_mask_token_id(dcfg: PEagleConfig, tokenizer) -> tuple[int, str]:
     for source, candidate in candidates:
         if candidate is not None and 0 <= int(candidate) < V:
             return int(candidate), source
-    raise ConfigError(f"no MASK token id for the P-EAGLE draft: none of {[s for s, _ in candidates]} gives one in "
-                      f"[0, {V}); set peagle.mask_token_id")
+    raise ConfigError(f"no MASK token id for the draft: none of {[s for s, _ in candidates]} gives one in "
+                      f"[0, {V}); set {setting}")
