@@ -1,8 +1,8 @@
 """The TPU compile tier: every program the product runs, compiled by the TPU compiler for real TPU
 slices on this CPU-only host (libtpu, deviceless ahead-of-time compilation; nothing runs on a TPU).
 
-Programs: the decode loop at K >= 1 and K = 0 (target-only rounds), admission with chunked prefill,
-and the draft training step with online and offline hidden states; for the tiny configs (float and
+Programs: the decode loop at K >= 1 and K = 0 (target-only rounds), admission with chunked prefill
+(with an EAGLE-3 draft, and with a DFlash draft on v5p), and the EAGLE-3 draft training step with online and offline hidden states; for the tiny configs (float and
 native INT4 / FP8 experts) and the demo target, on v5p:2x2x2 and v6e:2x4. The per-layer test
 compiles Kimi-K2.5 (INT4 experts) and DeepSeek-V3 (FP8) at full width, cut to two and three layers
 (one and two MoE layers), and asserts per-chip memory grows by at most what the added layer holds:
@@ -87,6 +87,19 @@ def test_tiny_decode_and_chunked_prefill_compile(tiny_configs, topology, weights
     # arguments as the TPU compiler counts them hold the planned parameters and loop state, in bf16
     # (and the padding of small arrays to its (8, 128) tiles, which dominates at this size)
     assert p.programs["decode"].argument >= p.param_bytes() + p.state_bytes()
+
+
+def test_tiny_dflash_decode_and_prefill_compile(tmp_path):
+    """A DFlash draft (one full and one sliding layer, a block pass proposing K tokens) in the same
+    decode loop and admission, through the registry: what the plan compiles for a DFlash config."""
+    from eagle3_jax.config import TargetConfig
+    from tests.test_dflash_serving import tiny_dflash_config
+
+    cfg = tiny_dflash_config(TargetConfig.from_path(str(TINY)))
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    p = small_plan(str(TINY), TOPOLOGIES[0], draft=str(tmp_path / "config.json"))
+    assert_compiled(p)
+    assert p.draft_source == str(tmp_path / "config.json") and sorted(p.rounds) == [0, 2]
 
 
 def test_admission_holds_no_second_full_capacity_cache():
