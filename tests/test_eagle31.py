@@ -28,8 +28,17 @@ from tests.test_convert import assert_same_tensors, to_hf, to_jax
 
 eagle = pytest.importorskip("specforge.modeling.draft.llama3_eagle")
 
-# SpecForge compiles its RMSNorm with torch.compile; eager on CPU gives the same numbers in seconds.
-torch._dynamo.config.disable = True
+
+@pytest.fixture(autouse=True, scope="module")
+def eager_torch():
+    """SpecForge compiles its RMSNorm with torch.compile; eager on CPU gives the same numbers in
+    seconds. Only for this module: torch's flex attention (test_peagle_specforge, later in the
+    same worker) needs Dynamo on even when run eagerly."""
+    saved = torch._dynamo.config.disable
+    torch._dynamo.config.disable = True
+    yield
+    torch._dynamo.config.disable = saved
+
 
 T = 7
 CASES = {
