@@ -2,8 +2,9 @@
 slices on this CPU-only host (libtpu, deviceless ahead-of-time compilation; nothing runs on a TPU).
 
 Programs: the decode loop at K >= 1 and K = 0 (target-only rounds), admission with chunked prefill
-(with an EAGLE-3 draft, and with a DFlash draft on v5p), and the EAGLE-3 draft training step with online and offline hidden states; for the tiny configs (float and
-native INT4 / FP8 experts) and the demo target, on v5p:2x2x2 and v6e:2x4. The per-layer test
+and the draft training step with online and offline hidden states, for the tiny configs (float and
+native INT4 / FP8 experts) and the demo target, on v5p:2x2x2 and v6e:2x4; a DFlash draft's
+serving programs and training step on v5p. The per-layer test
 compiles Kimi-K2.5 (INT4 experts) and DeepSeek-V3 (FP8) at full width, cut to two and three layers
 (one and two MoE layers), and asserts per-chip memory grows by at most what the added layer holds:
 a copy of a layer's weights or cache made outside the loop shows up there and nowhere else.
@@ -89,9 +90,10 @@ def test_tiny_decode_and_chunked_prefill_compile(tiny_configs, topology, weights
     assert p.programs["decode"].argument >= p.param_bytes() + p.state_bytes()
 
 
-def test_tiny_dflash_decode_and_prefill_compile(tmp_path):
+def test_tiny_dflash_serving_and_train_step_compile(tmp_path):
     """A DFlash draft (one full and one sliding layer, a block pass proposing K tokens) in the same
-    decode loop and admission, through the registry: what the plan compiles for a DFlash config."""
+    decode loop and admission, and its training step (SpecForge's DFlash objective on blocks drawn
+    by the host), through the registry: what the plan compiles for a DFlash config."""
     from eagle3_jax.config import TargetConfig
     from tests.test_dflash_serving import tiny_dflash_config
 
@@ -100,6 +102,9 @@ def test_tiny_dflash_decode_and_prefill_compile(tmp_path):
     p = small_plan(str(TINY), TOPOLOGIES[0], draft=str(tmp_path / "config.json"))
     assert_compiled(p)
     assert p.draft_source == str(tmp_path / "config.json") and sorted(p.rounds) == [0, 2]
+    t = small_plan(str(TINY), TOPOLOGIES[0], draft=str(tmp_path / "config.json"), programs=(), train=True,
+                   train_batch=2, train_len=16, train_dtype="bfloat16")
+    assert t.train.program.platform == "tpu" and t.train.program.fits and t.train.program.temp is not None
 
 
 def test_admission_holds_no_second_full_capacity_cache():

@@ -47,17 +47,21 @@ class DFlashTrainer(Trainer):
         check_pairing(self.dcfg, self.tcfg, n_aux * self.tcfg.hidden_size, n_aux, None, None)
         return DFlashDraft(self.dcfg, n_aux, resolve_dtype(cfg.dtype), nnx.Rngs(cfg.seed))
 
-    def _compile_step(self, sharding_leaves: tuple, sharding_tree):
-        return compiled_dflash_step(self.graphdef, self.target.graphdef if self.target else None, self.opt_spec,
-                                    self.aux_ids, self.spec, sharding_leaves, sharding_tree)
+    @classmethod
+    def jitted_step(cls, cfg, graphdef, tgraph, opt_spec, aux_ids, sharding_leaves: tuple, sharding_tree):
+        return compiled_dflash_step(graphdef, tgraph, opt_spec, aux_ids, DFlashSpec.from_config(cfg, cfg.max_len),
+                                    sharding_leaves, sharding_tree)
+
+    @classmethod
+    def draws(cls, cfg, loss_mask_ABT, step: int = 0, first_row: int = 0) -> dict:
+        return sample_blocks(loss_mask_ABT, DFlashSpec.from_config(cfg, cfg.max_len), cfg.seed, step, first_row)
 
     def loaded_draft(self) -> LoadedDFlash:
         return LoadedDFlash(self.draft_model(), self.target, self.aux_ids)
 
     def next_batch(self) -> dict:
         rows = [next(self.data_iter) for _ in range(self.cfg.grad_accum)]
-        draws = sample_blocks(np.stack([r["loss_mask"] for r in rows]), self.spec, self.cfg.seed, self.step,
-                              self._local_rows()[0])
+        draws = self.draws(self.cfg, np.stack([r["loss_mask"] for r in rows]), self.step, self._local_rows()[0])
         return self._device_batch([{**r, **{k: v[a] for k, v in draws.items()}} for a, r in enumerate(rows)])
 
     def run_step(self, batch: dict) -> dict:

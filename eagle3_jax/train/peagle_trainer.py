@@ -46,14 +46,20 @@ class PEagleTrainer(Trainer):
         model.embed_tokens[...] = jnp.array(self.embed_VD, model.dtype, copy=True)
         return model
 
-    def _compile_step(self, sharding_leaves: tuple, sharding_tree):
-        return compiled_peagle_step(self.graphdef, self.target.graphdef if self.target else None, self.opt_spec,
-                                    self.aux_ids, self.spec, sharding_leaves, sharding_tree)
+    STEP_HEAD = ("lm_head_DV",)   # the draft holds its own copy of the embedding
+
+    @classmethod
+    def jitted_step(cls, cfg, graphdef, tgraph, opt_spec, aux_ids, sharding_leaves: tuple, sharding_tree):
+        return compiled_peagle_step(graphdef, tgraph, opt_spec, aux_ids, PEagleSpec.from_config(cfg),
+                                    sharding_leaves, sharding_tree)
+
+    @classmethod
+    def draws(cls, cfg, loss_mask_ABT, step: int = 0, first_row: int = 0) -> dict:
+        return sample_rollouts(loss_mask_ABT, PEagleSpec.from_config(cfg), cfg.seed, step, first_row)
 
     def next_batch(self) -> dict:
         rows = [next(self.data_iter) for _ in range(self.cfg.grad_accum)]
-        draws = sample_rollouts(np.stack([r["loss_mask"] for r in rows]), self.spec, self.cfg.seed, self.step,
-                                self._local_rows()[0])
+        draws = self.draws(self.cfg, np.stack([r["loss_mask"] for r in rows]), self.step, self._local_rows()[0])
         return self._device_batch([{**r, **{k: v[a] for k, v in draws.items()}} for a, r in enumerate(rows)])
 
     def run_step(self, batch: dict) -> dict:

@@ -142,3 +142,9 @@ def compiled_step(graphdef, tgraph, opt_spec: OptimizerSpec, aux_ids: tuple, spe
     step = functools.partial(train_step, graphdef=graphdef, tgraph=tgraph, opt_spec=opt_spec, aux_ids=aux_ids,
                              spec=spec)
     return jax.jit(step, donate_argnums=(0, 1), out_shardings=(params_sh, opt_sh, None))
+
+
+def jitted_step(cfg: TrainConfig, graphdef, tgraph, opt_spec: OptimizerSpec, aux_ids: tuple, sharding_leaves: tuple,
+                sharding_tree):
+    """The EAGLE-3 (training-time test) step a run of ``cfg`` compiles."""
+    return compiled_step(graphdef, tgraph, opt_spec, aux_ids, loss_spec(cfg), sharding_leaves, sharding_tree)

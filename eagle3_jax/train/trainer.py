@@ -1,15 +1,13 @@
-"""The training loop: AdamW + warmup-cosine + clipping, a jitted TTT step on the mesh, orbax
-checkpoints that a restart resumes from, metrics, periodic acceptance eval, SpecForge export.
+"""The training loop: AdamW + warmup-cosine + clipping, a jitted TTT step on the mesh, orbax checkpoints
+that a restart resumes from, metrics, periodic acceptance eval, SpecForge export.
 
-One optimizer step consumes ``grad_accum`` batches of ``batch_size`` rows; their gradients are
-averaged inside the jitted step (a ``lax.scan``), so the step counter, the schedule and the
-checkpoints count optimizer steps. Rows are sharded over the mesh's ``data`` axis.
-
-With several processes (``eagle3_jax.distributed``) the mesh spans every process's devices; each
-process reads only the rows of each global batch that its devices hold, and the global batch is
-assembled with ``jax.make_array_from_process_local_data``. All processes save and restore the
-orbax checkpoints together (``out_dir`` on a shared filesystem); process 0 alone writes the
-metrics log, the vocab map and the exported draft.
+One optimizer step consumes ``grad_accum`` batches of ``batch_size`` rows; their gradients are averaged
+inside the jitted step (a ``lax.scan``), so the step counter, the schedule and the checkpoints count
+optimizer steps. Rows are sharded over the mesh's ``data`` axis. With several processes
+(``eagle3_jax.distributed``) the mesh spans every process's devices; each process reads only the rows
+of each global batch that its devices hold (``jax.make_array_from_process_local_data`` assembles it).
+All processes save and restore the orbax checkpoints together (``out_dir`` on a shared filesystem);
+process 0 alone writes the metrics log, the vocab map and the exported draft.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from eagle3_jax.sharding import DATA_AXIS, make_mesh, mesh_context, state_shardi
 from eagle3_jax.train import data as data_lib, offline as offline_lib, pipeline as pipeline_lib
 from eagle3_jax.train.config import TrainConfig, TrainPlan
 from eagle3_jax.train.progress import StepReport, info as _info
-from eagle3_jax.train.step import OptimizerSpec, compiled_step, init_optimizer, loss_spec, lr_schedule  # noqa: F401 (re-exported)
+from eagle3_jax.train.step import OptimizerSpec, init_optimizer, jitted_step, lr_schedule
 from eagle3_jax.train.ttt import simulated_acc_len
 from eagle3_jax.train_serve import check_served_acceptance, tau_by_context
 from eagle3_jax.train.vocab import VocabMap, build_vocab_map, load_or_build, token_counts
@@ -50,8 +48,7 @@ log = logging.getLogger("eagle3_jax")
 
 # Keys a checkpoint cannot be resumed under if they changed: they alter the parameters' shapes,
 # the data order, or what a step means (every draft kind's own settings among them).
-RESUME_INVARIANTS = ("draft_kind", "draft_config_file", "draft",
-                     *(k.settings_key for k in drafts.KINDS if k.settings_key),
+RESUME_INVARIANTS = ("draft_kind", "draft_config_file", "draft", *(k.settings_key for k in drafts.KINDS if k.settings_key),
                      "aux_layer_ids", "draft_vocab_size", "max_len", "batch_size", "grad_accum", "seed", "dtype",
                      "hidden_source", "ttt_steps")
 # Where and how the draft is written or the run reports: a finished run rerun with new ones re-exports.
@@ -67,8 +64,7 @@ class TrainResult:
 
 
 class Trainer:
-    """Builds everything a run needs from a ``TrainConfig`` (and its ``TrainPlan`` when the caller
-    resolved it already) and resumes from its last checkpoint."""
+    """Builds what a run needs from a ``TrainConfig`` (and its ``TrainPlan``); resumes from its last checkpoint."""
 
     def __init__(self, cfg: TrainConfig, progress: bool = True, plan: TrainPlan | None = None):
         import orbax.checkpoint as ocp
@@ -151,9 +147,14 @@ class Trainer:
     def _new_draft(self):
         return Draft(self.dcfg, len(self.aux_ids), resolve_dtype(self.cfg.dtype), nnx.Rngs(self.cfg.seed))
 
-    def _compile_step(self, sharding_leaves: tuple, sharding_tree):
-        return compiled_step(self.graphdef, self.target.graphdef if self.target else None, self.opt_spec,
-                             self.aux_ids, loss_spec(self.cfg), sharding_leaves, sharding_tree)
+    # From the settings alone, as tools.plan compiles them: the step's arguments between (params,
+    # opt_state, rest) and (tstate, batch, lr), the jitted step, the host's draws for a batch.
+    STEP_HEAD, jitted_step = ("embed_VD", "lm_head_DV"), staticmethod(jitted_step)
+    draws = staticmethod(lambda cfg, loss_mask_ABT, step=0, first_row=0: {})
+
+    def _compile_step(self, leaves: tuple, tree):
+        tgraph = self.target.graphdef if self.target else None
+        return self.jitted_step(self.cfg, self.graphdef, tgraph, self.opt_spec, self.aux_ids, leaves, tree)
 
     # ------------------------------------------------------------------ setup helpers
     def _load_target(self):

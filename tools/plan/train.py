@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -16,7 +16,6 @@ from eagle3_jax import drafts
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.drafts.eagle3.config import DraftConfig
 from eagle3_jax.errors import ConfigError
-from eagle3_jax.drafts.eagle3.model import Draft
 from eagle3_jax.sharding import DATA_AXIS, data_parallel_size, sharding_for, state_shardings, train_param_sharding
 from tools.plan.common import PlanSettings, ProgramMemory, compile_program, itemsize
 
@@ -56,27 +55,26 @@ def _device_bytes(tree) -> int:
 
 def plan_train(s: PlanSettings, cfg: TargetConfig, dcfg: DraftConfig, aux_ids, mesh, target_models, planned,
                compiled, log) -> TrainMemory:
-    """Lowers and compiles eagle3_jax.train.trainer.train_step on abstract arguments laid out as the
-    Trainer lays them out (rows on the data axis, the draft split for training, the head replicated offline)."""
+    """Lowers and compiles the draft kind's training step (its trainer's ``jitted_step``) on abstract
+    arguments laid out as the Trainer lays them out (rows on the data axis, the draft split for training, the head replicated offline)."""
 
-    from eagle3_jax.train import trainer
     from eagle3_jax.train.config import TrainConfig
-    from eagle3_jax.train.step import map_moments
+    from eagle3_jax.train.draft_kind import trainer_class
+    from eagle3_jax.train.step import OptimizerSpec, map_moments
 
     kind = drafts.of_config(dcfg)
-    if kind.module is not Draft:   # the step planned here is training-time test, written for that module
-        raise ConfigError(f"planning the training step covers EAGLE-3 drafts (training-time test); the planned draft "
-                          f"is a {kind.title} draft. Plan without --train")
+    trainer = trainer_class(kind)   # the kind's step, its arguments and its host draws, from settings alone
     if s.hidden_source not in ("online", "offline"):
         raise ConfigError(f"hidden_source must be online or offline, found {s.hidden_source!r}")
     data = data_parallel_size(mesh)
     if s.train_batch % data:
         raise ConfigError(f"train batch {s.train_batch} does not split over data={data}; use a multiple of it")
     dtype = jnp.dtype(resolve_dtype(s.train_dtype))
-    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: Draft(dcfg, len(aux_ids), dtype, None)), nnx.Param, ...)
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: kind.module(dcfg, len(aux_ids), dtype, None)),
+                                       nnx.Param, ...)
     params, rest = _pure_abstract(params, mesh, train_param_sharding), _pure_abstract(rest, mesh)
-    defaults = TrainConfig(target=s.model)
-    opt_spec = trainer.OptimizerSpec.from_config(defaults)
+    defaults = TrainConfig(target=s.model, draft_kind=kind.name, max_len=s.train_len, ttt_steps=s.ttt_steps)
+    opt_spec = OptimizerSpec.from_config(defaults)
     opt = opt_spec.build()
     # shapes only: shardings naming compile-only (TPU topology) devices cannot be placed on, even abstractly
     shapes = jax.eval_shape(opt.init, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
@@ -112,16 +110,19 @@ def plan_train(s: PlanSettings, cfg: TargetConfig, dcfg: DraftConfig, aux_ids, m
         batch["hidden"] = jax.ShapeDtypeStruct((A, R, T, D), tdtype, sharding=rows)
         tgraph, tstate = None, None
         frozen, head_bytes = 0, 2 * V * D * planned.itemsize
+    draws = trainer.draws(defaults, np.ones((A, R, T), bool))   # shapes and dtypes of what the host adds
+    batch.update({k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows) for k, v in draws.items()})
     batch_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * (planned.itemsize if x.dtype == compiled
                       else itemsize(x.dtype)) for x in batch.values())
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
     # The Trainer's own jitted step: new params and moments pinned to the shardings they came in with.
     leaves, tree = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, (params, opt_state)))
-    step = trainer.compiled_step(graphdef, tgraph, opt_spec, tuple(aux_ids),
-                                 dataclasses.replace(trainer.loss_spec(defaults), steps=s.ttt_steps), tuple(leaves), tree)
-    log(f"compiling train ({s.hidden_source} draft training step: {s.train_accum} x {s.train_batch} rows x "
-        f"{s.train_len} tokens, TTT {s.ttt_steps} steps) ...")
-    mem = compile_program("train", step, (params, opt_state, rest, embed, head, tstate, batch, lr), {})
+    step = trainer.jitted_step(defaults, graphdef, tgraph, opt_spec, tuple(aux_ids), tuple(leaves), tree)
+    heads = {"embed_VD": embed, "lm_head_DV": head}
+    log(f"compiling train ({s.hidden_source} {kind.title} draft training step: {s.train_accum} x {s.train_batch} "
+        f"rows x {s.train_len} tokens{f', TTT {s.ttt_steps} steps' if not draws else ''}) ...")
+    mem = compile_program("train", step, (params, opt_state, rest, *(heads[k] for k in trainer.STEP_HEAD), tstate,
+                                          batch, lr), {})
     log(f"  lowered in {mem.lower_s:.1f} s, compiled in {mem.compile_s:.1f} s")
     return TrainMemory(frozen_target=frozen, head=head_bytes, draft_params=_device_bytes(params) + _device_bytes(rest),
                        optimizer=_device_bytes(opt_state), batch=batch_bytes, program=mem)
