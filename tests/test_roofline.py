@@ -87,6 +87,11 @@ def test_interpolation_is_exact_on_affine_costs():
     assert rounds.interpolate(table, 32, 3).flops == pytest.approx(cost(32, 3).flops)
 
 
+def test_speedup_compiles_every_listed_batch_unless_told():
+    assert speedup.grid_from("1,8,32,128", 2048, 8192, None).compile_batches == (1, 8, 32, 128)
+    assert speedup.grid_from("1,8,32,128", 2048, 8192, "1,128").compile_batches == (1, 128)
+
+
 def test_attention_trips_after_the_first_are_added():
     rows, tokens, heads, cap = 4, 5, 8, 4096
     kb = key_block(cap, tokens, heads)

@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "best K per batch (tools/plan/speedup.py; --platform tpu; --json writes the K table)")
     p.add_argument("--speedup-batches", default="1,8,32,128", help="batch sizes of the --speedup table")
     p.add_argument("--compile-batches", default=None,
-                   help="batches --speedup compiles (default: the first and the last); the others are interpolated "
-                        "linearly in tokens")
+                   help="batches --speedup compiles (default: every one of --speedup-batches; the costs are far from "
+                        "linear in the batch); the others are interpolated linearly in tokens")
     p.add_argument("--context", type=int, default=2048,
                    help="filled cache slots per row when the priced rounds run (--speedup); --max-len is the capacity")
     p.add_argument("--round-store", default=None, metavar="PATH",

@@ -238,7 +238,10 @@ def scaling_checks(settings, grid, full, log, store) -> list[dict]:
 
 def grid_from(batches: str, context: int, max_len: int, compile_batches: str | None) -> rounds.GridSettings:
     bs = tuple(int(x) for x in batches.split(",") if x)
-    cb = tuple(int(x) for x in compile_batches.split(",")) if compile_batches else (bs[0], bs[-1])
+    # Every listed batch is compiled unless told otherwise: a round's compiled costs are far from
+    # linear in the batch (Kimi-K2.5 on v5p:2x2x4, K = 0: batch 32 interpolated from 1 and 128 came
+    # out at 39 ms, compiled 58.5 ms; docs/plan.md, "Predicted speedup on v5p:2x2x4").
+    cb = tuple(int(x) for x in compile_batches.split(",")) if compile_batches else bs
     if context + 8 > max_len:
         raise SystemExit(f"--context {context} needs --max-len above {context + 8}, found {max_len}")
     return dataclasses.replace(rounds.GridSettings(), batches=bs, compile_batches=cb, context=context,
