@@ -51,6 +51,10 @@ def test_tokens_per_second_excludes_compiles_across_two_prompt_buckets(tmp_path,
     # against ~1 s of decoding); the first executions of its programs, which count, and a loaded
     # machine (a full suite on 2 workers measured 0.46) leave it within a few x of the second's.
     timings = [(m["seconds"], m["compile_seconds"], m["load_seconds"]) for m in (m1, m2)]
+    if m1["compile_seconds"] <= 5 * m1["seconds"] and m1["compiles"]["from_cache"]:
+        # a rerun of the suite: programs loaded from its persistent cache in seconds, too little to
+        # tell counted compiles from excluded ones (a fresh clone, as CI runs it, compiles them)
+        pytest.skip(f"programs came from the suite's compile cache: {m1['compiles']}")
     assert m1["compile_seconds"] > 5 * m1["seconds"], timings   # the check below can tell the two apart
     assert 0.2 <= m1["tokens_per_second"] / m2["tokens_per_second"] <= 5.0, timings
     assert "compiling prompt bucket 32" in progress and re.search(r"serve: 24/24 prompts, [0-9.]+ tok/s", progress)
