@@ -57,11 +57,6 @@ class PEagleTrainer(Trainer):
     def draws(cls, cfg, loss_mask_ABT, step: int = 0, first_row: int = 0) -> dict:
         return sample_rollouts(loss_mask_ABT, PEagleSpec.from_config(cfg), cfg.seed, step, first_row)
 
-    def next_batch(self) -> dict:
-        rows = [next(self.data_iter) for _ in range(self.cfg.grad_accum)]
-        draws = self.draws(self.cfg, np.stack([r["loss_mask"] for r in rows]), self.step, self._local_rows()[0])
-        return self._device_batch([{**r, **{k: v[a] for k, v in draws.items()}} for a, r in enumerate(rows)])
-
     def run_step(self, batch: dict) -> dict:
         tstate = self.target.state if self.target is not None else None
         lr = self.schedule(self.step)

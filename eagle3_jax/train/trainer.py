@@ -30,8 +30,7 @@ from eagle3_jax import distributed, drafts
 from eagle3_jax.checkpoint.staging import atomic_file
 from eagle3_jax.config import resolve_dtype
 from eagle3_jax.contracts import check_pairing
-from eagle3_jax.drafts import LoadedDraft
-from eagle3_jax.drafts.loaded import placed
+from eagle3_jax.drafts.loaded import LoadedDraft, placed
 from eagle3_jax.errors import ConfigError, SettingsError
 from eagle3_jax.loading import load_target, save_draft
 from eagle3_jax.drafts.eagle3.model import Draft
@@ -147,10 +146,9 @@ class Trainer:
     def _new_draft(self):
         return Draft(self.dcfg, len(self.aux_ids), resolve_dtype(self.cfg.dtype), nnx.Rngs(self.cfg.seed))
 
-    # From the settings alone, as tools.plan compiles them: the step's arguments between (params,
-    # opt_state, rest) and (tstate, batch, lr), the jitted step, the host's draws for a batch.
-    STEP_HEAD, jitted_step = ("embed_VD", "lm_head_DV"), staticmethod(jitted_step)
-    draws = staticmethod(lambda cfg, loss_mask_ABT, step=0, first_row=0: {})
+    # From the settings alone (tools.plan too): the step's args between (params, opt_state, rest) and
+    # (tstate, batch, lr), the jitted step, the host's draws for a batch (none: TTT draws nothing).
+    STEP_HEAD, jitted_step, draws = ("embed_VD", "lm_head_DV"), staticmethod(jitted_step), staticmethod(lambda *a: {})
 
     def _compile_step(self, leaves: tuple, tree):
         tgraph = self.target.graphdef if self.target else None
@@ -216,8 +214,10 @@ class Trainer:
         return {k: jax.make_array_from_process_local_data(sharding, v, (v.shape[0], B) + v.shape[2:])
                 for k, v in batch.items()}
 
-    def next_batch(self) -> dict:
-        return self._device_batch([next(self.data_iter) for _ in range(self.cfg.grad_accum)])
+    def next_batch(self) -> dict:   # one optimizer step's rows, with the kind's host draws for each
+        rows = [next(self.data_iter) for _ in range(self.cfg.grad_accum)]
+        draws = self.draws(self.cfg, np.stack([r["loss_mask"] for r in rows]), self.step, self._local_rows()[0])
+        return self._device_batch([{**r, **{k: v[a] for k, v in draws.items()}} for a, r in enumerate(rows)])
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self):
