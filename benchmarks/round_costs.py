@@ -16,6 +16,10 @@ float32 matmul); both are printed.
     python benchmarks/round_costs.py --tiny                                        # seconds: a smoke run
 
 ``--budget-s`` stops starting new cells once spent (each cell's table row prints as it lands).
+With ``--pair``, ``--draft peagle`` or ``--draft dflash`` times that kind's draft in ``DIR/peagle`` or
+``DIR/dflash`` instead of ``DIR/draft``. "draft ms" times the round's draft work alone (the kind's
+proposal of K tokens and its catch-up over the K + 1 verified positions, the same functions the
+loop calls, on the same state), so "draft share" is the part of the measured round the draft costs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -37,7 +42,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from eagle3_jax.speculative import generate as gen
-from eagle3_jax.speculative.static_graph import StaticGraph
+from eagle3_jax.speculative.static_graph import StaticGraph, merge_models
 from tools.plan import rounds, uncounted
 from tools.plan.roofline import UNIFORM, Chip, chip_for
 
@@ -88,14 +93,15 @@ class Models:
     dtype: object
 
 
-def demo_models(demo_dir: str) -> Models:
+def demo_models(demo_dir: str, sub: str = "draft") -> Models:
     import eagle3_jax as e3
     from eagle3_jax.serve.demo import DemoSettings
 
     dtype = DemoSettings.load(demo_dir).dtype
     t = e3.load_target(os.path.join(demo_dir, "target"), dtype=dtype)
-    d = e3.load_draft(os.path.join(demo_dir, "draft"), t)
-    return Models(f"demo pair {os.path.relpath(demo_dir, REPO)} ({dtype})", (t.graphdef, t.state),
+    d = e3.load_draft(os.path.join(demo_dir, sub), t)
+    name = f"demo pair {os.path.relpath(demo_dir, REPO)}, {sub}/ ({type(d.config).__name__}, {dtype})"
+    return Models(name, (t.graphdef, t.state),
                   (d.graphdef, d.state), t.config, d.config, tuple(d.aux_layer_ids), jnp.dtype(dtype))
 
 
@@ -143,6 +149,39 @@ def state_for(models: Models, batch: int, capacity: int, context: int, k_max: in
     return program, sp, make
 
 
+# ---------------------------------------------------------------------- the draft's part of a round
+@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "k", "aux_width"))
+def draft_part(tgraph, tstate, dgraph, dstate, state, *, k: int, aux_width: int):
+    """The draft's work in a greedy round at ``k``: propose, then catch up over the k + 1 positions
+    (the target's aux states there are zeros here: a round's cost does not depend on the values)."""
+    from eagle3_jax import drafts
+    from eagle3_jax.speculative.accept import first_argmax
+
+    target, draft = merge_models(tgraph, tstate, dgraph, dstate)
+    kind, embed_VD = drafts.of_module(draft), target.embed_tokens[...]
+    keys = list(jax.random.split(jax.random.key(0), k))
+    d_BK, _, dcache = kind.propose(draft, state.dlogits_BW, state.dhidden_BD, state.dcache, state.lengths_B, keys,
+                                   lambda _, x: (first_argmax(x), jnp.zeros(x.shape, jnp.float32)), embed_VD,
+                                   state.last_B, target.logits)
+    ids_BK1 = jnp.concatenate([state.last_B[:, None], draft.to_target_ids(d_BK)], axis=1)
+    pos_BK1 = state.lengths_B[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    aux_BTX = jnp.zeros(ids_BK1.shape + (aux_width,), embed_VD.dtype)
+    step = kind.catch_up(draft, ids_BK1, aux_BTX, pos_BK1, embed_VD, dcache)
+    return (step.hidden_BTD, step.logits_BTW, step.cache), d_BK
+
+
+def time_calls(fn, repeats: int, calls: int) -> float:
+    """The median over ``repeats`` runs of ``calls`` back-to-back calls, seconds per call."""
+    times = []
+    for _ in range(repeats):
+        jax.block_until_ready(fn())
+        t0 = time.perf_counter()
+        out = [fn() for _ in range(calls)]
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
 # ---------------------------------------------------------------------- one cell
 def run_cell(models: Models, batch: int, k: int, args, chip: Chip) -> dict:
     from tools.plan.common import _leaves
@@ -173,7 +212,13 @@ def run_cell(models: Models, batch: int, k: int, args, chip: Chip) -> dict:
         times.append((time.perf_counter() - t0) / args.rounds)
         cpu.append((time.process_time() - c0) / args.rounds)
     measured = statistics.median(times)
-    return {"batch": batch, "k": k, "measured_s": measured, "roofline_s": priced["seconds"],
+    draft_s = None
+    if k:
+        aux_width = len(models.aux_ids) * models.cfg.hidden_size
+        state = make()
+        draft_s = time_calls(lambda: draft_part(tg, ts, dg, ds, state, k=k, aux_width=aux_width), args.repeats,
+                             args.rounds)
+    return {"batch": batch, "k": k, "measured_s": measured, "draft_s": draft_s, "roofline_s": priced["seconds"],
             "ratio": measured / priced["seconds"], "bound": priced["bound"], "bytes": priced["bytes"],
             "flops": priced["flops"], "compiler_bytes": rc.bytes_accessed, "compiler_flops": rc.flops,
             "kernels": rc.hlo.kernels, "while_loops": rc.hlo.while_loops, "compile_s": rc.compile_s,
@@ -194,18 +239,21 @@ def cell_order(batches, ks):
 
 
 HEAD = ["B", "K", "measured ms", "roofline ms", "measured / roofline", "bound", "GB", "GFLOP", "host CPU ms",
-        "compile s"]
+        "compile s", "draft ms", "draft share"]
 
 
 def row_of(r: dict) -> list:
     return [r["batch"], r["k"], f"{r['measured_s'] * 1e3:.3f}", f"{r['roofline_s'] * 1e3:.3f}", f"{r['ratio']:.2f}",
             r["bound"], f"{r['bytes'] / 1e9:.3f}", f"{r['flops'] / 1e9:.2f}", f"{r['process_cpu_s'] * 1e3:.3f}",
-            f"{r['compile_s']:.1f}"]
+            f"{r['compile_s']:.1f}",
+            "-" if r.get("draft_s") is None else f"{r['draft_s'] * 1e3:.3f}",
+            "-" if r.get("draft_s") is None else f"{r['draft_s'] / r['measured_s']:.2f}"]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", default=None, help="a demo directory (target/ and draft/): the trained pair")
+    ap.add_argument("--draft", default="draft", help="with --pair: the draft's folder in it (draft, peagle, dflash)")
     ap.add_argument("--model", default=None, help="a target config.json: random weights, cut by --layers")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16", help="--model's weights and caches")
@@ -227,7 +275,7 @@ def main(argv=None) -> int:
         args.batches, args.ks = args.batches or "2", args.ks or "0,1"
         args.context, args.headroom, args.rounds, args.repeats = 48, 16, 2, 1
     elif args.pair:
-        models = demo_models(args.pair)
+        models = demo_models(args.pair, args.draft)
     elif args.model:
         models = random_models(args.model, args.layers, args.dtype)
     else:

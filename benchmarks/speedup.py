@@ -23,12 +23,13 @@ vs measured speedup (measured: both round costs timed in this process; "-" where
 
 With a P-EAGLE draft (``--parallel-draft``, default ``DEMO/peagle`` when it exists), the modes
 "P-EAGLE K=k" for each --parallel-k run beside the chain draft's, on the same prompts and capacity:
-all K draft tokens come from one draft pass. "round ms" is wall seconds per loop iteration
+all K draft tokens come from one draft pass. So do "DFlash K=k" for each --dflash-k with a DFlash
+draft (``--dflash-draft``, default ``DEMO/dflash``): K tokens of one block guessed in one pass. "round ms" is wall seconds per loop iteration
 (rounds summed over rows / B), so the cost of a round at each K can be read beside its τ.
 
     .venv/bin/python benchmarks/speedup.py [--demo-dir demo] [--prompts demo,thirdparty,heldout] [--batch 1,8,32]
         [--temperature 0,1] [--k 1,2,3,4,5,6] [--num-prompts N] [--max-new-tokens 96] [--repeats 5]
-        [--parallel-draft DIR] [--parallel-k 2,4,6,8] [--json OUT.json]
+        [--parallel-draft DIR] [--parallel-k 2,4,6,8] [--dflash-draft DIR] [--dflash-k 2,4,7] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def mode_name(k) -> str:
     return "target-only" if k == 0 else k if isinstance(k, str) else f"K={k}"
 
 
-def parallel_mode(draft, k: int):
-    """A mode decoding with the P-EAGLE ``draft`` at a fixed ``k``."""
+def one_pass_mode(draft, k: int):
+    """A mode decoding with a one-pass ``draft`` (P-EAGLE, DFlash) at a fixed ``k``."""
     def make(pair: DemoPair, batch: int, capacity: int):
         return e3.Generator(pair.target, draft, num_draft_tokens=k, max_len=capacity, batch_size=batch)
     return make
@@ -201,6 +202,10 @@ def main(argv=None, extra_modes: dict | None = None) -> int:
                     help="a P-EAGLE draft to run beside the chain draft (default DEMO/peagle when it exists; "
                          "'none': skip)")
     ap.add_argument("--parallel-k", default="2,4,6,8", help="the P-EAGLE draft's fixed Ks")
+    ap.add_argument("--dflash-draft", default=None,
+                    help="a DFlash draft to run beside the chain draft (default DEMO/dflash when it exists; "
+                         "'none': skip)")
+    ap.add_argument("--dflash-k", default="2,4,7", help="the DFlash draft's fixed Ks (at most its block_size - 1)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     compile_cache.enable()   # as serve.py: a rerun reads its programs from disk
@@ -211,17 +216,20 @@ def main(argv=None, extra_modes: dict | None = None) -> int:
         ap.error(f"--k values must be in 1..{DEFAULT_MAX_DRAFT_TOKENS}")
     sets = prompt_sets(pair, [s.strip() for s in args.prompts.split(",") if s.strip()], args.num_prompts)
     print(describe(pair), file=sys.stderr)
-    parallel_dir = args.parallel_draft or os.path.join(args.demo_dir, "peagle")
     extra_modes = dict(extra_modes or {})
-    if parallel_dir != "none" and os.path.isdir(parallel_dir):
-        parallel = e3.load_draft(parallel_dir, pair.target)
-        print(f"P-EAGLE draft {shown_path(parallel_dir)}: aux layers {list(parallel.aux_layer_ids)}", file=sys.stderr)
-        for k in parse_list(args.parallel_k):
-            make = parallel_mode(parallel, k)
-            make.k = k
-            extra_modes[f"P-EAGLE K={k}"] = make
-    elif args.parallel_draft not in (None, "none"):
-        raise SystemExit(f"--parallel-draft: no draft at {parallel_dir}")
+    for label, flag, given, sub, k_list in (
+            ("P-EAGLE", "--parallel-draft", args.parallel_draft, "peagle", args.parallel_k),
+            ("DFlash", "--dflash-draft", args.dflash_draft, "dflash", args.dflash_k)):
+        where = given or os.path.join(args.demo_dir, sub)
+        if where != "none" and os.path.isdir(where):
+            one_pass = e3.load_draft(where, pair.target)
+            print(f"{label} draft {shown_path(where)}: aux layers {list(one_pass.aux_layer_ids)}", file=sys.stderr)
+            for k in parse_list(k_list):
+                make = one_pass_mode(one_pass, k)
+                make.k = k
+                extra_modes[f"{label} K={k}"] = make
+        elif given not in (None, "none"):
+            raise SystemExit(f"{flag}: no draft at {where}")
     rows = []
     with quiet_watchdog():
         for name, prompts in sets.items():

@@ -13,7 +13,8 @@ from eagle3_jax.tokenizer import load_tokenizer
 
 DEMO = str(pathlib.Path(__file__).resolve().parents[1] / "demo")
 # The demo's budget (bf16 weights, tokenizer, prompts): 60 MB held the target and the chain draft;
-# the P-EAGLE draft (12.9 MB, 4.2 of them its own trained embedding) took it to 61.5 MB.
+# the P-EAGLE draft (12.9 MB, 4.2 of them its own trained embedding) took it to 61.5 MB, and the
+# DFlash draft (one layer; it reads the target's embedding and head) to 63.7 MB.
 MAX_DEMO_BYTES = 64 * 10**6
 
 
@@ -52,6 +53,12 @@ def test_demo_greedy_spec_equals_target_only():
     par = run(e3.load_draft(os.path.join(DEMO, "peagle"), target), k)
     assert par.tokens == ref.tokens
     assert par.stats.mean_accept_length > 1.5, par.stats.as_dict()
+    # And the shipped DFlash draft (K guesses of one block from one pass), at its demo.yaml K.
+    k = demo.DemoSettings.load(DEMO).dflash_draft_tokens
+    assert k >= 1, "demo.yaml runs no DFlash draft"
+    block = run(e3.load_draft(os.path.join(DEMO, "dflash"), target), k)
+    assert block.tokens == ref.tokens
+    assert block.stats.mean_accept_length > 1.5, block.stats.as_dict()
 
 
 def test_demo_settings_reject_unknown_keys(tmp_path):
@@ -86,6 +93,9 @@ def test_demo_settings_need_one_prompt_count_per_batch_size(tmp_path):
         demo.DemoSettings.load(str(tmp_path))
     (tmp_path / "demo.yaml").write_text("parallel_draft_tokens: -1\n")
     with pytest.raises(ConfigError, match="parallel_draft_tokens"):
+        demo.DemoSettings.load(str(tmp_path))
+    (tmp_path / "demo.yaml").write_text("dflash_draft_tokens: -2\n")
+    with pytest.raises(ConfigError, match="dflash_draft_tokens must be >= 0"):
         demo.DemoSettings.load(str(tmp_path))
     (tmp_path / "demo.yaml").write_text("temperatures: [0, -1]\n")
     with pytest.raises(ConfigError, match=r"temperatures must be one or more values >= 0"):

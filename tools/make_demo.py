@@ -12,7 +12,8 @@ Stages (each reads what the earlier ones left in --out and --work, so any suffix
                refused; delete that file to start over)
   4 regenerate `serve.py --emit training`: the target's continuations of train-file prompts
   5 draft      `train.py --config configs/train/demo.yaml` on that data, then the P-EAGLE draft
-               (`configs/train/peagle_demo.yaml`) to OUT/peagle
+               (`configs/train/peagle_demo.yaml`) to OUT/peagle and the DFlash draft
+               (`configs/train/demo_dflash.yaml`) to OUT/dflash; `--drafts` picks some of them
   6 export     the target in Hugging Face layout (bf16) to OUT/target, checked against transformers;
                the drafts (when stage 5 has run) checked through the public loaders; OUT/README.md
 Stage 6's target export runs before stage 4 when both are asked for, since stage 4 serves it.
@@ -36,6 +37,11 @@ from tools.demo import bpe, corpus, lm, lm_state  # noqa: E402
 
 DEMO_TRAIN_CONFIG = "configs/train/demo.yaml"
 PEAGLE_TRAIN_CONFIG = "configs/train/peagle_demo.yaml"
+DFLASH_TRAIN_CONFIG = "configs/train/demo_dflash.yaml"
+# The demo's drafts: its folder under --out (and its name for --drafts), recipe, run folder under --work.
+DEMO_DRAFTS = (("draft", DEMO_TRAIN_CONFIG, "draft_run"), ("peagle", PEAGLE_TRAIN_CONFIG, "peagle_run"),
+               ("dflash", DFLASH_TRAIN_CONFIG, "dflash_run"))
+DRAFTS = tuple(folder for folder, _, _ in DEMO_DRAFTS)
 STAGE_NAMES = {1: "corpus", 2: "tokenizer", 3: "target", 4: "regenerate", 5: "draft", 6: "export"}
 
 
@@ -61,6 +67,8 @@ class Paths:
         self.draft_run = os.path.join(work, "draft_run")
         self.peagle = os.path.join(out, "peagle")
         self.peagle_run = os.path.join(work, "peagle_run")
+        self.dflash = os.path.join(out, "dflash")
+        self.dflash_run = os.path.join(work, "dflash_run")
         self.summary = os.path.join(work, "summary.json")
 
 
@@ -196,10 +204,11 @@ def stage_draft(p: Paths, args) -> None:
     from tools.demo import draft
 
     require(p.regenerated, 4)
-    draft.train_draft(DEMO_TRAIN_CONFIG, p.target, p.regenerated, p.draft_run, p.draft, say=say)
-    update_summary(p, "draft", {"config": DEMO_TRAIN_CONFIG, "export_dir": p.draft})
-    draft.train_draft(PEAGLE_TRAIN_CONFIG, p.target, p.regenerated, p.peagle_run, p.peagle, say=say)
-    update_summary(p, "peagle", {"config": PEAGLE_TRAIN_CONFIG, "export_dir": p.peagle})
+    for folder, recipe, run in DEMO_DRAFTS:
+        if folder in args.drafts:
+            export_dir = os.path.join(p.out, folder)
+            draft.train_draft(recipe, p.target, p.regenerated, os.path.join(p.work, run), export_dir, say=say)
+            update_summary(p, folder, {"config": recipe, "export_dir": export_dir})
 
 
 def stage_export_draft(p: Paths, args) -> None:
@@ -214,29 +223,37 @@ def stage_export_draft(p: Paths, args) -> None:
     from tools.demo import draft
 
     has_peagle = os.path.isfile(os.path.join(p.peagle, "config.json"))
+    has_dflash = os.path.isfile(os.path.join(p.dflash, "config.json"))
     settings = demo.DemoSettings(num_draft_tokens=args.num_draft_tokens,
-                                 parallel_draft_tokens=args.parallel_k if has_peagle else 0)
+                                 parallel_draft_tokens=args.parallel_k if has_peagle else 0,
+                                 dflash_draft_tokens=args.dflash_k if has_dflash else 0)
     with open(os.path.join(p.out, "demo.yaml"), "w") as f:
         f.write("# What `python serve.py` (no arguments) runs; written by tools/make_demo.py stage 6.\n")
         # tuples as YAML lists (safe_dump has no tuple)
         yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in settings.__dict__.items()}, f,
                        sort_keys=False)
-    heldout = draft.heldout_acceptance(p.out, args.heldout_k)
-    say(f"draft at {p.draft}: held-out tau at K={args.heldout_k} by temperature "
-        f"{ {t: v['tau'] for t, v in heldout['by_temperature'].items()} } over "
-        f"{heldout['prompts']} prompts; per position {heldout['accept_rate_per_position']}")
-    update_summary(p, "draft_heldout", heldout)
-    update_summary(p, "draft_training", draft.training_summary(p.draft_run))
-    with open(os.path.join(REPO, DEMO_TRAIN_CONFIG)) as f:
-        update_summary(p, "draft_config", yaml.safe_load(f))
-    if has_peagle:
-        heldout = draft.heldout_acceptance(p.out, args.parallel_k, parallel=True)
-        say(f"P-EAGLE draft at {p.peagle}: held-out tau at K={args.parallel_k} by temperature "
+    if "draft" in args.drafts:   # the chain draft
+        heldout = draft.heldout_acceptance(p.out, args.heldout_k)
+        say(f"draft at {p.draft}: held-out tau at K={args.heldout_k} by temperature "
+            f"{ {t: v['tau'] for t, v in heldout['by_temperature'].items()} } over "
+            f"{heldout['prompts']} prompts; per position {heldout['accept_rate_per_position']}")
+        update_summary(p, "draft_heldout", heldout)
+        update_summary(p, "draft_training", draft.training_summary(p.draft_run))
+        with open(os.path.join(REPO, DEMO_TRAIN_CONFIG)) as f:
+            update_summary(p, "draft_config", yaml.safe_load(f))
+    # (summary key, label, directory, K, run directory, recipe) of each one-pass draft
+    for key, label, where, k, run, recipe in (
+            ("peagle", "P-EAGLE", p.peagle, args.parallel_k, p.peagle_run, PEAGLE_TRAIN_CONFIG),
+            ("dflash", "DFlash", p.dflash, args.dflash_k, p.dflash_run, DFLASH_TRAIN_CONFIG)):
+        if key not in args.drafts or not os.path.isfile(os.path.join(where, "config.json")):
+            continue
+        heldout = draft.heldout_acceptance(p.out, k, one_pass=label)
+        say(f"{label} draft at {where}: held-out tau at K={k} by temperature "
             f"{ {t: v['tau'] for t, v in heldout['by_temperature'].items()} }")
-        update_summary(p, "peagle_heldout", heldout)
-        update_summary(p, "peagle_training", draft.training_summary(p.peagle_run))
-        with open(os.path.join(REPO, PEAGLE_TRAIN_CONFIG)) as f:
-            update_summary(p, "peagle_config", yaml.safe_load(f))
+        update_summary(p, f"{key}_heldout", heldout)
+        update_summary(p, f"{key}_training", draft.training_summary(run))
+        with open(os.path.join(REPO, recipe)) as f:
+            update_summary(p, f"{key}_config", yaml.safe_load(f))
 
 
 # ====================================================================== README
@@ -265,6 +282,13 @@ def draft_tokens(text: str):
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number, got '{text}'") from None
+
+
+def draft_list(text: str) -> tuple[str, ...]:
+    names = tuple(d.strip() for d in text.split(",") if d.strip())
+    if not names or any(d not in DRAFTS for d in names):
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(DRAFTS)} separated by commas, got '{text}'")
+    return names
 
 
 def temperature_list(text: str) -> tuple[float, ...]:
@@ -325,6 +349,10 @@ def main(argv=None) -> int:
                     help="the fixed K at which stage 6 measures held-out acceptance (greedy and T=1)")
     ap.add_argument("--parallel-k", type=int, default=4,
                     help="the P-EAGLE draft's fixed K in demo.yaml, and where stage 6 measures its acceptance")
+    ap.add_argument("--dflash-k", type=int, default=4,
+                    help="the DFlash draft's fixed K in demo.yaml, and where stage 6 measures its acceptance")
+    ap.add_argument("--drafts", type=draft_list, default=DRAFTS,
+                    help=f"the drafts stages 5 and 6 train and measure (default all: {','.join(DRAFTS)})")
     ap.add_argument("--verify-tokens", type=int, default=48, help="greedy tokens compared with transformers")
     args = ap.parse_args(argv)
     stages = parse_stages(args.stages)

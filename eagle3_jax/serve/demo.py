@@ -6,9 +6,10 @@ target-only, then with the EAGLE-3 draft — in the same process on the same pro
 few completions and one table: tokens/s of both, their ratio, the K that ran, the mean acceptance
 length tau and the per-position acceptance. Greedy decoding is lossless, so at temperature 0 both
 runs must produce the same tokens; the demo checks that per batch size, and says why speculation
-was faster or slower from the live round costs. With ``parallel_draft_tokens: K`` in demo.yaml the
-P-EAGLE draft in ``demo/peagle`` (all K draft tokens from one pass) runs as a third mode, checked
-and tabled the same way.
+was faster or slower from the live round costs. The one-pass drafts run beside it at a fixed K,
+checked and tabled the same way: with ``parallel_draft_tokens: K`` in demo.yaml the P-EAGLE draft in
+``demo/peagle`` (all K draft tokens from one pass over K positions), with ``dflash_draft_tokens: K``
+the DFlash draft in ``demo/dflash`` (K tokens of one block guessed in one pass).
 
 Both modes run every prompt through the refill ``Engine`` on ``batch_size`` rows (a freed row
 takes the next prompt), as ``serve.py`` does. Each mode first runs once untimed: that compiles its
@@ -33,6 +34,10 @@ from eagle3_jax.errors import ConfigError
 
 SHOWN_COMPLETIONS = 3
 SHOWN_LINES = 8
+# The drafts the demo runs beside the chain one, each at its fixed K: label, directory under the demo,
+# the demo.yaml key of its K, and its training recipe (named in the error when the draft is missing).
+ONE_PASS_DRAFTS = (("P-EAGLE", "peagle", "parallel_draft_tokens", "configs/train/peagle_demo.yaml"),
+                   ("DFlash", "dflash", "dflash_draft_tokens", "configs/train/demo_dflash.yaml"))
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class DemoSettings:
 
     num_draft_tokens: int | str = "auto"   # or a fixed K
     parallel_draft_tokens: int = 0         # K of the P-EAGLE draft in demo/peagle, run beside (0: not run)
+    dflash_draft_tokens: int = 0           # K of the DFlash draft in demo/dflash, run beside (0: not run)
     batch_sizes: tuple[int, ...] = (1, 8)
     num_prompts: tuple[int, ...] = (4, 16)     # prompts per batch size, in the same order
     temperatures: tuple[float, ...] = (0.0, 1.0)   # 0: greedy (its tokens are checked against target-only)
@@ -57,9 +63,9 @@ class DemoSettings:
         if any(b < 1 for b in self.batch_sizes) or any(n < 1 for n in self.num_prompts):
             raise ConfigError(f"demo.yaml: batch_sizes and num_prompts must be >= 1, found "
                               f"{list(self.batch_sizes)} and {list(self.num_prompts)}")
-        if self.parallel_draft_tokens < 0:
-            raise ConfigError(f"demo.yaml: parallel_draft_tokens must be >= 0 (0: no P-EAGLE run), found "
-                              f"{self.parallel_draft_tokens}")
+        for label, _, key, _ in ONE_PASS_DRAFTS:
+            if getattr(self, key) < 0:
+                raise ConfigError(f"demo.yaml: {key} must be >= 0 (0: no {label} run), found {getattr(self, key)}")
         if self.timed_passes < 1:
             raise ConfigError(f"demo.yaml: timed_passes must be >= 1, found {self.timed_passes}")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
@@ -101,7 +107,7 @@ class DemoPair:
     tokenizer: object
     prompts: list[dict]       # {"id", "prompt"} records
     prompt_ids: list[list[int]]
-    parallel: object = None   # LoadedDraft of demo/peagle (P-EAGLE) when the settings run it
+    one_pass: dict = None     # label -> (LoadedDraft, K) of each one-pass draft the settings run
 
     @classmethod
     def load(cls, demo_dir: str, num_prompts: int | None = None) -> "DemoPair":
@@ -115,16 +121,17 @@ class DemoPair:
         tok = load_tokenizer(target_dir)
         target = e3.load_target(target_dir, dtype=settings.dtype)
         draft = e3.load_draft(draft_dir, target)
-        parallel_dir = os.path.join(demo_dir, "peagle")
-        parallel = None
-        if settings.parallel_draft_tokens:
-            if not os.path.isfile(os.path.join(parallel_dir, "config.json")):
-                raise ConfigError(f"demo.yaml asks for parallel_draft_tokens {settings.parallel_draft_tokens} but "
-                                  f"{parallel_dir} holds no P-EAGLE draft; set it to 0 or train one "
-                                  f"(configs/train/peagle_demo.yaml)")
-            parallel = e3.load_draft(parallel_dir, target)
+        one_pass = {}
+        for label, sub, key, recipe in ONE_PASS_DRAFTS:
+            k, where = getattr(settings, key), os.path.join(demo_dir, sub)
+            if not k:
+                continue
+            if not os.path.isfile(os.path.join(where, "config.json")):
+                raise ConfigError(f"demo.yaml asks for {key} {k} but {where} holds no {label} draft; set it to 0 "
+                                  f"or train one ({recipe})")
+            one_pass[label] = (e3.load_draft(where, target), k)
         return cls(demo_dir, settings, target, draft, tok, prompts, [tok.encode(p["prompt"]) for p in prompts],
-                   parallel)
+                   one_pass)
 
     @property
     def eos(self) -> tuple[int, ...]:
@@ -140,7 +147,8 @@ class DemoPair:
     def capacity(self, max_new_tokens: int, k: int | str) -> int:
         from eagle3_jax.speculative.autodraft import DEFAULT_MAX_DRAFT_TOKENS
 
-        most = max(DEFAULT_MAX_DRAFT_TOKENS if k == "auto" else k, self.settings.parallel_draft_tokens)
+        most = max([DEFAULT_MAX_DRAFT_TOKENS if k == "auto" else k]
+                   + [getattr(self.settings, key) for _, _, key, _ in ONE_PASS_DRAFTS])
         return self.prompt_len + max_new_tokens + most + 2
 
     def generator(self, k: int | str, max_new_tokens: int, batch_size: int | None = None):
@@ -151,11 +159,13 @@ class DemoPair:
         return e3.Generator(self.target, self.draft if k else None, num_draft_tokens=k,
                             max_len=self.capacity(max_new_tokens, k), batch_size=batch_size)
 
-    def parallel_generator(self, max_new_tokens: int, batch_size: int | None = None):
-        """The P-EAGLE draft at the settings' fixed K (every mode shares one cache capacity)."""
+    def one_pass_generator(self, label: str, max_new_tokens: int, batch_size: int | None = None):
+        """The one-pass draft ``label`` (P-EAGLE, DFlash) at the settings' fixed K (every mode shares
+        one cache capacity)."""
         import eagle3_jax as e3
 
-        return e3.Generator(self.target, self.parallel, num_draft_tokens=self.settings.parallel_draft_tokens,
+        draft, k = self.one_pass[label]
+        return e3.Generator(self.target, draft, num_draft_tokens=k,
                             max_len=self.capacity(max_new_tokens, self.settings.num_draft_tokens),
                             batch_size=batch_size)
 
@@ -248,7 +258,7 @@ class Case:
     temperature: float
     base: ModeRun
     spec: ModeRun
-    parallel: ModeRun | None = None   # the P-EAGLE draft at its fixed K, when the demo runs one
+    one_pass: dict = None   # label -> ModeRun of each one-pass draft at its fixed K the demo runs
 
     @property
     def speedup(self) -> float:
@@ -258,12 +268,11 @@ class Case:
     def identical(self) -> int:
         return sum(a == b for a, b in zip(self.base.tokens, self.spec.tokens))
 
-    @property
-    def parallel_identical(self) -> int:
-        return sum(a == b for a, b in zip(self.base.tokens, self.parallel.tokens))
+    def identical_of(self, label: str) -> int:
+        return sum(a == b for a, b in zip(self.base.tokens, self.one_pass[label].tokens))
 
 
-def table(cases: list[Case], k: int | str, parallel_k: int = 0) -> str:
+def table(cases: list[Case], k: int | str, one_pass_k: dict | None = None) -> str:
     rows = [("batch", "T", "target-only tok/s", "EAGLE-3 tok/s", "speedup (range)", "K", "tau",
              "acceptance by draft position", "first pass, s")]
     for c in cases:
@@ -273,12 +282,12 @@ def table(cases: list[Case], k: int | str, parallel_k: int = 0) -> str:
                      f"{e.mean_accept_length:.2f}",
                      " ".join(f"{r:.2f}" for r in e.accept_rate_per_position) or "-",
                      f"{c.base.compile_seconds:.0f} / {c.spec.compile_seconds:.0f}"))
-        if c.parallel is not None:   # the P-EAGLE draft's row under the same case
-            p = c.parallel.stats
-            rows.append(("", "", "P-EAGLE:", f"{c.parallel.tokens_per_second:.1f}", ratio_text(c.parallel, c.base),
-                         f"K={parallel_k}", f"{p.mean_accept_length:.2f}",
+        for label, run in (c.one_pass or {}).items():   # each one-pass draft's row under the same case
+            p = run.stats
+            rows.append(("", "", f"{label}:", f"{run.tokens_per_second:.1f}", ratio_text(run, c.base),
+                         f"K={(one_pass_k or {}).get(label, '?')}", f"{p.mean_accept_length:.2f}",
                          " ".join(f"{r:.2f}" for r in p.accept_rate_per_position) or "-",
-                         f"{c.parallel.compile_seconds:.0f}"))
+                         f"{run.compile_seconds:.0f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  " + "  ".join(v.ljust(w) if i == 7 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
                      for r in rows)
@@ -327,18 +336,19 @@ def run(demo_dir: str) -> int:
         prompt_ids = pair.prompt_ids[:n]
         base_gen = pair.generator(0, s.max_new_tokens, batch_size)
         spec_gen = pair.generator(s.num_draft_tokens, s.max_new_tokens, batch_size)
-        par_gen = pair.parallel_generator(s.max_new_tokens, batch_size) if pair.parallel is not None else None
-        gens = {"base": base_gen, "spec": spec_gen} | ({"par": par_gen} if par_gen is not None else {})
+        gens = {"base": base_gen, "spec": spec_gen} | {
+            label: pair.one_pass_generator(label, s.max_new_tokens, batch_size) for label in pair.one_pass}
         for temperature in s.temperatures:
             runs = run_modes(pair, gens, prompt_ids, temperature, s.seed, s.timed_passes)
-            base, spec, par = runs["base"], runs["spec"], runs.get("par")
-            case = Case(batch_size, temperature, base, spec, par)
+            base, spec = runs["base"], runs["spec"]
+            case = Case(batch_size, temperature, base, spec, {label: runs[label] for label in pair.one_pass})
             cases.append(case)
-            also = "" if par is None else f"; P-EAGLE {par.tokens_per_second:.1f} tok/s, {ratio_text(par, base)}"
+            also = "".join(f"; {label} {r.tokens_per_second:.1f} tok/s, {ratio_text(r, base)}"
+                           for label, r in case.one_pass.items())
             print(f"batch {batch_size:>2} ({n} prompts), T={temperature:g}: target-only "
                   f"{base.tokens_per_second:.1f} tok/s; EAGLE-3 {spec.tokens_per_second:.1f} tok/s, "
                   f"{ratio_text(spec, base)}{also}", flush=True)
-            checked = {"EAGLE-3": case.identical} | ({"P-EAGLE": case.parallel_identical} if par else {})
+            checked = {"EAGLE-3": case.identical} | {label: case.identical_of(label) for label in case.one_pass}
             for name, same in checked.items():
                 if temperature == 0 and same != n:
                     print(f"error: batch {batch_size}, greedy: speculative decoding ({name}) changed the output "
@@ -347,7 +357,7 @@ def run(demo_dir: str) -> int:
         # Each batch size compiles its own programs (one per K under auto, each serving greedy and
         # sampling); one process holding all of them runs out of memory mappings at Linux's default
         # vm.max_map_count (65530), so they are dropped before the next batch size compiles.
-        del base_gen, spec_gen, par_gen, gens
+        del base_gen, spec_gen, gens
         jax.clear_caches()
         gc.collect()
 
@@ -358,11 +368,11 @@ def run(demo_dir: str) -> int:
         print(show_completion(pair.tokenizer, p["prompt"], toks, pair.eos))
         print()
     print(f"Measured here, this run ({s.timed_passes} timed passes per case; {platform_line()}):")
-    print(table(cases, s.num_draft_tokens, s.parallel_draft_tokens))
+    print(table(cases, s.num_draft_tokens, {label: k for label, (_, k) in pair.one_pass.items()}))
     print(table_notes(s.timed_passes))
     for case in cases:
         if case.temperature == 0:
-            also = "" if case.parallel is None else f" (P-EAGLE: {case.parallel_identical}/{len(case.base.tokens)})"
+            also = "".join(f" ({label}: {case.identical_of(label)}/{len(case.base.tokens)})" for label in case.one_pass)
             print(f"  identical tokens at batch {case.batch_size}, greedy (lossless): "
                   f"{case.identical}/{len(case.base.tokens)} prompts{also}")
     for case in cases:

@@ -112,18 +112,18 @@ def train_draft(config: str, target_dir: str, data: str, run_dir: str, export_di
 
 
 def heldout_acceptance(demo_dir: str, k: int, temperatures: tuple[float, ...] = (0.0, 1.0), seed: int = 0,
-                       parallel: bool = False) -> dict:
+                       one_pass: str | None = None) -> dict:
     """Tau and per-position acceptance of the demo draft at a fixed K on every held-out prompt, greedy
     and sampled, through the public loaders (``eagle3_jax.serve.demo.DemoPair``: the same loading and
     batching as the demo). The first temperature's figures are also the top-level ``tau``.
-    ``parallel``: the P-EAGLE draft (demo.yaml's ``parallel_draft_tokens`` must be ``k``)."""
+    ``one_pass``: that one-pass draft instead (``"P-EAGLE"``, ``"DFlash"``; demo.yaml must run it at ``k``)."""
     from eagle3_jax.serve.demo import DemoPair, batches_of
 
     pair = DemoPair.load(demo_dir)
     s = pair.settings
-    if parallel and s.parallel_draft_tokens != k:
-        raise ValueError(f"demo.yaml runs the P-EAGLE draft at K={s.parallel_draft_tokens}, not {k}")
-    gen = pair.parallel_generator(s.max_new_tokens) if parallel else pair.generator(k, s.max_new_tokens)
+    if one_pass is not None and pair.one_pass.get(one_pass, (None, 0))[1] != k:
+        raise ValueError(f"demo.yaml does not run the {one_pass} draft at K={k}")
+    gen = pair.one_pass_generator(one_pass, s.max_new_tokens) if one_pass else pair.generator(k, s.max_new_tokens)
     out = {"num_draft_tokens": k, "prompts": len(pair.prompt_ids), "max_new_tokens": s.max_new_tokens,
            "by_temperature": {}}
     for temperature in temperatures:

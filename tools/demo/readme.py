@@ -40,6 +40,9 @@ def render(s: dict, out: str, demo_bytes: int, old_text: str | None = None) -> s
         "| `target/` | DeepseekV3ForCausalLM (Hugging Face layout, bf16; router correction bias fp32) + tokenizer |",
         "| `draft/` | EAGLE-3 draft (SpecForge layout) — "
         + ("present" if s.get("draft") else "**pending** (stages 4-5)") + " |",
+        *(f"| `{sub}/` | {what} — present |" for key, sub, what in (
+            ("peagle", "peagle", "P-EAGLE draft (SpecForge `PEagleDraftModel` layout)"),
+            ("dflash", "dflash", "DFlash draft (SpecForge `DFlashDraftModel` layout)")) if s.get(key)),
         "| `prompts.jsonl` | held-out prompts (from files the target never saw) |",
         "| `corpus.json` | the train / held-out file lists with content hashes |",
         "| `train_log.jsonl` | the target's pre-training log (train and held-out loss) |",
@@ -121,6 +124,7 @@ def render(s: dict, out: str, demo_bytes: int, old_text: str | None = None) -> s
             f"{pc.get('draft_vocab_size')}; batch {pc.get('batch_size')}, lr {pc.get('lr')}, seed {pc.get('seed')}; "
             f"same regenerations): {pt.get('steps')} steps, final loss {_fmt(pt.get('final_loss'))}. Held-out greedy "
             f"τ during training (K = {pc.get('eval_draft_tokens')}): {evals or 'n/a'}.")
+    lines += dflash_recipe(s)
     lines += [
         "6. **Export** — `target/` through `eagle3_jax.checkpoint.target_map` + the streaming safetensors writer; "
         "checked by loading it with `eagle3_jax.load_target` and with transformers' `DeepseekV3ForCausalLM`, "
@@ -143,14 +147,8 @@ def render(s: dict, out: str, demo_bytes: int, old_text: str | None = None) -> s
                          + ", ".join(f"{i + 1}: {r:.2f}" for i, r in enumerate(v["accept_rate_per_position"])) + " |")
         lines.append("")
     lines += kept_block(old_text)
-    ph = s.get("peagle_heldout", {})
-    if ph:
-        lines += [f"The P-EAGLE draft (`peagle/`) at K = {ph['num_draft_tokens']}, the same prompts:", "",
-                  "| T | τ | acceptance by draft position |", "|--:|--:|---|"]
-        for t, v in ph["by_temperature"].items():
-            lines.append(f"| {t} | **{v['tau']:.2f}** | "
-                         + ", ".join(f"{i + 1}: {r:.2f}" for i, r in enumerate(v["accept_rate_per_position"])) + " |")
-        lines.append("")
+    lines += one_pass_table(s.get("peagle_heldout", {}), "The P-EAGLE draft (`peagle/`)")
+    lines += one_pass_table(s.get("dflash_heldout", {}), "The DFlash draft (`dflash/`)")
     if ex.get("sample"):
         smp = ex["sample"]
         lines += [
@@ -190,3 +188,33 @@ def render(s: dict, out: str, demo_bytes: int, old_text: str | None = None) -> s
         "",
     ]
     return "\n".join(lines)
+
+
+def one_pass_table(heldout: dict, what: str) -> list[str]:
+    """A one-pass draft's held-out acceptance by temperature (nothing when it was not measured)."""
+    if not heldout:
+        return []
+    lines = [f"{what} at K = {heldout['num_draft_tokens']}, the same prompts:", "",
+             "| T | τ | acceptance by draft position |", "|--:|--:|---|"]
+    for t, v in heldout["by_temperature"].items():
+        lines.append(f"| {t} | **{v['tau']:.2f}** | "
+                     + ", ".join(f"{i + 1}: {r:.2f}" for i, r in enumerate(v["accept_rate_per_position"])) + " |")
+    return lines + [""]
+
+
+def dflash_recipe(s: dict) -> list[str]:
+    """Stage 5's DFlash paragraph, from its training summary and recipe (nothing before it has run)."""
+    dt, dc = s.get("dflash_training", {}), s.get("dflash_config", {})
+    if not dt:
+        return []
+    df, layer = dc.get("dflash", {}), dc.get("draft", {})
+    evals = ", ".join(f"{e['tau']:.2f} (step {e['step']})" for e in dt.get("evals", []))
+    return [
+        "   Then the **DFlash draft** `dflash/` — `train.py --config configs/train/demo_dflash.yaml` "
+        f"({df.get('num_hidden_layers')} decoder layer(s) of width {layer.get('intermediate_size')} over the "
+        f"features of target layers {dc.get('aux_layer_ids')}; blocks of {df.get('block_size')}: the newest token "
+        f"and {(df.get('block_size') or 2) - 1} guesses from one pass, read by the target's own embedding and head; "
+        f"SpecForge's DFlash objective over {df.get('num_anchors')} blocks a row; batch {dc.get('batch_size')}, "
+        f"lr {dc.get('lr')}, seed {dc.get('seed')}; same regenerations): {dt.get('steps')} steps, final loss "
+        f"{_fmt(dt.get('final_loss'))}. Held-out greedy τ during training (K = {dc.get('eval_draft_tokens')}): "
+        f"{evals or 'n/a'}."]
