@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import io
 import json
 import os
@@ -28,6 +29,8 @@ import sys
 import tempfile
 
 from _common import REPO, load_average, machine, parse_list, quiet_watchdog, table
+
+import jax
 
 import eagle3_jax as e3
 from eagle3_jax import compile_cache
@@ -106,6 +109,13 @@ def main(argv=None) -> int:
                     row["auto_draft"] = [m.get("auto_draft") for m in runs[k]]
                     row["first_job_vs_target_only_first_job"] = first_jobs[batch, k] / first_jobs[batch, 0]
                 rows_out.append(row)
+            # XLA:CPU maps every compiled kernel separately, and a batch size's modes hold some thirty
+            # programs (auto's Ks and admission sizes among them): one process keeping two batch sizes'
+            # programs ran out of memory mappings (vm.max_map_count 65530) at the 27th job. The next
+            # batch size compiles its own programs anyway, so this one's are dropped first.
+            runs.clear()
+            jax.clear_caches()
+            gc.collect()
     print(f"{machine()}, load average {load_average()}, {args.num_prompts} prompts of {os.path.relpath(args.prompts, REPO)}"
           f" x {args.max_new_tokens} new tokens, T={args.temperature:g}, float32, median of {args.repeats} paired passes")
     body = []
