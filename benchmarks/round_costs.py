@@ -16,8 +16,8 @@ float32 matmul); both are printed.
     python benchmarks/round_costs.py --tiny                                        # seconds: a smoke run
 
 ``--budget-s`` stops starting new cells once spent (each cell's table row prints as it lands).
-With ``--pair``, ``--draft peagle`` or ``--draft dflash`` times that kind's draft in ``DIR/peagle`` or
-``DIR/dflash`` instead of ``DIR/draft``. "draft ms" times the round's draft work alone (the kind's
+With ``--pair``, ``--draft draft,peagle,dflash`` times each of those drafts of the pair (the chain
+draft in ``DIR/draft``, P-EAGLE's, DFlash's), one after another, on the same target. "draft ms" times the round's draft work alone (the kind's
 proposal of K tokens and its catch-up over the K + 1 verified positions, the same functions the
 loop calls, on the same state), so "draft share" is the part of the measured round the draft costs.
 """
@@ -91,6 +91,7 @@ class Models:
     dcfg: object
     aux_ids: tuple
     dtype: object
+    draft_label: str = "draft"   # the draft's folder in a demo pair, or its kind
 
 
 def demo_models(demo_dir: str, sub: str = "draft") -> Models:
@@ -101,8 +102,8 @@ def demo_models(demo_dir: str, sub: str = "draft") -> Models:
     t = e3.load_target(os.path.join(demo_dir, "target"), dtype=dtype)
     d = e3.load_draft(os.path.join(demo_dir, sub), t)
     name = f"demo pair {os.path.relpath(demo_dir, REPO)}, {sub}/ ({type(d.config).__name__}, {dtype})"
-    return Models(name, (t.graphdef, t.state),
-                  (d.graphdef, d.state), t.config, d.config, tuple(d.aux_layer_ids), jnp.dtype(dtype))
+    return Models(name, (t.graphdef, t.state), (d.graphdef, d.state), t.config, d.config, tuple(d.aux_layer_ids),
+                  jnp.dtype(dtype), sub)
 
 
 def random_models(config: str, layers: int | None, dtype: str, quant_override: dict | None = None) -> Models:
@@ -238,12 +239,12 @@ def cell_order(batches, ks):
     return out
 
 
-HEAD = ["B", "K", "measured ms", "roofline ms", "measured / roofline", "bound", "GB", "GFLOP", "host CPU ms",
+HEAD = ["draft", "B", "K", "measured ms", "roofline ms", "measured / roofline", "bound", "GB", "GFLOP", "host CPU ms",
         "compile s", "draft ms", "draft share"]
 
 
 def row_of(r: dict) -> list:
-    return [r["batch"], r["k"], f"{r['measured_s'] * 1e3:.3f}", f"{r['roofline_s'] * 1e3:.3f}", f"{r['ratio']:.2f}",
+    return [r["draft"], r["batch"], r["k"], f"{r['measured_s'] * 1e3:.3f}", f"{r['roofline_s'] * 1e3:.3f}", f"{r['ratio']:.2f}",
             r["bound"], f"{r['bytes'] / 1e9:.3f}", f"{r['flops'] / 1e9:.2f}", f"{r['process_cpu_s'] * 1e3:.3f}",
             f"{r['compile_s']:.1f}",
             "-" if r.get("draft_s") is None else f"{r['draft_s'] * 1e3:.3f}",
@@ -253,7 +254,8 @@ def row_of(r: dict) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", default=None, help="a demo directory (target/ and draft/): the trained pair")
-    ap.add_argument("--draft", default="draft", help="with --pair: the draft's folder in it (draft, peagle, dflash)")
+    ap.add_argument("--draft", default="draft",
+                    help="with --pair: the drafts' folders in it, comma-separated (draft, peagle, dflash)")
     ap.add_argument("--model", default=None, help="a target config.json: random weights, cut by --layers")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16", help="--model's weights and caches")
@@ -275,16 +277,17 @@ def main(argv=None) -> int:
         args.batches, args.ks = args.batches or "2", args.ks or "0,1"
         args.context, args.headroom, args.rounds, args.repeats = 48, 16, 2, 1
     elif args.pair:
-        models = demo_models(args.pair, args.draft)
+        models = [demo_models(args.pair, sub.strip()) for sub in args.draft.split(",") if sub.strip()]
     elif args.model:
         models = random_models(args.model, args.layers, args.dtype)
     else:
         ap.error("give --pair DIR, --model CONFIG or --tiny")
+    pairs = models if isinstance(models, list) else [models]
     args.ks = parse_list(args.ks or "0,1,2,3,4,5,6")
     args.batches = args.batches or "1,8,32"
     measured = measure_device()
     chip = device_chip(measured)
-    print(f"# {models.name}; {jax.devices()[0].device_kind} via jax {jax.__version__} on {machine()}, load average "
+    print(f"# {'; '.join(m.name for m in pairs)}; {jax.devices()[0].device_kind} via jax {jax.__version__} on {machine()}, load average "
           f"{load_average()}; context {args.context} of {args.context + args.headroom} slots; "
           f"{args.rounds} rounds x median of {args.repeats}" + (f"; {args.label}" if args.label else ""))
     print(f"# roofline chip: {chip.name}: {chip.hbm_bytes_per_s / 1e9:,.1f} GB/s, {chip.flops_per_s / 1e12:,.3f} "
@@ -293,19 +296,20 @@ def main(argv=None) -> int:
     rows = []
     # rows on stderr as they land (a run that is cut short keeps them); the table on stdout at the end
     print("| " + " | ".join(HEAD) + " |", file=sys.stderr, flush=True)
-    for b, k in cell_order(parse_list(args.batches), args.ks):
-        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
-            print(f"# budget of {args.budget_s:.0f} s spent: cells from B={b} K={k} on not run", flush=True)
-            break
-        rows.append(run_cell(models, b, k, args, chip))
-        print("| " + " | ".join(map(str, row_of(rows[-1]))) + " |", file=sys.stderr, flush=True)
-    rows.sort(key=lambda r: (r["batch"], r["k"]))
+    for m in pairs:
+        for b, k in cell_order(parse_list(args.batches), args.ks):
+            if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+                print(f"# budget of {args.budget_s:.0f} s spent: cells from B={b} K={k} on not run", flush=True)
+                break
+            rows.append(dict(run_cell(m, b, k, args, chip), draft=m.draft_label))
+            print("| " + " | ".join(map(str, row_of(rows[-1]))) + " |", file=sys.stderr, flush=True)
+    rows.sort(key=lambda r: (r["draft"], r["batch"], r["k"]))
     print()
     print(table(HEAD, [row_of(r) for r in rows]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
-                       "device": jax.devices()[0].device_kind, "model": models.name, "chip": chip.to_json(),
+                       "device": jax.devices()[0].device_kind, "model": "; ".join(m.name for m in pairs), "chip": chip.to_json(),
                        "measured_device": measured, "args": vars(args), "rows": rows}, f, indent=1, default=str)
     return 0
 

@@ -43,6 +43,7 @@ TAIL_CHARS = 4000
 QUICK_TIMEOUT_S = 1800
 README = REPO / "README.md"
 README_START, README_END = "<!-- results", "<!-- /results -->"   # the README's generated table
+ONE_PASS_LABELS = ("P-EAGLE", "DFlash")   # speedup.py's one-pass draft modes ("P-EAGLE K=4", ...)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +248,7 @@ def render(out_dir: Path, order=BENCHES) -> str:
 def speedup_summary(out_dir: Path) -> str | None:
     """The README's results table from ``speedup.json`` (the script's own rows): per prompt set,
     batch and temperature, target-only tok/s, the best fixed K and auto against target-only (and the
-    best fixed K of a P-EAGLE draft, where one ran beside)."""
+    best fixed K of each one-pass draft, P-EAGLE and DFlash, that ran beside)."""
     path = out_dir / "speedup.json"
     try:
         r = json.loads(path.read_text())
@@ -266,8 +267,8 @@ def speedup_summary(out_dir: Path) -> str | None:
         if base is None:
             continue
         best = max(fixed, key=lambda m: m["speedup"], default=None)
-        parallel = max((m for name, m in modes.items() if name.startswith("P-EAGLE")), key=lambda m: m["speedup"],
-                       default=None)
+        one_pass = [max((m for name, m in modes.items() if name.startswith(label + " ")),
+                        key=lambda m: m["speedup"], default=None) for label in ONE_PASS_LABELS]
         greedy = [m for m in modes.values() if "identical" in m and m is not base]
         same = "-"   # sampled rows: tokens differ by design
         if greedy:
@@ -277,15 +278,17 @@ def speedup_summary(out_dir: Path) -> str | None:
                      f"{best['mode']}: {best['speedup']:.2f}×" if best else "-",
                      f"{auto['speedup']:.2f}×" if auto else "-",
                      auto.get("chosen_k", "-") if auto else "-",
-                     f"{parallel['mode'].removeprefix('P-EAGLE ')}: {parallel['speedup']:.2f}×" if parallel else "-",
+                     *(f"{m['mode'].split(' ', 1)[1]}: {m['speedup']:.2f}×" if m else "-" for m in one_pass),
                      same])
     if not body:
         return None
     headers = ["prompts", "batch", "T", "target-only tok/s", "best fixed K", "auto", "auto's last K",
-               "P-EAGLE, best fixed K", "greedy identical"]
-    if all(row[-2] == "-" for row in body):   # no parallel draft ran
-        headers.pop(-2)
-        body = [row[:-2] + row[-1:] for row in body]
+               *(f"{label}, best fixed K" for label in ONE_PASS_LABELS), "greedy identical"]
+    first = headers.index(f"{ONE_PASS_LABELS[0]}, best fixed K")
+    for i in reversed(range(first, first + len(ONE_PASS_LABELS))):   # a column for each one-pass draft that ran
+        if all(row[i] == "-" for row in body):
+            headers.pop(i)
+            body = [row[:i] + row[i + 1:] for row in body]
     m = r.get("machine", {})
     return (table(headers, body)
             + f"\n\n{describe_machine(m)}; commit {r.get('commit', '?')}; {r.get('date', '?')}; "

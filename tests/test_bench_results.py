@@ -133,6 +133,15 @@ def test_readme_table_comes_from_the_speedup_json(tmp_path):
     assert greedy == ["demo", 8, 0, 400.0, "K=4: 1.40×", "1.35×", 4, "K=4: 1.50×", "15/16"]
     assert sampled[7] == "-"
 
+    # and a DFlash draft too: a column of its own, after P-EAGLE's
+    rows += [{"prompts": "demo", "batch": 8, "temperature": 0.0, "mode": f"DFlash K={k}", "tok_s": t, "speedup": x,
+              "identical": 16, "num_prompts": 16} for k, t, x in [(2, 520.0, 1.3), (4, 620.0, 1.55)]]
+    (tmp_path / "speedup.json").write_text(json.dumps(
+        {"name": "speedup", "tables": [], "machine": MACHINE, "data": {"rows": rows}}))
+    table_ = common.read_tables(run_all.speedup_summary(tmp_path))[0]
+    assert table_["headers"][7:9] == ["P-EAGLE, best fixed K", "DFlash, best fixed K"]
+    assert table_["rows"][0] == ["demo", 8, 0, 400.0, "K=4: 1.40×", "1.35×", 4, "K=4: 1.50×", "K=4: 1.55×", "15/16"]
+
 
 def test_render_without_results(tmp_path):
     assert "No results yet" in run_all.render(tmp_path)
