@@ -68,7 +68,9 @@ class TorchMLA(nn.Module):
         c, extra = config, config.dflash_config
         D, N, bias = c.hidden_size, c.num_attention_heads, c.attention_bias
         self.N, self.C, self.P, self.Z, self.Y = N, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
-        self.theta, self.interleaved = c.rope_theta, extra.get("mla_rope_interleaved", True)
+        rope_params = getattr(c, "rope_parameters", None) or {}   # transformers 5 keeps the theta there
+        self.theta = rope_params.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+        self.interleaved = extra.get("mla_rope_interleaved", True)
         H = self.Z + self.P
         if c.q_lora_rank is None:
             self.q_proj = nn.Linear(D, N * H, bias=bias)
@@ -174,6 +176,13 @@ def test_mla_checkpoint_loads_and_gives_the_oracles_outputs(tiny_target, tmp_pat
     lerr = np.abs(logits - ref_logits)[rows].max() / np.abs(ref_logits[rows]).max()
     print(f"DFlash MLA {case}: outputs {err:.2e}, logits {lerr:.2e} (max |ours - oracle| / max |oracle|)")
     assert err <= 1e-5 and lerr <= 1e-5, (err, lerr)
+    if case == next(iter(CASES)):   # the comparison sees the rope convention: the other one is far off
+        d = json.loads((tmp_path / "sf" / "config.json").read_text())
+        d["dflash_config"]["mla_rope_interleaved"] = not interleaved
+        (tmp_path / "sf" / "config.json").write_text(json.dumps(d))
+        flipped = np.asarray(e3.load_draft(tmp_path / "sf", tiny_target, dtype="float32")
+                             .forward_blocks(sequence, aux, ANCHORS, keep)[0])
+        assert np.abs(flipped - ref)[rows].max() / np.abs(ref[rows]).max() > 1e-3
 
 
 def test_mla_config_errors_come_before_weights(tiny_target, tmp_path):
