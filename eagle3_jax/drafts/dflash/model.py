@@ -185,9 +185,10 @@ class DFlashDraft(nnx.Module):
     # ------------------------------------------------------------------ serving (the decode loop)
     def init_cache(self, batch: int, capacity: int) -> tuple[KVCache, ...]:
         cfg, m = self.cfg, self.cfg.mla
-        shape = ((cfg.num_key_value_heads, cfg.head_dim, None) if m is None
-                 else (1, m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank))
-        return tuple(KVCache.zeros(batch, capacity, *shape, self.dtype) for _ in range(cfg.num_hidden_layers))
+        G, H, Y = ((cfg.num_key_value_heads, cfg.head_dim, None) if m is None
+                   else (1, m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank))
+        return tuple(KVCache.zeros(batch, capacity, G, H, self.dtype, value_dim=Y)
+                     for _ in range(cfg.num_hidden_layers))
 
     def to_target_ids(self, ids: jax.Array) -> jax.Array:
         return ids   # the block's guesses come from the target's own head: target ids already
