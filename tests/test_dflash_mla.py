@@ -27,7 +27,7 @@ from eagle3_jax.errors import ConfigError
 from tests import spec_fixtures
 from tests.test_dflash import ANCHORS, BLOCK, MASK_ID, S, WINDOW, _specforge_blocks
 from tests.test_train import predictable_target, predictable_target_dir  # noqa: F401  (a peaked tiny target)
-from tests.test_train_peagle import rows_file  # noqa: F401  (its target-written rows)
+from tests.test_train_peagle import corpus, rows_file  # noqa: F401  (its target-written rows)
 
 torch = pytest.importorskip("torch")
 dflash = pytest.importorskip("specforge.modeling.draft.dflash")
