@@ -6,14 +6,14 @@ What config.json carries beyond Qwen3's fields:
   the EAGLE-3 aux convention (id i = the output of layer i); absent, SpecForge spreads
   ``num_hidden_layers`` ids over ``num_target_layers`` (:func:`default_target_layer_ids`);
 - ``dflash_config.mask_token_id``: the token fed at the positions still to be guessed;
-- ``layer_types``: ``full_attention`` or ``sliding_attention`` per layer, with ``sliding_window``.
-The draft has no embedding and no head: it reads the target's ``embed_tokens`` and ``lm_head``.
+- ``layer_types``: ``full_attention`` or ``sliding_attention`` per layer, with ``sliding_window``;
 - ``dflash_config.attention_mode``: ``gqa`` (the default; ``mha`` is the same layer) or ``mla``,
   SpecForge's later multi-head latent attention (commit 62e64faf, after 0.2.0): the DeepSeek-V3
   parameterization read from the top-level ``q_lora_rank`` (null: a direct ``q_proj``),
   ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, with
   ``dflash_config.mla_rope_interleaved`` (default true) and ``dflash_config.mla_use_output_gate``
   (default false) (:class:`DFlashMLA`).
+The draft has no embedding and no head: it reads the target's ``embed_tokens`` and ``lm_head``.
 Variants that add a head of their own (``dflash_config.projector_type``: Domino, DSpark) are other
 kinds, refused here. ``block_size`` is read at the top level or in dflash_config.
 """

@@ -98,8 +98,8 @@ class DFlashAttention(nnx.Module):
 
 def attend_masked(ctx_k_BSGH, ctx_v_BSGH, mask_BTK, scale: float):
     """An ``attend`` over the context's keys then the block's, under ``mask_BTK`` [B, T, S + T] (the
-    core's dense form), scores scaled by ``scale``. A query that sees no key (a dropped block) gives zeros: it attends
-    everywhere, then is zeroed, so neither values nor gradients turn NaN."""
+    core's dense form), scores scaled by ``scale``. A query that sees no key (a dropped block) gives
+    zeros: it attends everywhere, then is zeroed, so neither values nor gradients turn NaN."""
     seen_BT = jnp.any(mask_BTK, axis=-1)
 
     def attend(q_BTNH, k_BTGH, v_BTGH):
