@@ -15,9 +15,9 @@ and the rotated rope key, one "head" of C + P shared by all queries, the queries
 kv_b's key part (W_kᵀ q_nope, then q_rope), the values the latent, expanded through kv_b's value
 part after the softmax. So the serving cache (the same per-layer key and value arrays a GQA draft
 keeps, the latent stored in both) holds 2C + P numbers a position and layer instead of the
-N (Z + P + Y) of expanded keys and values, and training and serving share one form. A key bias of kv_b adds q·b_k to every key of a query alike, so it
-leaves the softmax unchanged and is not applied; its value bias is added after the softmax (whose
-weights sum to one).
+N (Z + P + Y) of expanded keys and values, and training and serving share one form. A key bias
+of kv_b adds q·b_k to every key of a query alike, so it leaves the softmax unchanged and is not
+applied; its value bias is added after the softmax (whose weights sum to one).
 """
 
 from __future__ import annotations
