@@ -240,9 +240,10 @@ def test_serving_pass_equals_the_training_forward(tiny_target):
     assert err <= 1e-5
 
 
-def test_trained_mla_draft_is_lossless_and_accepted(tiny_target, tmp_path):
+def test_trained_mla_draft_is_lossless_and_accepted(tiny_target, tiny_target_dir, tmp_path):
     """An MLA draft trained here on SpecForge's objective, exported and loaded back through its
-    config.json: greedy output equals the target alone, and its guesses are accepted."""
+    config.json: greedy output equals the target alone, on one device and on a mesh, and its
+    guesses are accepted."""
     from tests.test_dflash_serving import BLOCK as SERVE_BLOCK
     from tests.test_dflash_serving import train_dflash
 
@@ -265,6 +266,10 @@ def test_trained_mla_draft_is_lossless_and_accepted(tiny_target, tmp_path):
           f"{res.stats.mean_accept_length:.2f}")
     assert res.tokens == ref.tokens and res.finish_reasons == ref.finish_reasons
     assert res.stats.mean_accept_length > 1.3, res.stats
+    # on a data x expert x tensor mesh (heads split, the one shared latent head not): the same tokens
+    target = e3.load_target(tiny_target_dir, mesh=e3.make_mesh("data=2,expert=2,tensor=2"))
+    sharded = e3.Generator(target, e3.load_draft(tmp_path / "d", target), num_draft_tokens=SERVE_BLOCK - 1, max_len=48)
+    assert sharded.generate(prompts[:4], 24).tokens == ref.tokens[:4]
 
 
 def test_training_step_loss_and_gradients_equal_the_oracles(predictable_target_dir, predictable_target,  # noqa: F811
