@@ -112,7 +112,7 @@ def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None
     if tensors is not None:
         _check_draft_tensors(tensors, dcfg, draft_dir)
     facts.notes += drafts.of_config(dcfg).notes(dcfg, _where(draft_dir))
-    if dcfg.head_dim % 2:
+    if getattr(dcfg, "mla", None) is None and dcfg.head_dim % 2:   # MLA's rope width is checked with its config
         raise ConfigError(f"{_where(draft_dir)}: draft head_dim={dcfg.head_dim} is odd, but rotary embeddings "
                           "rotate pairs of dimensions; use an even head_dim")
     if max_len is not None and max_len > dcfg.max_position_embeddings:

@@ -118,7 +118,7 @@ def test_config_errors_name_the_fix(tmp_path):
     for change, words in [({"layer_types": ["full_attention", "sliding_attention"]}, "sliding_window"),
                           ({"dflash_config": {"projector_type": "domino"}}, "Domino"),
                           ({"block_size": 1}, "block_size=1"),
-                          ({"dflash_config": {"attention_mode": "mla"}}, "MLA attention")]:
+                          ({"dflash_config": {"attention_mode": "mla"}}, "attention_mode=.mla. needs")]:
         with pytest.raises(ConfigError, match=words):
             DFlashConfig.from_hf_dict({**base, **change})
     cfg = DFlashConfig.from_hf_dict({**base, "dflash_config": {"target_layer_ids": [0, 1, 2]}})

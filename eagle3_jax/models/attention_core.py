@@ -49,10 +49,12 @@ def key_block(capacity: int, tokens: int, heads: int, block: int | None = None) 
     return min(capacity, max(KEY_BLOCK if block is None else block, min(need, cap)))
 
 
-def grouped(q_BTNH, k_BSGH, v_BSGH):
-    """(scores_fn, weighted_fn) of grouped-query attention, scale H^-1/2: N = G * R query heads
+def grouped(q_BTNH, k_BSGH, v_BSGH, scale: float | None = None):
+    """(scores_fn, weighted_fn) of grouped-query attention, scale H^-1/2 unless ``scale`` is given
+    (queries absorbed into a wider key space keep their own head's scale): N = G * R query heads
     share each of G key/value heads. Leading dims before T are batch dims of q, k and v alike."""
     *lead, T, N, H = q_BTNH.shape
+    scale = H ** -0.5 if scale is None else scale
     G = k_BSGH.shape[-2]
     q_BTGRH = q_BTNH.reshape(tuple(lead) + (T, G, N // G, H)).astype(k_BSGH.dtype)
 
@@ -62,7 +64,7 @@ def grouped(q_BTNH, k_BSGH, v_BSGH):
     def scores(start, size):
         s = jnp.einsum("...tgrh,...sgh->...tgrs", q_BTGRH, keys(k_BSGH, start, size),
                        preferred_element_type=jnp.float32)
-        return s.reshape(tuple(lead) + (T, N, size)) * H ** -0.5
+        return s.reshape(tuple(lead) + (T, N, size)) * scale
 
     def weighted(p_BTNS, start, size):
         p = p_BTNS.reshape(tuple(lead) + (T, G, N // G, size)).astype(v_BSGH.dtype)

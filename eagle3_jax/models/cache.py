@@ -68,9 +68,11 @@ class KVCache:
         return self.k_BSGH.shape[1]
 
     @classmethod
-    def zeros(cls, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
+    def zeros(cls, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype,
+              value_dim: int | None = None) -> "KVCache":
+        """``value_dim``: the values' width where it is not the keys' (an MLA draft's latent)."""
         shape = (batch, capacity, kv_heads, head_dim)
-        return cls(k_BSGH=jnp.zeros(shape, dtype), v_BSGH=jnp.zeros(shape, dtype))
+        return cls(k_BSGH=jnp.zeros(shape, dtype), v_BSGH=jnp.zeros(shape[:-1] + (value_dim or head_dim,), dtype))
 
     def write(self, k_BTGH: jax.Array, v_BTGH: jax.Array, positions_BT: jax.Array) -> "KVCache":
         """Scatters only the new tokens into their slots (positions outside [0, S) are dropped)."""

@@ -6,6 +6,9 @@ On disk (exactly that class's ``state_dict()``; its RoPE tables are not persiste
 ``layers.{i}.self_attn.{q,k,v,o}_proj.weight`` (+ ``.bias`` with ``attention_bias``),
 ``layers.{i}.self_attn.{q,k}_norm.weight`` [head_dim], ``layers.{i}.mlp.{gate,up,down}_proj.weight``,
 ``layers.{i}.{input_layernorm,post_attention_layernorm}.weight``. No embedding, no head: the target's.
+An MLA draft's attention instead holds ``layers.{i}.self_attn.{q_a_proj, q_b_proj (or q_proj),
+kv_a_proj_with_mqa, kv_b_proj, o_proj}.weight`` (+ ``.bias`` with ``attention_bias``),
+``{q_a,kv_a}_layernorm.weight`` and, with the output gate, ``g_proj.weight`` (:func:`mla_rules`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,36 @@ from eagle3_jax.errors import CheckpointError, ConfigError
 from eagle3_jax.sharding import mesh_context
 
 
+def _bias(path, key, shape):
+    return Rule(path, (key,), lambda a: a[0].reshape(shape), lambda w: [np.asarray(w).reshape(-1)])
+
+
+def mla_rules(cfg: DFlashConfig, at: tuple, dat: str) -> list[Rule]:
+    """One layer's MLA attention (ours under ``at``, on disk under ``dat``): SpecForge's names."""
+    m, D, N = cfg.mla, cfg.hidden_size, cfg.num_attention_heads
+    C, P, Z, Y = m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
+    if m.q_lora_rank is None:
+        rules = [_linear(at + ("q_proj",), dat + "q_proj.weight", D, (N, Z + P))]
+        biases = [("q_bias", "q_proj", (N, Z + P))]
+    else:
+        Q = m.q_lora_rank
+        rules = [_linear(at + ("q_a_proj",), dat + "q_a_proj.weight", D, (Q,)),
+                 _same(at + ("q_a_layernorm", "weight"), dat + "q_a_layernorm.weight"),
+                 _linear(at + ("q_b_proj",), dat + "q_b_proj.weight", Q, (N, Z + P))]
+        biases = [("q_a_bias", "q_a_proj", (Q,)), ("q_b_bias", "q_b_proj", (N, Z + P))]
+    rules += [_linear(at + ("kv_a_proj_with_mqa",), dat + "kv_a_proj_with_mqa.weight", D, (C + P,)),
+              _same(at + ("kv_a_layernorm", "weight"), dat + "kv_a_layernorm.weight"),
+              _linear(at + ("kv_b_proj",), dat + "kv_b_proj.weight", C, (N, Z + Y)),
+              _linear_in(at + ("o_proj",), dat + "o_proj.weight", (N, Y), D)]
+    if m.output_gate:
+        rules.append(_linear(at + ("g_proj",), dat + "g_proj.weight", D, (N, Y)))
+    if cfg.attention_bias:
+        biases += [("kv_a_bias", "kv_a_proj_with_mqa", (C + P,)), ("kv_b_bias", "kv_b_proj", (N, Z + Y)),
+                   ("o_bias", "o_proj", (D,))]
+        rules += [_bias(at + (ours,), f"{dat}{disk}.bias", shape) for ours, disk, shape in biases]
+    return rules
+
+
 def dflash_rules(cfg: DFlashConfig, n_aux: int) -> list[Rule]:
     D, N, G, H, F = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                      cfg.intermediate_size)
@@ -44,21 +77,24 @@ def dflash_rules(cfg: DFlashConfig, n_aux: int) -> list[Rule]:
         rules += [
             _same(ours + ("input_layernorm", "weight"), disk + "input_layernorm.weight"),
             _same(ours + ("post_attention_layernorm", "weight"), disk + "post_attention_layernorm.weight"),
+            _linear(ours + ("mlp", "gate"), disk + "mlp.gate_proj.weight", D, (F,)),
+            _linear(ours + ("mlp", "up"), disk + "mlp.up_proj.weight", D, (F,)),
+            _linear(ours + ("mlp", "down"), disk + "mlp.down_proj.weight", F, (D,)),
+        ]
+        if cfg.mla is not None:
+            rules += mla_rules(cfg, at, dat)
+            continue
+        rules += [
             _linear(at + ("q_proj",), dat + "q_proj.weight", D, (N, H)),
             _linear(at + ("k_proj",), dat + "k_proj.weight", D, (G, H)),
             _linear(at + ("v_proj",), dat + "v_proj.weight", D, (G, H)),
             _linear_in(at + ("o_proj",), dat + "o_proj.weight", (N, H), D),
             _same(at + ("q_norm", "weight"), dat + "q_norm.weight"),
             _same(at + ("k_norm", "weight"), dat + "k_norm.weight"),
-            _linear(ours + ("mlp", "gate"), disk + "mlp.gate_proj.weight", D, (F,)),
-            _linear(ours + ("mlp", "up"), disk + "mlp.up_proj.weight", D, (F,)),
-            _linear(ours + ("mlp", "down"), disk + "mlp.down_proj.weight", F, (D,)),
         ]
         if cfg.attention_bias:
             heads = {"q": (N, H), "k": (G, H), "v": (G, H)}
-            rules += [Rule(at + (f"{p}_bias",), (f"{dat}{p}_proj.bias",),
-                           lambda a, s=shape: a[0].reshape(s), lambda w: [np.asarray(w).reshape(-1)])
-                      for p, shape in heads.items()]
+            rules += [_bias(at + (f"{p}_bias",), f"{dat}{p}_proj.bias", shape) for p, shape in heads.items()]
             rules.append(_same(at + ("o_bias",), dat + "o_proj.bias"))
     return rules
 

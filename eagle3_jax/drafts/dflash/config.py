@@ -6,11 +6,16 @@ What config.json carries beyond Qwen3's fields:
   the EAGLE-3 aux convention (id i = the output of layer i); absent, SpecForge spreads
   ``num_hidden_layers`` ids over ``num_target_layers`` (:func:`default_target_layer_ids`);
 - ``dflash_config.mask_token_id``: the token fed at the positions still to be guessed;
-- ``layer_types``: ``full_attention`` or ``sliding_attention`` per layer, with ``sliding_window``.
+- ``layer_types``: ``full_attention`` or ``sliding_attention`` per layer, with ``sliding_window``;
+- ``dflash_config.attention_mode``: ``gqa`` (the default; ``mha`` is the same layer) or ``mla``,
+  SpecForge's later multi-head latent attention (commit 62e64faf, after 0.2.0): the DeepSeek-V3
+  parameterization read from the top-level ``q_lora_rank`` (null: a direct ``q_proj``),
+  ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, with
+  ``dflash_config.mla_rope_interleaved`` (default true) and ``dflash_config.mla_use_output_gate``
+  (default false) (:class:`DFlashMLA`).
 The draft has no embedding and no head: it reads the target's ``embed_tokens`` and ``lm_head``.
 Variants that add a head of their own (``dflash_config.projector_type``: Domino, DSpark) are other
-kinds, and SpecForge's later MLA attention (``dflash_config.attention_mode: mla``, not in 0.2.0) is
-not implemented: both are refused here. ``block_size`` is read at the top level or in dflash_config.
+kinds, refused here. ``block_size`` is read at the top level or in dflash_config.
 """
 
 from __future__ import annotations
@@ -42,6 +47,52 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 
 
 @dataclass(frozen=True)
+class DFlashMLA:
+    """The MLA shape of a DFlash draft with ``attention_mode: mla``."""
+
+    q_lora_rank: int | None   # None: the queries are one projection of the layer input
+    kv_lora_rank: int
+    qk_nope_head_dim: int     # may be 0: every q.k dimension rotated
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleaved: bool = True
+    output_gate: bool = False
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any], extra: Mapping[str, Any], where: str) -> "DFlashMLA":
+        """The fields SpecForge's MLA attention reads, with its rules (checked before any weight)."""
+        dims = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        missing = [k for k in dims if d.get(k) is None]
+        if missing:
+            raise ConfigError(f"{where}: dflash_config.attention_mode='mla' needs {list(dims)} (and q_lora_rank, "
+                              f"null for a direct query projection); missing {missing}: add them to config.json")
+        q = d.get("q_lora_rank")
+        mla = cls(q_lora_rank=None if q is None else int(q), **{k: int(d[k]) for k in dims},
+                  rope_interleaved=bool(extra.get("mla_rope_interleaved", d.get("rope_interleave", True))),
+                  output_gate=bool(extra.get("mla_use_output_gate", d.get("mla_use_output_gate", False))))
+        bad = [f"q_lora_rank={q} (positive or null)"] if q is not None and mla.q_lora_rank <= 0 else []
+        bad += [f"{k}={getattr(mla, k)} (positive)" for k in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
+                if getattr(mla, k) <= 0]
+        bad += [f"qk_nope_head_dim={mla.qk_nope_head_dim} (0 or more)"] if mla.qk_nope_head_dim < 0 else []
+        bad += [f"qk_rope_head_dim={mla.qk_rope_head_dim} (even: rotary pairs)"] if mla.qk_rope_head_dim % 2 else []
+        if bad:
+            raise ConfigError(f"{where}: MLA dimensions out of range: {', '.join(bad)}; fix them in config.json")
+        return mla
+
+    def to_hf(self) -> tuple[dict, dict]:
+        """(top-level fields, dflash_config fields) as SpecForge writes them."""
+        return ({"q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
+                 "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
+                 "v_head_dim": self.v_head_dim},
+                {"attention_mode": "mla", "mla_rope_interleaved": self.rope_interleaved,
+                 "mla_use_output_gate": self.output_gate})
+
+
+@dataclass(frozen=True)
 class DFlashConfig:
     hidden_size: int
     intermediate_size: int
@@ -59,6 +110,7 @@ class DFlashConfig:
     rms_norm_eps: float = 1e-6
     rope: RopeConfig = field(default_factory=RopeConfig)
     max_position_embeddings: int = 4096
+    mla: DFlashMLA | None = None    # set: the layers attend with MLA, not GQA
     hf_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     # What the shared wiring contracts read (contracts.check_pairing, preflight): the draft reads the
@@ -73,6 +125,11 @@ class DFlashConfig:
     def target_hidden_size(self) -> int:
         return self.hidden_size
 
+    @property
+    def rope_dim(self) -> int:
+        """Width of the rotated part of a q.k head: the whole head, or MLA's rope part."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any], where: str = "draft config.json") -> "DFlashConfig":
         if not is_dflash_config(d):
@@ -83,10 +140,11 @@ class DFlashConfig:
             raise ConfigError(
                 f"{where}: dflash_config.projector_type={extra['projector_type']!r} is a DFlash variant with a head "
                 "of its own (Domino, DSpark), which is not implemented here; only plain DFlash drafts load")
-        if extra.get("attention_mode", "gqa") not in ("gqa", "mha"):
-            raise ConfigError(
-                f"{where}: dflash_config.attention_mode={extra['attention_mode']!r}: SpecForge's later MLA attention "
-                "for DFlash drafts (its PR 758, after 0.2.0) is not implemented here; only GQA/MHA drafts load")
+        mode = str(extra.get("attention_mode", "gqa")).lower()
+        if mode not in ("gqa", "mha", "mla"):
+            raise ConfigError(f"{where}: dflash_config.attention_mode={extra['attention_mode']!r}; expected 'gqa' "
+                              "(the default), 'mha' or 'mla'")
+        mla = DFlashMLA.from_hf(d, extra, where) if mode == "mla" else None
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{where}: hidden_act={d['hidden_act']!r}; DFlash layers are SwiGLU (silu)")
         hidden = int(_require(d, "hidden_size", where))
@@ -118,9 +176,9 @@ class DFlashConfig:
             sliding_window=int(window) if SLIDING in types else None,
             attention_bias=bool(d.get("attention_bias", False)), rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6),
             rope=RopeConfig.from_hf(d, where), max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
-            hf_config=json.loads(json.dumps(dict(d))),
+            mla=mla, hf_config=json.loads(json.dumps(dict(d))),
         )
-        if cfg.num_attention_heads % cfg.num_key_value_heads:
+        if mla is None and cfg.num_attention_heads % cfg.num_key_value_heads:
             raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of "
                               f"num_key_value_heads={cfg.num_key_value_heads}")
         if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < cfg.vocab_size:
@@ -129,7 +187,7 @@ class DFlashConfig:
         if cfg.block_size < 2:
             raise ConfigError(f"{where}: block_size={cfg.block_size}; a block is its known token plus at least "
                               "one guess, so it must be >= 2")
-        if cfg.head_dim % 2:
+        if mla is None and cfg.head_dim % 2:
             raise ConfigError(f"{where}: head_dim={cfg.head_dim} must be even for rotary pairs")
         return cfg
 
@@ -163,6 +221,10 @@ class DFlashConfig:
             "block_size": self.block_size,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.aux_layer_ids)},
         }
+        if self.mla is not None:
+            top, extra = self.mla.to_hf()
+            d.update(top)
+            d["dflash_config"].update(extra)
         return d
 
     def replace(self, **changes) -> "DFlashConfig":

@@ -18,6 +18,10 @@ but the target's states, so serving keeps them in a per-layer cache, slot p hold
 (:meth:`write_context`, after prefill and after each verify), and one pass over that cache and a
 fresh block proposes a round's tokens (:meth:`propose`). The block is always ``block_size`` wide, as
 trained: a round with K < block_size - 1 guesses reads the first K.
+
+With ``attention_mode: mla`` the layers attend with :class:`~eagle3_jax.drafts.dflash.mla.DFlashMLAttention`
+(same interface; its keys are one shared latent head, so the cache is latent-wide) and RoPE covers
+the MLA rope columns only; everything above stays as written.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax.drafts.dflash.config import SLIDING, DFlashConfig
+from eagle3_jax.drafts.dflash.mla import DFlashMLAttention
 from eagle3_jax.models import attention_core as core
 from eagle3_jax.models.cache import KVCache
 from eagle3_jax.models.layers import RMSNorm, SwiGLU, apply_rope, param, rope_cos_sin, rope_inv_freq
@@ -67,6 +72,7 @@ class DFlashAttention(nnx.Module):
         self.o_bias = param(None, (D,), ("embed",), dtype) if bias else None
         self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, axes=("head_dim",))
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, axes=("head_dim",))
+        self.softmax_scale = float(H) ** -0.5
 
     @staticmethod
     def _project(x_BTD, w_DGH, b_GH):
@@ -90,16 +96,16 @@ class DFlashAttention(nnx.Module):
         return y_BTD if self.o_bias is None else y_BTD + self.o_bias[...]
 
 
-def attend_masked(ctx_k_BSGH, ctx_v_BSGH, mask_BTK):
+def attend_masked(ctx_k_BSGH, ctx_v_BSGH, mask_BTK, scale: float):
     """An ``attend`` over the context's keys then the block's, under ``mask_BTK`` [B, T, S + T] (the
-    core's dense form). A query that sees no key (a dropped block) gives zeros: it attends
-    everywhere, then is zeroed, so neither values nor gradients turn NaN."""
+    core's dense form), scores scaled by ``scale``. A query that sees no key (a dropped block) gives
+    zeros: it attends everywhere, then is zeroed, so neither values nor gradients turn NaN."""
     seen_BT = jnp.any(mask_BTK, axis=-1)
 
     def attend(q_BTNH, k_BTGH, v_BTGH):
         k_BKGH = jnp.concatenate([ctx_k_BSGH, k_BTGH.astype(ctx_k_BSGH.dtype)], axis=1)
         v_BKGH = jnp.concatenate([ctx_v_BSGH, v_BTGH.astype(ctx_v_BSGH.dtype)], axis=1)
-        out_BTNH, _ = core.dense(*core.grouped(q_BTNH, k_BKGH, v_BKGH), mask_BTK | ~seen_BT[:, :, None])
+        out_BTNH, _ = core.dense(*core.grouped(q_BTNH, k_BKGH, v_BKGH, scale), mask_BTK | ~seen_BT[:, :, None])
         return jnp.where(seen_BT[:, :, None, None], out_BTNH, 0.0)
     return attend
 
@@ -109,7 +115,7 @@ class DFlashLayer(nnx.Module):
         D = cfg.hidden_size
         self.sliding = sliding
         self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
-        self.self_attn = DFlashAttention(cfg, dtype, rngs)
+        self.self_attn = (DFlashAttention if cfg.mla is None else DFlashMLAttention)(cfg, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.mlp = SwiGLU(D, cfg.intermediate_size, dtype, rngs)
 
@@ -129,7 +135,7 @@ class DFlashDraft(nnx.Module):
         self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.layers = nnx.List([DFlashLayer(cfg, t == SLIDING, dtype, rngs) for t in cfg.layer_types])
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
-        inv_freq, attn_factor = rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        inv_freq, attn_factor = rope_inv_freq(cfg.rope, cfg.rope_dim, cfg.max_position_embeddings)
         self.rope_inv_freq = tuple(inv_freq.tolist())
         self.rope_attn_factor = attn_factor
 
@@ -141,7 +147,8 @@ class DFlashDraft(nnx.Module):
         return self.hidden_norm(jnp.einsum("bsx,xd->bsd", aux_BSX.astype(self.dtype), self.fc[...]))
 
     def context_keys(self, aux_BSX: jax.Array, positions_BS: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
-        """Per layer, the context's (keys, values) [B, S, G, H] at ``positions_BS``."""
+        """Per layer, the context's (keys, values) [B, S, G, H] at ``positions_BS`` (MLA: G = 1, the
+        latent and rope key, and the latent)."""
         ctx_BSD = self.context(aux_BSX)
         cos, sin = self._rope(positions_BS)
         return [layer.self_attn.keys(ctx_BSD, cos, sin) for layer in self.layers]
@@ -171,14 +178,16 @@ class DFlashDraft(nnx.Module):
         full = block_mask(anchor_BN, keep_BN, S, bs)
         sliding = None if self.cfg.sliding_window is None else block_mask(anchor_BN, keep_BN, S, bs,
                                                                           self.cfg.sliding_window)
-        attends = [attend_masked(k_BSGH, v_BSGH, sliding if layer.sliding else full)
+        attends = [attend_masked(k_BSGH, v_BSGH, sliding if layer.sliding else full, layer.self_attn.softmax_scale)
                    for layer, (k_BSGH, v_BSGH) in zip(self.layers, self.context_keys(aux_BSX, positions_BS))]
         return self(jnp.take(embed_VD, ids_BT, axis=0), positions_BT, attends)
 
     # ------------------------------------------------------------------ serving (the decode loop)
     def init_cache(self, batch: int, capacity: int) -> tuple[KVCache, ...]:
-        cfg = self.cfg
-        return tuple(KVCache.zeros(batch, capacity, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        cfg, m = self.cfg, self.cfg.mla
+        G, H, Y = ((cfg.num_key_value_heads, cfg.head_dim, None) if m is None
+                   else (1, m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank))
+        return tuple(KVCache.zeros(batch, capacity, G, H, self.dtype, value_dim=Y)
                      for _ in range(cfg.num_hidden_layers))
 
     def to_target_ids(self, ids: jax.Array) -> jax.Array:
@@ -205,9 +214,10 @@ class DFlashDraft(nnx.Module):
         off_T = jnp.arange(bs)
         positions_BT = anchor_B[:, None] + off_T[None, :]
         return self(jnp.take(embed_VD, ids_BT, axis=0), positions_BT,
-                    [self._serving_attend(c, layer.sliding, anchor_B) for layer, c in zip(self.layers, cache)])
+                    [self._serving_attend(c, layer.sliding, anchor_B, layer.self_attn.softmax_scale)
+                     for layer, c in zip(self.layers, cache)])
 
-    def _serving_attend(self, cache: KVCache, sliding: bool, anchor_B):
+    def _serving_attend(self, cache: KVCache, sliding: bool, anchor_B, scale: float):
         bs, S = self.cfg.block_size, cache.capacity
         B = anchor_B.shape[0]
         off_T = jnp.arange(bs)
@@ -219,12 +229,12 @@ class DFlashDraft(nnx.Module):
             low_BT = anchor_B[:, None] + off_T[None, :] - (W - 1)
             ctx_BTW = (slots_BW[:, None, :] >= 0) & (slots_BW[:, None, :] >= low_BT[:, :, None])
             own_BTT = jnp.broadcast_to(off_T[None, :] <= off_T[:, None], (B, bs, bs))
-            return attend_masked(k_BWGH, v_BWGH, jnp.concatenate([ctx_BTW, own_BTT], axis=-1))
+            return attend_masked(k_BWGH, v_BWGH, jnp.concatenate([ctx_BTW, own_BTT], axis=-1), scale)
 
         def attend(q_BTNH, k_BTGH, v_BTGH):
             seen_BT = jnp.broadcast_to(anchor_B[:, None] - 1, (B, bs))   # context slots 0..anchor-1
-            ctx = core.blockwise(*core.grouped(q_BTNH, cache.k_BSGH, cache.v_BSGH), seen_BT, S,
+            ctx = core.blockwise(*core.grouped(q_BTNH, cache.k_BSGH, cache.v_BSGH, scale), seen_BT, S,
                                  core.key_block(S, bs, q_BTNH.shape[2]))
-            own = core.dense(*core.grouped(q_BTNH, k_BTGH, v_BTGH), None, keys=bs)
+            own = core.dense(*core.grouped(q_BTNH, k_BTGH, v_BTGH, scale), None, keys=bs)
             return core.merge(*ctx, *own)
         return attend
