@@ -202,6 +202,10 @@ def one_pass_table(heldout: dict, what: str) -> list[str]:
     return lines + [""]
 
 
+def layers_text(n) -> str:
+    return "one decoder layer" if n == 1 else f"{n} decoder layers"
+
+
 def dflash_recipe(s: dict) -> list[str]:
     """Stage 5's DFlash paragraph, from its training summary and recipe (nothing before it has run)."""
     dt, dc = s.get("dflash_training", {}), s.get("dflash_config", {})
@@ -211,7 +215,7 @@ def dflash_recipe(s: dict) -> list[str]:
     evals = ", ".join(f"{e['tau']:.2f} (step {e['step']})" for e in dt.get("evals", []))
     return [
         "   Then the **DFlash draft** `dflash/` — `train.py --config configs/train/demo_dflash.yaml` "
-        f"({df.get('num_hidden_layers')} decoder layer(s) of width {layer.get('intermediate_size')} over the "
+        f"({layers_text(df.get('num_hidden_layers'))} of width {layer.get('intermediate_size')} over the "
         f"features of target layers {dc.get('aux_layer_ids')}; blocks of {df.get('block_size')}: the newest token "
         f"and {(df.get('block_size') or 2) - 1} guesses from one pass, read by the target's own embedding and head; "
         f"SpecForge's DFlash objective over {df.get('num_anchors')} blocks a row; batch {dc.get('batch_size')}, "
