@@ -154,9 +154,10 @@ def _fits(mesh_shape: dict, spec: P, shape: Sequence[int], axes: Sequence[str | 
             key = (logical, dim, m, tuple(mesh_shape.items()))
             if key not in _fallbacks_logged:
                 _fallbacks_logged.add(key)
-                log.warning("logical axis '%s' of size %d is not divisible by mesh axes %s of size %d "
-                            "(mesh %s); splitting it over %s only", logical, dim, names,
-                            _ways(mesh_shape, names), dict(mesh_shape), names[:keep] or "none (replicated)")
+                log.warning("logical axis '%s' of size %d is not divisible by %s of size %d (mesh %s); %s",
+                            logical, dim, f"mesh axis '{m}'" if len(names) == 1 else f"mesh axes {names}",
+                            _ways(mesh_shape, names), dict(mesh_shape),
+                            f"splitting it over {names[:keep]} only" if keep else "replicating that dimension")
             m = None if keep == 0 else names[0] if keep == 1 else names[:keep]
         out.append(m)
     return P(*out)
