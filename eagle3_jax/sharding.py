@@ -26,9 +26,15 @@ log = logging.getLogger("eagle3_jax")
 # ``mesh_axis(logical)``), never as string literals, so the table below stays the one place to edit.
 DATA_AXIS, EXPERT_AXIS, TENSOR_AXIS = MESH_AXES
 
-# logical axis -> mesh axis (None = replicated)
-LOGICAL_AXIS_RULES: dict[str, str | None] = {
+# logical axis -> mesh axis, or a tuple of mesh axes that split it together (None = replicated)
+LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": DATA_AXIS,     # rows of a generation batch / training batch
+    # Rows of attention and of the KV caches (data-parallel attention, as DeepSeek is served): split
+    # over the chips that hold different experts too, so with data=1 a chip holds and attends over
+    # its own rows' caches, not every row's. The expert-parallel MoE needs every row of its data
+    # shard on each expert shard, so its rows stay "batch" and the compiler gathers the tokens before
+    # it and splits them again after it. A batch the pair does not divide falls back (see _fits).
+    "attn_batch": (DATA_AXIS, EXPERT_AXIS),
     "seq": None,            # token positions
     "cache_seq": None,      # KV-cache slots
     "embed": None,          # model width (hidden size)
@@ -54,8 +60,8 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
 TRAIN_SPLIT_AXES = (DATA_AXIS, EXPERT_AXIS)
 
 
-def mesh_axis(logical: str) -> str | None:
-    """The mesh axis the table maps a logical axis onto (None: replicated)."""
+def mesh_axis(logical: str) -> str | tuple[str, ...] | None:
+    """The mesh axis (or axes) the table maps a logical axis onto (None: replicated)."""
     if logical not in LOGICAL_AXIS_RULES:
         raise ConfigError(f"logical axis '{logical}' has no rule; add it to LOGICAL_AXIS_RULES in sharding.py")
     return LOGICAL_AXIS_RULES[logical]
@@ -63,10 +69,17 @@ def mesh_axis(logical: str) -> str | None:
 
 def axis_size(mesh: "jax.sharding.Mesh | None", logical: str) -> int:
     """How many ways the mesh splits a logical axis (1 without a mesh or when it is replicated)."""
-    m = mesh_axis(logical)
-    if mesh is None or m is None:
+    if mesh is None:
         return 1
-    return int(mesh.shape[m])
+    return _ways(dict(mesh.shape), mesh_axis(logical))
+
+
+def _names(m: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if m is None else m if isinstance(m, tuple) else (m,)
+
+
+def _ways(mesh_shape: dict, m: str | tuple[str, ...] | None) -> int:
+    return int(np.prod([mesh_shape[a] for a in _names(m)], dtype=np.int64))
 
 
 def data_parallel_size(mesh: "jax.sharding.Mesh | None") -> int:
@@ -106,13 +119,13 @@ def logical_to_spec(axes: Sequence[str | None] | None) -> P:
     owner: dict[str, str] = {}
     for a in axes:
         m = None if a is None else mesh_axis(a)
-        if m is not None:
-            if m in owner:
+        for name in _names(m):
+            if name in owner:
                 raise ConfigError(
-                    f"logical axes '{owner[m]}' and '{a}' of one array (axes {tuple(axes)}) both map to mesh "
-                    f"axis '{m}'; a mesh axis can split only one dimension. Map one of them to another mesh "
+                    f"logical axes '{owner[name]}' and '{a}' of one array (axes {tuple(axes)}) both map to mesh "
+                    f"axis '{name}'; a mesh axis can split only one dimension. Map one of them to another mesh "
                     "axis (or None) in LOGICAL_AXIS_RULES, or annotate the array differently")
-            owner[m] = a
+            owner[name] = a
         mesh_axes.append(m)
     return P(*mesh_axes)
 
@@ -125,21 +138,27 @@ def _fits(mesh_shape: dict, spec: P, shape: Sequence[int], axes: Sequence[str | 
 
     This is the intended fallback for small models on big meshes (a 4-head test model on a tensor
     axis of 8, a batch of 1 on a data axis of 2); XLA cannot split an uneven dimension without
-    padding, which this code does not do. The log line names the facts so a full-size run that
-    hits it (and pays the replicated memory) is visible.
+    padding, which this code does not do. A dimension mapped to several mesh axes keeps the longest
+    leading run of them whose product divides it (attention rows: data x expert, else data alone).
+    The log line names the facts so a full-size run that hits it (and pays the memory) is visible.
     """
     axes = tuple(axes or ())
     out = []
     for i, (dim, m) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):
-        if m is not None and dim % mesh_shape[m]:
+        names = _names(m)
+        keep = len(names)
+        while keep and dim % _ways(mesh_shape, names[:keep]):
+            keep -= 1
+        if keep < len(names):
             logical = axes[i] if i < len(axes) else None
             key = (logical, dim, m, tuple(mesh_shape.items()))
             if key not in _fallbacks_logged:
                 _fallbacks_logged.add(key)
-                log.warning("logical axis '%s' of size %d is not divisible by mesh axis '%s' of size %d "
-                            "(mesh %s); replicating that dimension", logical, dim, m, mesh_shape[m],
-                            dict(mesh_shape))
-            m = None
+                log.warning("logical axis '%s' of size %d is not divisible by %s of size %d (mesh %s); %s",
+                            logical, dim, f"mesh axis '{m}'" if len(names) == 1 else f"mesh axes {names}",
+                            _ways(mesh_shape, names), dict(mesh_shape),
+                            f"splitting it over {names[:keep]} only" if keep else "replicating that dimension")
+            m = None if keep == 0 else names[0] if keep == 1 else names[:keep]
         out.append(m)
     return P(*out)
 
@@ -206,9 +225,9 @@ def constrain_leading(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 def current_axis_size(logical: str) -> int:
     """``axis_size`` on the mesh being traced under (``jax.set_mesh``); 1 outside one."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or mesh_axis(logical) is None:
+    if mesh is None or mesh.empty:
         return 1
-    return int(dict(mesh.shape)[mesh_axis(logical)])
+    return _ways(dict(mesh.shape), mesh_axis(logical))
 
 
 def resolve_mesh(mesh):

@@ -115,7 +115,7 @@ class MoE(nnx.Module):
         if mesh is None or (mesh.shape[mesh_axis("expert")] == 1 and mesh.shape[mesh_axis("moe_mlp")] == 1):
             y_MD = kernel(x_MD, idx_MK, weights_MK, *ws, 0)
         else:
-            y_MD = self._sharded(kernel, x_MD, idx_MK, weights_MK, ws)
+            y_MD = self._sharded(kernel, x_MD, idx_MK, weights_MK, ws, B)
         y_BTD = y_MD.reshape(B, T, D)
         if self.shared_experts is not None:
             y_BTD = y_BTD + self.shared_experts(x_BTD)
@@ -143,7 +143,7 @@ class MoE(nnx.Module):
         unit = st.group if isinstance(st, Int4Stack) else st.block[1]
         return (F // n_ten) % unit == 0 and (isinstance(st, Int4Stack) or (F // n_ten) % st.block[0] == 0)
 
-    def _sharded(self, kernel, x_MD, idx_MK, weights_MK, ws):
+    def _sharded(self, kernel, x_MD, idx_MK, weights_MK, ws, B: int):
         mesh = self.mesh
         exp_ax, ten_ax, row_ax = mesh_axis("expert"), mesh_axis("moe_mlp"), mesh_axis("batch")
         E = self.cfg.n_routed_experts
@@ -155,12 +155,22 @@ class MoE(nnx.Module):
         # Uneven splits replicate, as sharding.py does for parameters (small models on big meshes).
         ten = ten_ax if self._tensor_split(F, n_ten) else None
         rows = row_ax if x_MD.shape[0] % mesh.shape[row_ax] == 0 else None
+        # Every expert shard needs every token of its data shard, so the rows come in split over data
+        # only (the compiler gathers data-parallel attention's rows over expert). Where attention
+        # splits them over data x expert (sharding.py), the expert shards' partial sums go back
+        # reduce-scattered over the rows, each keeping its own rows' sum: half the bytes of an
+        # all-reduce whose result attention would slice anyway.
+        scatter = (rows is not None and mesh_axis("attn_batch") == (row_ax, exp_ax)
+                   and B % (mesh.shape[row_ax] * n_exp) == 0)
         local_experts = E // n_exp
 
         def local(x_MD, idx_MK, w_MK, wg, wu, wd):
             first = jax.lax.axis_index(exp_ax) * local_experts
             y = kernel(x_MD, idx_MK, w_MK, wg, wu, wd, first)
-            return jax.lax.psum(y, (exp_ax, ten_ax) if ten else exp_ax)
+            if not scatter:
+                return jax.lax.psum(y, (exp_ax, ten_ax) if ten else exp_ax)
+            y = jax.lax.psum_scatter(y, exp_ax, scatter_dimension=0, tiled=True)
+            return jax.lax.psum(y, ten_ax) if ten else y
 
         if self.quantized:
             # Checkpoint orientation: F is the out axis of gate/up and the in axis of down.
@@ -171,7 +181,7 @@ class MoE(nnx.Module):
             local,
             mesh=mesh,
             in_specs=(P(rows, None), P(rows, None), P(rows, None), *w_specs),
-            out_specs=P(rows, None),
+            out_specs=P((row_ax, exp_ax) if scatter else rows, None),
             check_vma=False,
         )
         return fn(x_MD, idx_MK, weights_MK, *ws)

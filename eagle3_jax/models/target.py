@@ -23,6 +23,10 @@ from eagle3_jax.models.quantized import QuantLayout
 from eagle3_jax.sharding import constrain
 
 
+# Activations at block boundaries: rows split as attention's (data-parallel attention, sharding.py).
+ROWS = ("attn_batch", "seq", "embed")
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: TargetConfig, layer: int, dtype, rngs, mesh=None, moe_kernel=None,
                  quant: QuantLayout | None = None):
@@ -36,11 +40,12 @@ class DecoderLayer(nnx.Module):
             self.mlp = SwiGLU(D, cfg.intermediate_size, dtype, rngs, quant=quant)
 
     def __call__(self, x_BTD, positions_BT, cos_BTP, sin_BTP, cache: MLACache, layer: int, softmax_scale):
+        # The residual stream's rows are split as attention's; the MoE gathers its own rows (moe.py).
         h_BTD, cache = self.self_attn(
             self.input_layernorm(x_BTD), positions_BT, cos_BTP, sin_BTP, cache, layer, softmax_scale)
-        x_BTD = x_BTD + h_BTD
+        x_BTD = x_BTD + constrain(h_BTD, ROWS)
         x_BTD = x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
-        return constrain(x_BTD, ("batch", "seq", "embed")), cache
+        return constrain(x_BTD, ROWS), cache
 
 
 @dataclass
@@ -83,12 +88,13 @@ class Target(nnx.Module):
             out = jnp.einsum("btd,vd->btv", hidden_BTD, self.embed_tokens[...])
         else:
             out = jnp.einsum("btd,dv->btv", hidden_BTD, self.lm_head[...])
-        return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"))
+        # Rows as attention's: with data=1 every chip would otherwise compute every row's logits.
+        return constrain(out.astype(jnp.float32), ("attn_batch", "seq", "vocab"))
 
     def __call__(self, ids_BT: jax.Array, positions_BT: jax.Array, cache: MLACache,
                  aux_layer_ids: Sequence[int] = ()) -> TargetStep:
         """Runs T new tokens per row at the given absolute positions, writing them into the cache."""
-        x_BTD = constrain(self.embed(ids_BT), ("batch", "seq", "embed"))
+        x_BTD = constrain(self.embed(ids_BT), ROWS)
         cos_BTP, sin_BTP = rope_cos_sin(positions_BT, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attn_factor)
         aux_layer_ids = tuple(aux_layer_ids)
         aux = [None] * len(aux_layer_ids)

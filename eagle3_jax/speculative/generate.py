@@ -89,14 +89,11 @@ class DecodeProgram:
         return dataclasses.replace(self, num_draft_tokens=num_draft_tokens)
 
 
-# Logical axes of LoopState's sharded arrays by field path (the target cache as constrained in this
-# module, the draft cache following its K/V projections). Fields not listed are per-row vectors or
+# Logical axes of LoopState's sharded arrays by field path (the caches as cache.py lays them out). Fields not listed are per-row vectors or
 # matrices (batch first) or replicated scalars. Planning tools lay the state out from this table.
 LOOP_STATE_AXES = {
-    "tcache.latent_LBSC": (None, "batch", "cache_seq", "kv_lora"),
-    "tcache.rope_LBSP": (None, "batch", "cache_seq", None),
-    "dcache.k_BSGH": ("batch", "cache_seq", "heads", "head_dim"),
-    "dcache.v_BSGH": ("batch", "cache_seq", "heads", "head_dim"),
+    **{f"tcache.{f}": a for f, a in MLACache.AXES.items()},
+    **{f"dcache.{f}": a for f, a in KVCache.AXES.items()},
     "dhidden_BD": ("batch", "embed"),
     "dlogits_BW": ("batch", "draft_vocab"),
 }
@@ -167,9 +164,7 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
     max_len, max_new_tokens = program.max_len, program.max_new_tokens
     B, T = prompt_BT.shape
     rows_B = jnp.arange(B)
-    tcache = target.init_cache(B, capacity or max_len)
-    tcache = MLACache(constrain(tcache.latent_LBSC, (None, "batch", "cache_seq", "kv_lora")),
-                      constrain(tcache.rope_LBSP, (None, "batch", "cache_seq", None)))
+    tcache = target.init_cache(B, capacity or max_len)   # laid out by the sharding table (cache.py)
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     want_aux = program.aux_layer_ids if draft is not None else ()
     chunk = program.prefill_chunk

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import jax
 
+from eagle3_jax.sharding import sharding_for
 from eagle3_jax.speculative import generate as gen
 from eagle3_jax.speculative.static_graph import merge_models
 from eagle3_jax.tpu import compile_stats
@@ -208,7 +209,8 @@ def compile_cut(settings, layers: int, cells: list[tuple[int, int]], grid: GridS
         s = dataclasses.replace(settings, batch=b, max_len=grid.capacity, num_draft_tokens=max(grid.ks),
                                 prompt_len=1, max_new_tokens=None, layers=layers, programs=(), train=False)
         su = serve.setup(s)
-        data = dict(zip(su.mesh.axis_names, su.mesh.devices.shape)).get("data", 1)
+        # Rows of attention (and of its uncounted cache trips) per chip, as the sharding table splits them.
+        rows = sharding_for(su.mesh, ("attn_batch",), (b,)).shard_shape((b,))[0]
         with jax.set_mesh(su.mesh):
             (tg, ts, taxes), (dg, ds, _) = su.models(su.compiled)
             state = su.loop_state((tg, ts), (dg, ds), su.compiled)
@@ -222,7 +224,7 @@ def compile_cut(settings, layers: int, cells: list[tuple[int, int]], grid: GridS
                     rc = compile_round(((tg, ts), (dg, ds)), state, su.sp, su.static["program"], k, layers)
                     if store:
                         store.put(key, rc)
-                shape = uncounted.Shape(rows=b // data, k=k, context=grid.context, capacity=grid.capacity)
+                shape = uncounted.Shape(rows=rows, k=k, context=grid.context, capacity=grid.capacity)
                 out[b, k] = (rc, counted_cost(rc, pair, shape))
                 log(f"{layers} layers, batch {b}, K={k}: {rc.bytes_accessed / 1e9:,.2f} GB, "
                     f"{rc.flops / 1e12:,.3f} TFLOP counted, compiled in {rc.compile_s:.0f} s")
