@@ -91,6 +91,12 @@ BENCHES = (
           "(compiler costs, this CPU's measured bandwidth and flops): the demo pair at batch 1 and 8",
           args=("--pair", "demo", "--batches", "1,8", "--ks", "0,1,2,4", "--context", "160", "--headroom", "96"),
           quick_args=("--tiny",), writes_json=True, timeout_s=3600),
+    Bench("draft_share", "benchmarks/round_costs.py",
+          "the draft's share of a K = 4 round for each demo draft (EAGLE-3 chain, P-EAGLE, DFlash), batch 1 and 8: "
+          "the round and the draft's part alone (propose + catch-up), timed alternately",
+          args=("--pair", "demo", "--draft", "draft,peagle,dflash", "--batches", "1,8", "--ks", "4", "--context", "160",
+                "--headroom", "96", "--rounds", "10", "--repeats", "5"),
+          quick_args=("--tiny",), writes_json=True, timeout_s=3600),
     Bench("attention_capacity", "benchmarks/attention_capacity.py",
           "verify-round cost vs cache capacity at a fixed filled length (demo pair, batch 8)",
           quick_args=("--capacities", "128,256", "--ks", "0,1", "--batch", "2", "--rounds", "2", "--repeats", "1"),
