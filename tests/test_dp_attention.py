@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import eagle3_jax as e3
+from eagle3_jax import sharding
 from eagle3_jax.sharding import sharding_for
 from eagle3_jax.speculative.generate import DecodeProgram, generate_loop
 from eagle3_jax.speculative.session import SamplingSettings
@@ -33,7 +34,9 @@ def test_attention_rows_split_over_data_and_expert_with_fallbacks(caplog):
     mesh = e3.make_mesh(MESH)
     axes = (None, "attn_batch", "cache_seq", "kv_lora")
     assert _dims(sharding_for(mesh, axes, (3, 8, 16, 4)).spec, 4)[1] == {"data", "expert"}
-    # 4 rows on 2 x 4 devices: the data axis alone divides them; 3 rows: nothing does. Both say so.
+    # 4 rows on 2 x 4 devices: the data axis alone divides them; 3 rows: nothing does. Both say so
+    # (each fallback is logged once a process: forget those an earlier test of this worker logged).
+    sharding._fallbacks_logged.clear()
     with caplog.at_level(logging.WARNING, logger="eagle3_jax"):
         assert _dims(sharding_for(mesh, axes, (3, 4, 16, 4)).spec, 4)[1] == {"data"}
         assert _dims(sharding_for(mesh, axes, (3, 3, 16, 4)).spec, 4)[1] == frozenset()

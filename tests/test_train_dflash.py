@@ -305,6 +305,6 @@ def test_shipped_dflash_recipe_fits_the_demo_target():
     tcfg = e3.TargetConfig.from_path(repo / "demo/target")
     d = cfg.draft_config(tcfg)
     assert cfg.resolved_draft_kind == "dflash" and type(d).__name__ == "DFlashConfig"
-    assert d.num_hidden_layers == 2 and d.block_size == 8 and d.hidden_size == tcfg.hidden_size
-    assert cfg.resolved_aux_ids(tcfg) == (1, 21) == d.aux_layer_ids   # SpecForge's spread over 24 layers
+    assert d.num_hidden_layers == 1 and d.block_size == 8 and d.hidden_size == tcfg.hidden_size
+    assert cfg.resolved_aux_ids(tcfg) == (1, 11, 20) == d.aux_layer_ids   # the recipe's, as the chain draft
     assert d.vocab_size == tcfg.vocab_size and cfg.eval_draft_tokens <= d.block_size - 1
