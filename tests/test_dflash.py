@@ -156,11 +156,16 @@ def test_preflight_checks_a_dflash_pair(tiny_target, tmp_path):
 
 
 def test_conversion_round_trip_is_byte_identical(tiny_target, tmp_path, sequence):
+    _specforge_draft(tmp_path / "sf", tiny_target.config, LAYOUTS["full_and_sliding"], seed=7, attention_bias=True)
+    assert_round_trip(tmp_path, tiny_target, sequence)
+
+
+def assert_round_trip(tmp_path, tiny_target, sequence):
+    """The SpecForge-layout draft in tmp_path/sf converts to JAX and back byte for byte, and both
+    forms give the same block logits."""
     from tests.test_convert import assert_same_tensors, to_hf, to_jax
 
-    _specforge_draft(tmp_path / "sf", tiny_target.config, LAYOUTS["full_and_sliding"], seed=7, attention_bias=True)
-    meta = to_jax(tmp_path / "sf", tmp_path / "d.jax")
-    assert meta["kind"] == "draft"
+    assert to_jax(tmp_path / "sf", tmp_path / "d.jax")["kind"] == "draft"
     to_hf(tmp_path / "d.jax", tmp_path / "back")
     assert_same_tensors(tmp_path / "sf", tmp_path / "back")
     a, b = (e3.load_draft(p, tiny_target, dtype="float32") for p in (tmp_path / "sf", tmp_path / "d.jax"))

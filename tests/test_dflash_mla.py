@@ -205,16 +205,10 @@ def test_mla_config_errors_come_before_weights(tiny_target, tmp_path):
 
 
 def test_conversion_round_trip_is_byte_identical(tiny_target, tmp_path, sequence):
-    from tests.test_convert import assert_same_tensors, to_hf, to_jax
+    from tests.test_dflash import assert_round_trip
 
     write_oracle(tmp_path / "sf", mla_config(tiny_target.config, [FULL, SLIDING], q_lora=False, bias=True), seed=7)
-    assert to_jax(tmp_path / "sf", tmp_path / "d.jax")["kind"] == "draft"
-    to_hf(tmp_path / "d.jax", tmp_path / "back")
-    assert_same_tensors(tmp_path / "sf", tmp_path / "back")
-    a, b = (e3.load_draft(p, tiny_target, dtype="float32") for p in (tmp_path / "sf", tmp_path / "d.jax"))
-    aux = np.asarray(tiny_target.forward(sequence, aux_layer_ids=a.aux_layer_ids).aux_hidden, np.float32)
-    np.testing.assert_array_equal(np.asarray(a.forward_blocks(sequence, aux, ANCHORS)[1]),
-                                  np.asarray(b.forward_blocks(sequence, aux, ANCHORS)[1]))
+    assert_round_trip(tmp_path, tiny_target, sequence)
 
 
 def tiny_mla_draft(tiny_target, seed):
