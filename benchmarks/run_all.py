@@ -62,6 +62,11 @@ BENCHES = (
           "EAGLE-3 vs target-only decode tok/s on the demo pair: batch 1/8/32, T = 0/1, fixed K and auto",
           args=(), quick_args=("--batch", "1", "--temperature", "0", "--k", "2", "--num-prompts", "1",
                                "--max-new-tokens", "8", "--repeats", "1", "--parallel-k", "2"), writes_json=True),
+    Bench("speedup_versus", "benchmarks/versus.py",
+          "the speedup matrix (target-only, K = 2 and 4, auto) of this checkout beside commit 163ab83's, on which "
+          "the [core] and [auto] issues were filed: demo, third-party and held-out prompts, batch 1/8, T = 0/1",
+          quick_args=("--prompts", "heldout", "--batch", "1", "--temperature", "0", "--k", "2", "--num-prompts", "1",
+                      "--max-new-tokens", "4", "--repeats", "1"), writes_json=True),
     Bench("serve_paired", "benchmarks/serve_paired.py",
           "serve.py's default K against target-only and fixed Ks, whole jobs in paired passes, held-out prompts",
           args=("--k", "1,2", "--repeats", "2"),
