@@ -315,7 +315,7 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
         with stats.compiling(lambda: progress.note(compiling[0])):
             for fin in engine.run(handed_to_engine(requests)):
                 rec = by_key[fin.key]
-                tau = round(fin.accept_length, 4) if k and fin.rounds else None
+                tau = round(fin.stats.mean_accept_length, 4) if k and fin.stats.rounds else None
                 out.append(result_record(rec, s.emit, generation_text(tok, fin.tokens, fin.finish_reason),
                                          len(fin.tokens), fin.finish_reason, tau))
                 stats.add(fin.finish_reason, fin.stats, failure=FAIL_GENERATION, prompt_tokens=prompt_tokens[fin.key])
