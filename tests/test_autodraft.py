@@ -19,7 +19,7 @@ from eagle3_jax.speculative.autodraft import Acceptance, AutoDraft, Costs
 from eagle3_jax.speculative.calibration import CalibrationStore
 from eagle3_jax.speculative.engine import Engine, Request
 from eagle3_jax.speculative.policy import Batch, Run
-from eagle3_jax.speculative.session import SamplingSettings, bucket_prompt_len, prompt_buckets
+from eagle3_jax.speculative.session import PROMPT_BUCKET, SamplingSettings, bucket_prompt_len
 
 
 def run_of(k, iterations, seconds, row_rounds=None, round_tokens=0, accepted=(), admitted=0, admit_seconds=0.0,
@@ -31,12 +31,11 @@ def run_of(k, iterations, seconds, row_rounds=None, round_tokens=0, accepted=(),
     return Run(k=k, seconds=seconds, admit_seconds=admit_seconds if seconds is not None else None,
                iterations=iterations, admitted=admitted, taught_B=np.array([k > 0]), rounds_B=np.array([rounds]),
                round_tokens_B=np.array([round_tokens]),
-               emitted_B=np.array([round_tokens if emitted is None else emitted]), accepted_BK=acc,
-               finished_B=np.array([False]))
+               emitted_B=np.array([round_tokens if emitted is None else emitted]), accepted_BK=acc)
 
 
 def batch_of(B=1, admitted=False, last_wave=False):
-    return Batch(np.ones(B, bool), np.full(B, admitted), np.full(B, not admitted), np.full(B, 100), last_wave)
+    return Batch(np.ones(B, bool), np.full(B, admitted), np.full(B, not admitted), last_wave)
 
 
 def accepting(k_max, a, rounds=4000):
@@ -163,7 +162,7 @@ def test_the_calibration_carries_costs_and_acceptance_to_the_next_job(tmp_path):
     carried.carry(**again.acceptance("T0"))
     assert carried.offered[0] == autodraft.CARRIED_ROUNDS
     np.testing.assert_allclose(carried.conditional(), acc.conditional(), atol=0.01)
-    assert again.table() == {"B1-greedy": auto.current}
+    assert {shape: rec["k"] for shape, rec in again.data["shapes"].items()} == {"B1-greedy": auto.current}
 
 
 @pytest.fixture
@@ -296,6 +295,15 @@ def test_compile_accounting_counts_a_compile_and_not_a_cached_call(tiny_target):
     gen.generate(prompts, 4)
     assert first > 0 and gen.last_compile_seconds == 0.0 and gen.last_compiled_programs == 0
     assert gen.session.compiled_programs == first
+
+
+def prompt_buckets(max_len: int) -> list[int]:
+    """Every padded prompt length a session of this capacity can use."""
+    out, bucket = [], PROMPT_BUCKET
+    while bucket < max_len - 1:
+        out.append(bucket)
+        bucket = bucket * 3 // 2 if bucket & (bucket - 1) == 0 else bucket * 4 // 3
+    return out + [max_len - 1]
 
 
 def test_prompt_buckets_are_few_and_waste_little():

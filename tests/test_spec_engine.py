@@ -29,7 +29,7 @@ def test_refill_equals_one_at_a_time(tiny_target, trained_draft_dir, prompts):
         fin = by_key[str(i)]
         assert fin.tokens == exp.tokens[0]
         assert fin.finish_reason == exp.finish_reasons[0]
-        assert fin.rounds == exp.stats.rounds and fin.round_tokens == exp.stats.round_tokens
+        assert fin.stats.rounds == exp.stats.rounds and fin.stats.round_tokens == exp.stats.round_tokens
     assert by_key["0"].finish_reason == "eos"
     assert eng.stats.tokens == sum(len(e.tokens[0]) for e in expected)
     assert eng.stats.mean_accept_length > 1.2

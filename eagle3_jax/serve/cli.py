@@ -3,9 +3,7 @@
 Everything that can be checked cheaply is checked before the model loads: settings, the target's
 config, the tokenizer, every input line, the output file and its settings. Then prompts stream
 through the refill-batching engine and each finished prompt is appended to the output at once.
-Exit status: 0 every prompt done (or nothing to do), 1 an error (message on stderr) or some prompts
-failed (their rows say why; a rerun retries them), 2 bad command line, 130 interrupted (rerun the
-same command to finish).
+Exit statuses: the parser's epilog.
 """
 
 from __future__ import annotations
@@ -21,12 +19,13 @@ import warnings
 from typing import Callable
 
 from eagle3_jax import distributed, preflight
+from eagle3_jax.checkpoint.staging import write_json_atomic
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.metrics import AcceptanceCollapseWarning
 from eagle3_jax.serve.inputs import InputError, PromptRecord, read_prompts
 from eagle3_jax.serve.output import ResumableOutput, sidecar_path
 from eagle3_jax.serve.progress import Progress, wants_bar
-from eagle3_jax.serve.report import RunStats, Watchdog, metrics_dict, summary_table, write_metrics
+from eagle3_jax.serve.report import RunStats, Watchdog, metrics_dict, summary_table
 from eagle3_jax.serve.settings import EMIT_CHOICES, ServeSettings, read_yaml_config
 
 log = logging.getLogger("eagle3_jax")
@@ -136,11 +135,9 @@ def resolve_mesh(spec: str):
 
     from eagle3_jax.sharding import make_mesh
 
-    if spec == "none":
-        return None
     if spec == "auto":
         return make_mesh(None) if jax.device_count() > 1 else None
-    return make_mesh(spec)
+    return None if spec == "none" else make_mesh(spec)
 
 
 def load_models(s: ServeSettings, dtype: str, facts: preflight.PairFacts | None = None):
@@ -278,7 +275,7 @@ def run(s: ServeSettings, models: Callable | None = None, engine_module=None) ->
 def _write_metrics(s: ServeSettings, stats: RunStats, already: int, skipped_lines: int, dtype: str) -> None:
     if s.metrics and distributed.is_writer():
         os.makedirs(os.path.dirname(os.path.abspath(s.metrics)), exist_ok=True)
-        write_metrics(s.metrics, metrics_dict(stats, already, skipped_lines, dict(s.as_dict(), dtype=dtype)))
+        write_json_atomic(s.metrics, metrics_dict(stats, already, skipped_lines, dict(s.as_dict(), dtype=dtype)))
         log.info("metrics written to %s", s.metrics)
 
 
@@ -315,7 +312,7 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
         with stats.compiling(lambda: progress.note(compiling[0])):
             for fin in engine.run(handed_to_engine(requests)):
                 rec = by_key[fin.key]
-                tau = round(fin.accept_length, 4) if k and fin.rounds else None
+                tau = round(fin.stats.mean_accept_length, 4) if k and fin.stats.rounds else None
                 out.append(result_record(rec, s.emit, generation_text(tok, fin.tokens, fin.finish_reason),
                                          len(fin.tokens), fin.finish_reason, tau))
                 stats.add(fin.finish_reason, fin.stats, failure=FAIL_GENERATION, prompt_tokens=prompt_tokens[fin.key])
@@ -326,7 +323,6 @@ def _generate(s, tok, dtype, requests, by_key, out, stats: RunStats, models, eng
                 watchdog.maybe_check(stats)
         stats.draft_choice = getattr(engine, "draft_choice", None)
         stats.tick()
-    # The engine itself runs the acceptance check on its totals when the run ends.
 
 
 def _auto_settings(s: ServeSettings, dtype: str) -> dict:
@@ -375,10 +371,6 @@ def main(argv=None, models: Callable | None = None, engine_module=None, demo_dir
     warnings.simplefilter("ignore", AcceptanceCollapseWarning)
     try:
         _join_process_group(argv)   # before anything touches JAX's devices
-    except Eagle3Error as e:
-        print(f"serve.py: error: {e}", file=sys.stderr)
-        return 2
-    try:
         s = settings_from_argv(argv)
     except Eagle3Error as e:
         print(f"serve.py: error: {e}", file=sys.stderr)

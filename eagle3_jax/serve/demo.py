@@ -1,23 +1,14 @@
 """``python serve.py`` with no arguments: the embedded demo.
 
-Loads ``demo/target`` and ``demo/draft`` through the public loaders and, for every batch size and
-temperature of ``demo/demo.yaml``, generates completions for the bundled held-out prompts twice —
-target-only, then with the EAGLE-3 draft — in the same process on the same prompts. It prints a
-few completions and one table: tokens/s of both, their ratio, the K that ran, the mean acceptance
-length tau and the per-position acceptance. Greedy decoding is lossless, so at temperature 0 both
-runs must produce the same tokens; the demo checks that per batch size, and says why speculation
-was faster or slower from the live round costs. The one-pass drafts run beside it at a fixed K,
-checked and tabled the same way: with ``parallel_draft_tokens: K`` in demo.yaml the P-EAGLE draft in
-``demo/peagle`` (all K draft tokens from one pass over K positions), with ``dflash_draft_tokens: K``
-the DFlash draft in ``demo/dflash`` (K tokens of one block guessed in one pass).
+For every batch size and temperature of ``demo/demo.yaml`` it generates the bundled held-out
+prompts target-only and with the EAGLE-3 draft (and, when demo.yaml names their K, the one-pass
+P-EAGLE and DFlash drafts), each through the refill ``Engine`` as ``serve.py`` does, and prints a
+few completions and one table: tok/s, speedup, K, tau and per-position acceptance. At temperature
+0 every mode must produce target-only's tokens (lossless); the demo checks that.
 
-Both modes run every prompt through the refill ``Engine`` on ``batch_size`` rows (a freed row
-takes the next prompt), as ``serve.py`` does. Each mode first runs once untimed: that compiles its
-programs and, under ``num_draft_tokens: auto``, calibrates the round costs and learns which K pays.
-Then ``timed_passes`` rounds run every mode once each, in turn (paired, so a busy moment of the
-machine hits all modes alike): tok/s is the median pass, a speedup the median of the per-pass
-ratios, printed with their range, since on a shared CPU passes differ by 10 % or more. Each batch
-size's compiled programs are dropped before the next.
+Each mode first runs once untimed (compiles; under auto, calibrates). Then ``timed_passes`` rounds
+run every mode once each, in turn, so a busy moment of the machine hits all alike: tok/s is the
+median pass, a speedup the median of the per-pass ratios, printed with their range.
 """
 
 from __future__ import annotations
@@ -34,16 +25,15 @@ from eagle3_jax.errors import ConfigError
 
 SHOWN_COMPLETIONS = 3
 SHOWN_LINES = 8
-# The drafts the demo runs beside the chain one, each at its fixed K: label, directory under the demo,
-# the demo.yaml key of its K, and its training recipe (named in the error when the draft is missing).
+# The one-pass drafts run beside the chain one: label, directory under the demo, the demo.yaml key of
+# its fixed K, and its training recipe (named when the draft is missing).
 ONE_PASS_DRAFTS = (("P-EAGLE", "peagle", "parallel_draft_tokens", "configs/train/peagle_demo.yaml"),
                    ("DFlash", "dflash", "dflash_draft_tokens", "configs/train/demo_dflash.yaml"))
 
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """``demo/demo.yaml``: what the demo runs (written by tools/make_demo.py with the shipped K).
-    Every batch size runs at every temperature, target-only and EAGLE-3 side by side."""
+    """``demo/demo.yaml`` (written by tools/make_demo.py): every batch size runs at every temperature."""
 
     num_draft_tokens: int | str = "auto"   # or a fixed K
     parallel_draft_tokens: int = 0         # K of the P-EAGLE draft in demo/peagle, run beside (0: not run)
@@ -152,16 +142,14 @@ class DemoPair:
         return self.prompt_len + max_new_tokens + most + 2
 
     def generator(self, k: int | str, max_new_tokens: int, batch_size: int | None = None):
-        """Target-only decoding when ``k`` is 0, else EAGLE-3 with ``k`` draft tokens per round
-        (``"auto"``: chosen as it runs). With ``batch_size`` rows for more prompts, the refill Engine."""
+        """Target-only decoding when ``k`` is 0, else EAGLE-3 with ``k`` (or ``"auto"``) draft tokens per round."""
         import eagle3_jax as e3
 
         return e3.Generator(self.target, self.draft if k else None, num_draft_tokens=k,
                             max_len=self.capacity(max_new_tokens, k), batch_size=batch_size)
 
     def one_pass_generator(self, label: str, max_new_tokens: int, batch_size: int | None = None):
-        """The one-pass draft ``label`` (P-EAGLE, DFlash) at the settings' fixed K (every mode shares
-        one cache capacity)."""
+        """The one-pass draft ``label`` (P-EAGLE, DFlash) at the settings' fixed K."""
         import eagle3_jax as e3
 
         draft, k = self.one_pass[label]
@@ -203,9 +191,8 @@ class ModeRun:
 
 def run_modes(pair: DemoPair, gens: dict, prompt_ids: list[list[int]], temperature: float, seed: int,
               passes: int) -> dict[str, ModeRun]:
-    """``prompt_ids`` through each generator of ``gens`` (name -> Generator): one untimed pass each
-    (compiles, calibrates, and under auto learns which K pays), then ``passes`` rounds that run
-    every mode once, in turn; all with the same seed, so each pass makes the same tokens."""
+    """``prompt_ids`` through each generator of ``gens`` (name -> Generator): one untimed pass each,
+    then ``passes`` rounds that run every mode once, in turn, all with the same seed."""
     from eagle3_jax.metrics import GenerationStats
 
     kw = dict(eos_token_ids=pair.eos, temperature=temperature, seed=seed, prompt_len=pair.prompt_len)
@@ -235,12 +222,6 @@ def show_completion(tok, prompt_text: str, tokens: list[int], eos: tuple[int, ..
     return "\n".join(lines)
 
 
-def mode_label(spec: ModeRun, k: int | str) -> str:
-    if spec.choice is None:
-        return f"K={k}"
-    return f"auto K={spec.choice.num_draft_tokens}"
-
-
 def ratio(mode: ModeRun, base: ModeRun) -> tuple[float, float, float]:
     """(median, lowest, highest) of a mode's per-pass tok/s over the same pass of the base."""
     r = [a / b for a, b in zip(mode.rates, base.rates)]
@@ -260,33 +241,26 @@ class Case:
     spec: ModeRun
     one_pass: dict = None   # label -> ModeRun of each one-pass draft at its fixed K the demo runs
 
-    @property
-    def speedup(self) -> float:
-        return ratio(self.spec, self.base)[0]
-
-    @property
-    def identical(self) -> int:
-        return sum(a == b for a, b in zip(self.base.tokens, self.spec.tokens))
-
-    def identical_of(self, label: str) -> int:
-        return sum(a == b for a, b in zip(self.base.tokens, self.one_pass[label].tokens))
+    def identical(self, label: str | None = None) -> int:
+        """Prompts whose tokens equal target-only's: EAGLE-3's, or those of the one-pass draft ``label``."""
+        other = self.spec if label is None else self.one_pass[label]
+        return sum(a == b for a, b in zip(self.base.tokens, other.tokens))
 
 
 def table(cases: list[Case], k: int | str, one_pass_k: dict | None = None) -> str:
+    def cells(run: ModeRun, base: ModeRun, k_text: str) -> tuple:
+        p = run.stats
+        return (f"{run.tokens_per_second:.1f}", ratio_text(run, base), k_text, f"{p.mean_accept_length:.2f}",
+                " ".join(f"{r:.2f}" for r in p.accept_rate_per_position) or "-")
+
     rows = [("batch", "T", "target-only tok/s", "EAGLE-3 tok/s", "speedup (range)", "K", "tau",
              "acceptance by draft position", "first pass, s")]
     for c in cases:
-        e = c.spec.stats
+        k_text = f"K={k}" if c.spec.choice is None else f"auto K={c.spec.choice.num_draft_tokens}"
         rows.append((f"{c.batch_size}", f"{c.temperature:g}", f"{c.base.tokens_per_second:.1f}",
-                     f"{c.spec.tokens_per_second:.1f}", ratio_text(c.spec, c.base), mode_label(c.spec, k),
-                     f"{e.mean_accept_length:.2f}",
-                     " ".join(f"{r:.2f}" for r in e.accept_rate_per_position) or "-",
-                     f"{c.base.compile_seconds:.0f} / {c.spec.compile_seconds:.0f}"))
+                     *cells(c.spec, c.base, k_text), f"{c.base.compile_seconds:.0f} / {c.spec.compile_seconds:.0f}"))
         for label, run in (c.one_pass or {}).items():   # each one-pass draft's row under the same case
-            p = run.stats
-            rows.append(("", "", f"{label}:", f"{run.tokens_per_second:.1f}", ratio_text(run, c.base),
-                         f"K={(one_pass_k or {}).get(label, '?')}", f"{p.mean_accept_length:.2f}",
-                         " ".join(f"{r:.2f}" for r in p.accept_rate_per_position) or "-",
+            rows.append(("", "", f"{label}:", *cells(run, c.base, f"K={(one_pass_k or {}).get(label, '?')}"),
                          f"{run.compile_seconds:.0f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  " + "  ".join(v.ljust(w) if i == 7 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
@@ -301,15 +275,13 @@ def table_notes(passes: int) -> str:
 
 
 def why_line(case: Case) -> str | None:
-    """One line on why the EAGLE-3 round pays (or not): its cost in target decode steps against the
-    tokens it emits, from the live round timings of auto (or None without them)."""
+    """Why the EAGLE-3 round pays (or not), from auto's live round timings (None without them)."""
     c = case.spec.choice
     if c is None or not c.num_draft_tokens:
         return None
     k = c.num_draft_tokens
     if k not in c.round_seconds_per_k or not c.target_round_seconds > 0:
         return None
-    # target-only rounds are priced (calibration x live drift) when they have not run lately
     steps = c.round_seconds_per_k[k] / c.target_round_seconds
     return (f"  auto's estimate (batch {case.batch_size}, T={case.temperature:g}): a K={k} round (draft {k} tokens, "
             f"verify {k + 1}) costs {steps:.2f} target decode steps and emits tau = {c.tau:.2f} tokens per row, "
@@ -348,15 +320,14 @@ def run(demo_dir: str) -> int:
             print(f"batch {batch_size:>2} ({n} prompts), T={temperature:g}: target-only "
                   f"{base.tokens_per_second:.1f} tok/s; EAGLE-3 {spec.tokens_per_second:.1f} tok/s, "
                   f"{ratio_text(spec, base)}{also}", flush=True)
-            checked = {"EAGLE-3": case.identical} | {label: case.identical_of(label) for label in case.one_pass}
+            checked = {"EAGLE-3": case.identical()} | {label: case.identical(label) for label in case.one_pass}
             for name, same in checked.items():
                 if temperature == 0 and same != n:
                     print(f"error: batch {batch_size}, greedy: speculative decoding ({name}) changed the output "
                           f"of {n - same} of {n} prompts; this is a bug, please report it")
                     return 1
-        # Each batch size compiles its own programs (one per K under auto, each serving greedy and
-        # sampling); one process holding all of them runs out of memory mappings at Linux's default
-        # vm.max_map_count (65530), so they are dropped before the next batch size compiles.
+        # One process holding every batch size's programs runs out of memory mappings at Linux's
+        # default vm.max_map_count, so they are dropped before the next batch size compiles.
         del base_gen, spec_gen, gens
         jax.clear_caches()
         gc.collect()
@@ -367,23 +338,18 @@ def run(demo_dir: str) -> int:
         print(f"[{p['id']}]")
         print(show_completion(pair.tokenizer, p["prompt"], toks, pair.eos))
         print()
-    print(f"Measured here, this run ({s.timed_passes} timed passes per case; {platform_line()}):")
+    print(f"Measured here, this run ({s.timed_passes} timed passes per case; {jax.default_backend()}, "
+          f"{jax.device_count()} device(s), {os.cpu_count()} CPU cores):")
     print(table(cases, s.num_draft_tokens, {label: k for label, (_, k) in pair.one_pass.items()}))
     print(table_notes(s.timed_passes))
     for case in cases:
         if case.temperature == 0:
-            also = "".join(f" ({label}: {case.identical_of(label)}/{len(case.base.tokens)})" for label in case.one_pass)
+            also = "".join(f" ({label}: {case.identical(label)}/{len(case.base.tokens)})" for label in case.one_pass)
             print(f"  identical tokens at batch {case.batch_size}, greedy (lossless): "
-                  f"{case.identical}/{len(case.base.tokens)} prompts{also}")
+                  f"{case.identical()}/{len(case.base.tokens)} prompts{also}")
     for case in cases:
         if (line := why_line(case)):
             print(line)
     print("  These figures vary with the machine and its load; README.md's results table is `make bench` "
           "(8 prompts x 64 tokens, 3 paired passes), with the machine, commit and date it ran on.")
     return 0
-
-
-def platform_line() -> str:
-    import jax
-
-    return f"{jax.default_backend()}, {jax.device_count()} device(s), {os.cpu_count()} CPU cores"

@@ -1,13 +1,11 @@
 """Prompt JSONL: one object per line, ``{"id": ..., "messages": [...]}`` or ``{"id": ..., "prompt": "..."}``.
 
-``id`` (a string or an integer) is optional. A line without one gets an id derived from its content:
-``"sha256:"`` + the first 16 hex digits of the SHA-256 of the canonical JSON (sorted keys, no spaces)
-of ``{"prompt": ...}`` or ``{"messages": [...]}`` (the prompt turns, a trailing assistant turn
-removed). Such an id does not move when lines are inserted or reordered, so a resumed run finds its
-finished prompts again. The k-th repeat (k >= 2) of the same content without an id gets ``-k``
-appended, so repeats are generated once each. Blank lines are ignored. When ``messages`` ends with
-an assistant turn, that turn is what gets regenerated: the prompt is everything before it (the
-training-data regeneration case).
+``id`` (a string or an integer) is optional. A line without one gets ``"sha256:"`` + the first 16
+hex digits of the SHA-256 of the canonical JSON (sorted keys, no spaces) of ``{"prompt": ...}`` or
+``{"messages": [...]}`` (the prompt turns): an id that survives inserted or reordered lines, so a
+resumed run finds its finished prompts. The k-th repeat (k >= 2) of such content gets ``-k``
+appended. Blank lines are ignored. A trailing assistant turn in ``messages`` is what gets
+regenerated: the prompt is everything before it.
 """
 
 from __future__ import annotations

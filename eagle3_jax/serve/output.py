@@ -1,21 +1,17 @@
 """The crash-safe output file: JSONL, one complete line per finished prompt.
 
-- Each record is appended with one ``write`` of the whole line (O_APPEND), then flushed and fsync'd,
-  so after a crash (kill -9, power loss) the file holds complete lines plus at most one partial
-  trailing line. On the next open that partial line is cut away before anything is appended.
-- The generation settings live next to the output in ``OUT.settings.json`` (written atomically).
-  Reopening an output written with other settings is an error unless ``overwrite``: mixing two
-  settings in one file would silently produce a data set that no single command can reproduce.
-- Only finished prompts count as done. A row whose ``finish_reason`` starts with ``error`` (the
-  prompt could not run: too long for ``max_len``, an empty prompt, a failing chat template) is
-  retried by the next run, and so is a row cut at the cache capacity (``finish_reason`` ``max_len``)
-  when ``max_len`` has changed since it was written. Before retrying, those rows are removed: the
-  kept lines are copied byte for byte into a new file that replaces the old one atomically.
-  ``max_len`` is therefore recorded in the sidecar but is not part of the settings check.
-- An exclusive ``flock`` on the output keeps two jobs from appending to the same file.
-- Multi-process runs (``--coordinator``): process 0 alone opens, locks and writes the output and its
-  sidecar; it broadcasts the set of finished ids (or the error that stops the run) to the others,
-  which skip the same prompts and write nothing. The output need not be on a shared filesystem.
+- Each record is appended with one ``write`` of the whole line (O_APPEND), then fsync'd, so a crash
+  leaves at most one partial trailing line, which the next open cuts away.
+- The generation settings live in ``OUT.settings.json`` (written atomically); reopening an output
+  written with other settings is an error unless ``overwrite``: no single command could reproduce
+  a file that mixes two.
+- Only finished prompts count as done. Rows whose ``finish_reason`` starts with ``error``, and rows
+  cut at the cache capacity (``max_len``) when ``max_len`` has changed, are removed (the kept lines
+  copied into a file that replaces the old one atomically) and retried. ``max_len`` is recorded in
+  the sidecar but is not part of the settings check.
+- An exclusive ``flock`` keeps two jobs from appending to the same file.
+- Multi-process runs: process 0 alone opens, locks and writes the output and broadcasts the finished
+  ids (or its error) to the others, which write nothing.
 """
 
 from __future__ import annotations
@@ -90,16 +86,19 @@ class ResumableOutput:
         except OSError as e:
             raise OutputError(f"cannot open --output {path}: {e.strerror}") from e
         try:
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise OutputError(f"{path} is being written by another serve.py process; wait for it or "
-                                  "choose another --output") from None
+            self._lock(self._fd)
             self._prepare(overwrite)
         except BaseException:
             os.close(self._fd)
             self._fd = -1
             raise
+
+    def _lock(self, fd: int) -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputError(f"{self.path} is being written by another serve.py process; wait for it or "
+                              "choose another --output") from None
 
     # ------------------------------------------------------------------ opening
     def _prepare(self, overwrite: bool) -> None:
@@ -204,25 +203,21 @@ class ResumableOutput:
             f.write(b"".join(lines))
         new_fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
         try:
-            fcntl.flock(new_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            self._lock(new_fd)
+        except OutputError:
             os.close(new_fd)
-            raise OutputError(f"{self.path} is being written by another serve.py process; wait for it or "
-                              "choose another --output") from None
+            raise
         os.close(self._fd)
         self._fd = new_fd
 
     # ------------------------------------------------------------------ writing
     def append(self, record: dict) -> None:
-        if not self.writes:
-            self.done.add(id_key(record["id"]))
-            return
-        data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
-        view = memoryview(data)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
-        os.fsync(self._fd)
+        if self.writes:   # else a process that only follows process 0
+            view = memoryview((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+            os.fsync(self._fd)
         self.done.add(id_key(record["id"]))
 
     def close(self) -> None:

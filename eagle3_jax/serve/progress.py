@@ -1,9 +1,5 @@
-"""What the batch job says while it runs: a progress bar on a terminal, plain log lines elsewhere.
-
-A bar redraws itself with carriage returns, which a log file or a pipe keeps as dozens of frames
-on one line; so the bar is drawn only when stderr is a terminal (and not ``--no-progress``), and
-otherwise a line is logged at most every ``PLAIN_EVERY_S`` seconds and when the run ends.
-"""
+"""What the batch job says while it runs: a progress bar when stderr is a terminal (a log file would
+keep its redraws as frames on one line), else a log line every ``PLAIN_EVERY_S`` seconds and at the end."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """What a serve run shows: live numbers for the progress bar, the periodic acceptance watchdog,
 the final table and the ``--metrics`` JSON.
 
-Time is split three ways so that throughput means decoding speed: ``load_seconds`` (reading the
-models), ``compile_seconds`` (XLA compilations during generation: the first call of each program
-and each new prompt-length bucket, summed from JAX's compile events), and ``seconds``, the rest of
-the generation wall time. ``tokens_per_second`` is tokens / ``seconds``.
+Time is split three ways so that tokens per second means decoding speed: ``load_seconds`` (reading
+the models), ``compile_seconds`` (XLA compilations during generation, from JAX's compile events) and
+the rest of the generation wall time, ``seconds``.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import contextlib
 import math
 import time
 
-from eagle3_jax.checkpoint.staging import write_json_atomic
 from eagle3_jax.metrics import WATCHDOG_MIN_ROUNDS, CompileTally, GenerationStats, check_acceptance, compile_log
 from eagle3_jax.train_serve import ContextBuckets
 
@@ -83,31 +81,11 @@ class RunStats:
         self.generation.seconds = max(time.perf_counter() - self.started - self.compile_seconds, 0.0)
 
     @property
-    def tokens(self) -> int:
-        return self.generation.tokens
-
-    @property
-    def rounds(self) -> int:
-        return self.generation.rounds
-
-    @property
-    def seconds(self) -> float:
-        return self.generation.seconds
-
-    @property
     def tau(self) -> float:
         return self.generation.mean_accept_length if self.num_draft_tokens else float("nan")
 
-    @property
-    def accept_rate_per_position(self) -> list[float]:
-        return self.generation.accept_rate_per_position
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generation.tokens_per_second
-
     def postfix(self) -> str:
-        parts = [f"{self.tokens_per_second:.1f} tok/s"]
+        parts = [f"{self.generation.tokens_per_second:.1f} tok/s"]
         c = self.draft_choice
         if c is not None:
             measured = f", measured {c.measured_speedup:.2f}x" if c.measured_speedup is not None else ""
@@ -149,7 +127,7 @@ def speculation_verdict(stats: RunStats) -> dict | None:
                     f"{drafted} iterations) and decodes target-only", "advice": _advice(stats)}
         else:
             return {"costs_time": False, "reason": None, "advice": None}
-    elif stats.rounds < WATCHDOG_MIN_ROUNDS:
+    elif stats.generation.rounds < WATCHDOG_MIN_ROUNDS:
         return None
     elif stats.tau < SLOW_TAU:
         why = (f"tau {stats.tau:.2f} with K={stats.num_draft_tokens}: a round emits little more than the one token "
@@ -180,7 +158,8 @@ class Watchdog:
 
     def maybe_check(self, stats: RunStats) -> bool:
         now = time.perf_counter()
-        if not self.num_draft_tokens or stats.rounds < WATCHDOG_MIN_ROUNDS or now - self.last < self.interval:
+        if (not self.num_draft_tokens or stats.generation.rounds < WATCHDOG_MIN_ROUNDS
+                or now - self.last < self.interval):
             return False
         self.last = now
         return check_acceptance(stats.generation, self.num_draft_tokens, self.context, self.pair)
@@ -191,7 +170,7 @@ def _fmt(x: float, digits: int = 2) -> str:
 
 
 def summary_table(stats: RunStats, already_done: int, skipped_lines: int) -> str:
-    rate = stats.accept_rate_per_position
+    g = stats.generation
     rows = [
         ("prompts", f"{stats.prompts} this run ({stats.errors} errors), {already_done} already done"
                     + (f", {skipped_lines} bad lines skipped" if skipped_lines else "")),
@@ -200,14 +179,15 @@ def summary_table(stats: RunStats, already_done: int, skipped_lines: int) -> str
     if stats.errors:
         rows.append(("failed", f"{stats.errors}: {stats.failure_summary()}; a rerun retries them"))
     rows += [
-        ("tokens", str(stats.tokens)),
-        ("seconds", f"{_fmt(stats.seconds, 1)} generating, {_fmt(stats.compile_seconds, 1)} compiling, "
+        ("tokens", str(g.tokens)),
+        ("seconds", f"{_fmt(g.seconds, 1)} generating, {_fmt(stats.compile_seconds, 1)} compiling, "
                     f"{_fmt(stats.load_seconds, 1)} loading"),
-        ("tok/s", _fmt(stats.tokens_per_second, 1) + " (generating time only)"),
+        ("tok/s", _fmt(g.tokens_per_second, 1) + " (generating time only)"),
         ("tau", _fmt(stats.tau) if stats.num_draft_tokens else "- (no draft)"),
     ]
     if stats.num_draft_tokens:
-        rows.append(("accept by position", "  ".join(f"{i + 1}:{_fmt(r)}" for i, r in enumerate(rate))))
+        rates = g.accept_rate_per_position
+        rows.append(("accept by position", "  ".join(f"{i + 1}:{_fmt(r)}" for i, r in enumerate(rates))))
     verdict = speculation_verdict(stats)
     if verdict is not None and verdict["reason"]:
         rows.append(("speculation", f"{verdict['reason']}. What to do: {verdict['advice']}"))
@@ -219,14 +199,15 @@ def metrics_dict(stats: RunStats, already_done: int, skipped_lines: int, setting
     def num(x):
         return x if isinstance(x, int) or math.isfinite(x) else None
 
+    g = stats.generation
     return {
         "prompts": stats.prompts, "errors": stats.errors, "already_done": already_done,
         "bad_lines_skipped": skipped_lines, "finish_reasons": dict(stats.finish), "failures": dict(stats.failures),
-        "tokens": stats.tokens, "seconds": stats.seconds, "tokens_per_second": num(stats.tokens_per_second),
+        "tokens": g.tokens, "seconds": g.seconds, "tokens_per_second": num(g.tokens_per_second),
         "load_seconds": stats.load_seconds, "compile_seconds": stats.compile_seconds,
         "compiles": stats.compiles.as_dict(),
-        "rounds": stats.rounds, "mean_accept_length": num(stats.tau),
-        "accept_rate_per_position": [num(r) for r in stats.accept_rate_per_position],
+        "rounds": g.rounds, "mean_accept_length": num(stats.tau),
+        "accept_rate_per_position": [num(r) for r in g.accept_rate_per_position],
         "tau_by_context": stats.by_context.as_dict(),
         "auto_draft": _choice_dict(stats.draft_choice, num),
         "speculation": speculation_verdict(stats),
@@ -248,7 +229,3 @@ def _choice_dict(c, num) -> dict | None:
             "explored_iterations": c.explored_rounds, "switches": c.switches,
             "round_seconds_per_k": {str(k): num(r) for k, r in sorted(c.round_seconds_per_k.items())},
             "target_round_seconds": num(c.target_round_seconds), "calibration_seconds": c.calibration_seconds}
-
-
-def write_metrics(path: str, data: dict) -> None:
-    write_json_atomic(path, data)

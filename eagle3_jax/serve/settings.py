@@ -8,7 +8,6 @@ mesh) may change between runs: decoding is lossless, so a job can resume on anot
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -50,6 +49,8 @@ def parse_k_table(value: Any) -> dict[int, int]:
 
 @dataclass
 class ServeSettings:
+    """A serve job's settings; the flags' help (cli.build_parser) says what each means."""
+
     target: str | None = None
     draft: str | None = None
     input: str | None = None
@@ -58,27 +59,19 @@ class ServeSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    # "auto": K chosen per batch from measured round costs and live acceptance (0 = target-only).
     num_draft_tokens: int | str = "auto"
-    # Under auto: batch size -> the K a job starts from (None: what earlier jobs or a probe measured).
     k_table: str | None = None
     batch_size: int = 8
     max_len: int = 2048
-    # Memory bounds of prefill (tools.plan plans the same): the most rows one prefill call admits
-    # (None: the whole batch) and prompt positions per target call (None: the whole prompt block).
     admit_rows: int | None = None
     prefill_chunk: int | None = None
-    # "auto": every visible device on the expert axis (no mesh on a single device); "none": no mesh.
     mesh: str = "auto"
     seed: int = 0
     emit: str = "text"
     metrics: str | None = None
     overwrite: bool = False
     skip_bad_lines: bool = False
-    # "auto": the checkpoint's torch_dtype (bfloat16 when it names none we support), except float32
-    # on a CPU host, where half-precision matmuls run through float32 copies (eagle3_jax.backends).
     dtype: str = "auto"
-    # Plain log lines instead of a progress bar; the bar is drawn only when stderr is a terminal.
     no_progress: bool = False
     # Multi-host (see eagle3_jax.distributed): per-process, command line / EAGLE3_* environment only,
     # never part of the fingerprint (a job may resume on another number of hosts).
@@ -92,10 +85,6 @@ class ServeSettings:
     # Fields that change the generated text; see the module docstring. Not max_len: it only decides
     # which prompts fit and where a row is cut, and the output file handles those rows (output.py).
     FINGERPRINT = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "emit")
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
     def merged(cls, yaml_values: Mapping[str, Any], cli_values: Mapping[str, Any]) -> "ServeSettings":
@@ -154,7 +143,7 @@ class ServeSettings:
         return fp
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.field_names()}
+        return {k: getattr(self, k) for k in settings_io.field_names(type(self))}
 
 
 class FileValues(dict):

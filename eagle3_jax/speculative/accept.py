@@ -1,26 +1,15 @@
 """Verify/accept step of chain speculative decoding, as pure jittable JAX functions.
 
-One round of chain speculation: the draft model proposes K tokens d_0..d_{K-1}; the
-target model scores the prefix plus all K drafts in one forward pass, which gives K+1
-next-token distributions (position i predicts the token after d_{i-1}; position K is
-the "bonus" position after the last draft). This module decides how many drafts to
-keep and which extra token (correction or bonus) to emit after them.
+The draft proposes K tokens d_0..d_{K-1}; the target scores the prefix plus all K drafts in one
+pass, giving K+1 next-token distributions (position i predicts the token after d_{i-1}; position K
+is the "bonus" position). This module decides how many drafts to keep and which token (correction
+or bonus) follows them: ``greedy_accept`` at temperature 0 (bitwise deterministic, no random
+numbers; T = 0 must never reach ``filter_logits``), ``rejection_accept`` above it (speculative
+sampling, Leviathan et al. 2023, Chen et al. 2023: lossless whatever the draft distribution).
 
-Shape suffixes: B batch, K draft length (static), V vocabulary. ``..`` means any
-leading dims. Token ids are int32.
-
-Two acceptance rules, and the caller picks one per request:
-
-* ``greedy_accept`` for temperature 0: compare drafts with the target argmax. Bitwise
-  deterministic; it never draws a random number. Temperature 0 must come here, never
-  through ``filter_logits``/``rejection_accept`` (dividing by T=0 is meaningless).
-* ``rejection_accept`` for temperature > 0: speculative sampling (Leviathan et al.
-  2023, Chen et al. 2023), which makes the emitted tokens exactly distributed as the
-  filtered target distribution, whatever the draft distribution is.
-
-Sampling parameters (temperature, top_k, top_p) are ordinary array arguments, so they
-may be traced: one compiled program serves every value. That is why top-k is a sort
-plus a threshold compare (``lax.top_k`` needs a static k) rather than ``lax.top_k``.
+Shape suffixes: B batch, K draft length (static), V vocabulary; ``..`` any leading dims. Sampling
+parameters are ordinary array arguments, so they may be traced and one program serves every value:
+that is why top-k is a sort plus a threshold compare rather than ``lax.top_k`` (static k).
 """
 
 from __future__ import annotations
@@ -37,15 +26,13 @@ __all__ = [
     "rejection_accept",
 ]
 
-# Temperatures are clamped to at least this so a stray T=0 under jit yields a
-# near-one-hot distribution instead of NaNs (x/0 gives inf - inf in softmax).
-# It is a guard, not a feature: T=0 belongs to greedy_accept.
+# A guard, not a feature (T = 0 belongs to greedy_accept): a stray T = 0 under jit gives a
+# near-one-hot distribution instead of NaNs.
 _MIN_TEMPERATURE = 1e-6
 
 
 def _per_row(x, dtype, batch_shape):
-    """Broadcast a scalar (or an array broadcastable to the logits' leading dims)
-    against ``batch_shape`` and add a trailing axis so it lines up with ``..V``."""
+    """``x`` broadcast to ``batch_shape`` with a trailing axis, to line up with ``..V``."""
     return jnp.broadcast_to(jnp.asarray(x, dtype), batch_shape)[..., None]
 
 
@@ -56,8 +43,7 @@ def filter_logits(logits_V, temperature, top_k, top_p):
       logits_V: float array ``[.., V]``; computed in float32.
       temperature: > 0. Scalar or array broadcastable to ``logits_V.shape[:-1]``
         (numpy rules, trailing-aligned: per-request values for ``[B, K+1, V]`` logits
-        have shape ``[B, 1]``); may be traced. Clamped to 1e-6 only to avoid NaNs;
-        temperature 0 belongs to greedy_accept.
+        have shape ``[B, 1]``); may be traced.
       top_k: int, same shapes as temperature; 0 (or negative) means off; values >= V
         keep everything.
       top_p: float in (0, 1], same shapes as temperature; 1.0 (or more) means off.
@@ -113,9 +99,7 @@ def filter_logits(logits_V, temperature, top_k, top_p):
         thr_1 = jnp.maximum(thr_k_1, thr_p_1)
         return jnp.where(x_V >= thr_1, x_V, -jnp.inf)
 
-    # A full-vocab sort is the expensive part; skip it when both filters are off
-    # (the common "temperature only" setting). Under vmap with a batched predicate
-    # cond lowers to a select, which is still correct.
+    # Skip the full-vocab sort when both filters are off (the common "temperature only" setting).
     filtering = jnp.any(k_1 > 0) | jnp.any(p_1 < 1.0)
     return jax.lax.cond(filtering, _filter, lambda x: x, x_V)
 
@@ -163,7 +147,6 @@ def greedy_accept(draft_tokens_BK, target_logits_BK1V):
         tokens: the n accepted drafts then the target argmax at position n (the
         correction, or the bonus if n == K). Entries after n are unspecified.
     """
-    # Ties break toward the lowest id, deterministically (as jnp.argmax).
     argmax_BK1 = first_argmax(target_logits_BK1V)
     k = draft_tokens_BK.shape[1]
     match_BK = draft_tokens_BK.astype(jnp.int32) == argmax_BK1[:, :k]
@@ -193,11 +176,7 @@ def rejection_accept(key, draft_tokens_BK, draft_probs_BKV, target_probs_BK1V):
     residual has no mass, i.e. p_n == q_n); if all K are accepted, emit a bonus sample
     from p_K. The emitted tokens are then distributed exactly as sampling from p.
 
-    Returns:
-      n_accepted_B: int32 ``[B]`` in [0, K].
-      out_tokens_BK1: int32 ``[B, K+1]``; ``out_tokens[b, :n+1]`` are emitted (n
-        accepted drafts, then the correction/bonus token); entries after n are
-        unspecified.
+    Returns ``(n_accepted_B, out_tokens_BK1)`` as ``greedy_accept`` does.
     """
     b, k = draft_tokens_BK.shape
     draft_tokens_BK = draft_tokens_BK.astype(jnp.int32)

@@ -1,38 +1,21 @@
 """``num_draft_tokens="auto"``: the K of each bounded run, priced end to end.
 
-The model. With B rows each emitting N tokens, a K costs per row its admission a(K) (the target's
-prefill, and the draft's with it when K >= 1) and N / τ(K) rounds of c(K) seconds each, the rounds
-shared by the batch; so the batch emits at
+With B rows each emitting N tokens, a K costs per row its admission a(K) (the target's prefill, and
+the draft's with it when K >= 1) and N / τ(K) rounds of c(K) seconds each, shared by the batch:
 
     rate(K) = B·N / (B·a(K) + N·c(K) / τ(K))       tokens per wall second,
 
-K = 0 being target-only (τ(0) = 1, no draft prefill). In the last wave nothing is admitted any more
-and rate(K) = τ(K) / c(K). a(K) and c(K) are what the engine's runs took from the start of their
-admission to the end of their harvest (``policy.Run``), so host work between runs counts too: a K
-that loses in wall time cannot look like a win (the loop's own round costs, which left admissions
-and syncs out, once made K = 4 at batch 1 look even where it ran 0.82x).
+K = 0 being target-only (τ(0) = 1). In the last wave nothing is admitted and rate(K) = τ(K) / c(K).
+a(K) and c(K) are wall times of the engine's runs (``policy.Run``), host work included, so a K that
+loses in wall time cannot look like a win. τ(K) = 1 + Σ_{i≤K} Π_{j≤i} a_j, with a_j the acceptance
+of draft position j given position j-1's (``Acceptance``), learned from rows with a current draft state.
 
-τ(K) = 1 + Σ_{i≤K} Π_{j≤i} a_j, with a_j the probability that draft position j is accepted given
-that position j-1 was (``Acceptance``), learned from the rows whose draft state is current.
-
-Where a choice starts. ``Costs`` starts from a calibration: the costs and acceptance an earlier job
-of this pair on this machine measured (``calibration.CalibrationStore``), else a short probe on a
-scratch state (``session.probe_costs``: K = 0, 1 and 2, each admitted and run; the Ks above on the
-line through 1 and 2). The starting K (the table's K for this batch size) is the one those numbers
-choose. A user's table (``k_table``) names it instead.
-
-How it moves. Before every run the K of the best rate at the point estimates is compared with the
-current one; it takes over only if its predicted gain exceeds MARGIN plus SWITCH_Z standard errors
-(acceptance's from its counts, costs' from the spread of their runs). Only Ks whose cost was
-measured (calibrated or run) are compared, so a job runs, and compiles, only Ks it was shown to.
-Exploration is the exception, and bounded: while the acceptance rests on fewer than
-BOOTSTRAP_ROUNDS rounds, one run at the largest measured K (a first job learns the draft's
-acceptance so); beyond that only in jobs of rows longer than SHORT_JOB_TOKENS, where a K whose rate
-with acceptance SWITCH_Z standard errors up beats the current one by MARGIN may run once, while
-explored rounds stay under EXPLORE_SHARE of the job's.
-
-``measured_speedup`` divides the tokens per wall second of the runs at the current K by those of the
-runs at K = 0, both run in this process; it is absent otherwise. ``predicted_speedup`` is the model's.
+``Costs`` starts from what an earlier job of this pair measured on this machine
+(``calibration.CalibrationStore``), else from a short probe (``session.probe_costs``); the first K
+is the one they choose, or the user's ``k_table`` entry. Before every run the best K is compared
+with the current one and takes over only if its predicted gain exceeds MARGIN plus SWITCH_Z
+standard errors. Only measured Ks are compared, so a job runs, and compiles, only Ks it was shown
+to, apart from bounded exploration (see the constants).
 """
 
 from __future__ import annotations
@@ -48,29 +31,25 @@ from eagle3_jax.speculative.policy import Batch, Run
 
 AUTO = "auto"
 DEFAULT_MAX_DRAFT_TOKENS = 6
-# Prior of a_1, worth PRIOR_ROUNDS rounds: weak, so that a few runs of data override it. A deeper
-# position's prior is the estimate of the one before it: positions past the Ks that ran are priced
-# as the nearest data say.
+# Prior of a_1, worth PRIOR_ROUNDS rounds so that a few runs override it; a deeper position's prior
+# is the estimate of the one before it.
 PRIOR_ACCEPT = 0.7
 PRIOR_ROUNDS = 8
-# Acceptance carried over from earlier jobs counts as at most this many rounds: a job whose prompts
-# accept differently overrides it within a run or two.
+# Acceptance carried over from earlier jobs counts as at most this many rounds.
 CARRIED_ROUNDS = 256
-# A switch: the predicted gain must exceed MARGIN (what the model leaves out) plus SWITCH_Z
-# standard errors of the comparison.
+# A switch: the predicted gain must exceed MARGIN (what the model leaves out) plus SWITCH_Z standard errors.
 MARGIN = 0.03
 SWITCH_Z = 1.5
-# A cost timed fewer than twice, whose calibration gave no spread, is this uncertain (relative
-# standard error).
+# Relative standard error of a cost timed fewer than twice with no calibrated spread.
 COST_NOISE = 0.03
-# Exploration: while the draft's acceptance rests on fewer than BOOTSTRAP_ROUNDS rounds, one run at
-# the largest measured K (it teaches the most positions); beyond that only in jobs whose rows may
-# emit more than SHORT_JOB_TOKENS, while explored rounds stay under EXPLORE_SHARE of all rounds.
+# Exploration: while acceptance rests on fewer than BOOTSTRAP_ROUNDS rounds, one run at the largest
+# measured K (it teaches the most positions); beyond that, only in jobs whose rows may emit more than
+# SHORT_JOB_TOKENS, a K that wins with acceptance SWITCH_Z errors up may run once, while explored
+# rounds stay under EXPLORE_SHARE of all rounds.
 BOOTSTRAP_ROUNDS = 32
 SHORT_JOB_TOKENS = 256
 EXPLORE_SHARE = 0.05
-# Live costs: each K's latest LIVE_RUNS timed runs; runs shorter than MIN_TIMED_ROUNDS rounds are not
-# timed (fixed costs would dominate).
+# Live costs: each K's latest LIVE_RUNS timed runs; runs shorter than MIN_TIMED_ROUNDS are not timed.
 LIVE_RUNS = 8
 MIN_TIMED_ROUNDS = 4
 UPDATE_SECONDS = 30.0

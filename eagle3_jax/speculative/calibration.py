@@ -1,16 +1,10 @@
-"""What ``num_draft_tokens="auto"`` learned about a target/draft pair on this machine, kept on disk
-for the next job: per program shape (batch size, capacity, K_max, greedy or sampled) the costs it
-measured (``autodraft.Costs``: seconds per round and per admitted row, each K that ran or was
-probed) and the K it ended on, and per sampling setting the acceptance counts of its rows.
+"""What ``num_draft_tokens="auto"`` learned about a target/draft pair on this machine, kept for the
+next job: per program shape the costs it measured (``autodraft.Costs``) and the K it ended on, and
+per sampling setting the acceptance counts. The next job starts from these instead of probing.
+Nothing here changes a token: a stale figure only costs speed, and a job's own runs replace it.
 
-The next job of the same pair starts from these instead of probing: its first K is the one they
-choose (the per-batch-size K table, ``table()``), and it runs, so compiles, only Ks they measured
-unless it explores. Nothing here changes a token: a stale figure can only cost speed, and a job's
-own runs replace it.
-
-One JSON file per pair and machine beside the persistent compile cache
-(``compile_cache.calibration_dir()``), written atomically when a job ends (and every
-``autodraft.UPDATE_SECONDS`` before).
+One JSON file per pair and machine in ``compile_cache.calibration_dir()``, written atomically when
+a job ends (and every ``autodraft.UPDATE_SECONDS`` before).
 """
 
 from __future__ import annotations
@@ -99,7 +93,3 @@ class CalibrationStore:
         self.data["acceptance"][setting] = {"accepted": acc.accepted.tolist(), "offered": acc.offered.tolist()}
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         write_json_atomic(self.path, self.data, fsync=False)   # a cache: a lost write only costs a probe
-
-    def table(self) -> dict[str, int]:
-        """The K each calibrated shape ended on: the per-batch-size table, for metrics and docs."""
-        return {shape: rec["k"] for shape, rec in sorted(self.data["shapes"].items()) if "k" in rec}

@@ -1,16 +1,11 @@
 """Continuous batching over the jitted loop: rows that finish are refilled with waiting prompts
 between bounded runs of the loop, so one long answer does not hold a batch of finished rows hostage.
 
-The host intervenes after ``rounds_per_sync`` rounds, or earlier, as soon as ``refill_rows`` rows
-have finished while prompts are waiting: it reads which rows finished, hands their results out,
-and prefills waiting prompts into the freed rows (``admit_rows``: only those
-rows are prefilled, then written into the running state). Rows never interact, so each prompt's
-output is what it would be alone. ``Generator.generate`` is one ``Engine.run`` too: a static batch is
-simply a run whose prompts all fit at once.
-
-K per run comes from a policy (``DecodeSession.policy``, protocol in policy.py): before each run
-the engine shows it the rows (``policy.Batch``), after it hands over what each row did
-(``policy.Run``); whatever the policy remembers is its own.
+After ``rounds_per_sync`` rounds, or as soon as ``refill_rows`` rows have finished while prompts
+wait, the host hands out the finished rows' results and prefills waiting prompts into only the freed
+rows (``admit_rows``). Rows never interact, so each prompt's output is what it would be alone.
+Before each run the K policy (policy.py) sees the rows (``policy.Batch``), after it what each row
+did (``policy.Run``).
 """
 
 from __future__ import annotations
@@ -44,22 +39,6 @@ class Finished:
     finish_reason: str
     stats: GenerationStats   # this prompt's own rounds, tokens and per-position acceptance
 
-    @property
-    def rounds(self) -> int:
-        return self.stats.rounds
-
-    @property
-    def round_tokens(self) -> int:
-        return self.stats.round_tokens
-
-    @property
-    def accepted_per_position(self) -> list[int]:
-        return self.stats.accepted_per_position
-
-    @property
-    def accept_length(self) -> float:
-        return self.stats.mean_accept_length
-
 
 class Engine:
     """Continuous batching: a thin front end over ``DecodeSession`` that keeps ``batch_size`` rows busy.
@@ -74,26 +53,20 @@ class Engine:
                  max_admit_rows: int | None = None, prefill_chunk: int | None = None,
                  prompt_len: int | None = None, calibration=None, k_table: dict[int, int] | None = None):
         """``session``: run on an existing session (its target, draft and K setting; the arguments
-        naming them are then ignored), e.g. a Generator's, so statistics and acceptance carry over.
-        ``max_admit_rows``: the most rows one prefill call admits (more free rows are filled by
-        several calls); it bounds the prefill's fresh caches, which hold that many rows (None: the
-        whole batch). ``python -m tools.plan --admit-rows`` plans the same. ``prefill_chunk``: see
-        ``DecodeSession``. ``prompt_len``: every admission pads its prompts to this length (None: the
-        longest admitted prompt's bucket, see ``session.bucket_prompt_len``). Pinned, one admission
-        program serves every prompt; else each prompt bucket compiles its own. ``calibration``,
-        ``k_table``: see ``DecodeSession`` (under auto only)."""
+        naming them are then ignored), so statistics and acceptance carry over. ``max_admit_rows``:
+        the most rows one prefill call admits, which bounds the prefill's fresh caches (None: the
+        whole batch). ``prompt_len``: every admission pads its prompts to this length, so one
+        admission program serves every prompt (None: the longest admitted prompt's bucket).
+        ``prefill_chunk``, ``calibration``, ``k_table``: see ``DecodeSession``."""
         if rounds_per_sync < 1:
             raise ConfigError(f"rounds_per_sync must be >= 1, found {rounds_per_sync}")
         if max_admit_rows is not None and max_admit_rows < 1:
             raise ConfigError(f"max_admit_rows must be >= 1, found {max_admit_rows}")
         self.session = session or DecodeSession(target, draft, num_draft_tokens, max_len, max_draft_tokens,
                                                  prefill_chunk, calibration, k_table)
-        self.target, self.draft = self.session.target, self.session.draft
         self.sampling = SamplingSettings(temperature, top_p, top_k, seed, tuple(eos_token_ids))
         self.program = self.session.program(batch_size, max_new_tokens, self.sampling)
         self.batch_size = self.program.batch_size
-        self.max_len = self.session.max_len
-        self.num_draft_tokens = self.session.num_draft_tokens
         self.max_draft_tokens = self.session.max_draft_tokens
         self.rounds_per_sync = rounds_per_sync
         self.max_admit_rows = min(max_admit_rows or self.batch_size, self.batch_size)
@@ -164,7 +137,6 @@ class Engine:
         # Per-row counters after the previous run (admitted rows restart at zero): each run's own counts.
         seen = {name: np.zeros(B, np.int64) for name in ("rounds", "round_tokens", "emitted")}
         seen["accepted"] = np.zeros((B, max(self.max_draft_tokens, 1)), np.int64)
-        left_B = np.zeros(B, np.int64)
         drafted_B = np.zeros(B, bool)   # rows whose draft state is current (policy.Batch)
         start = time.perf_counter()
         seconds_before = session.stats.seconds
@@ -187,8 +159,7 @@ class Engine:
                     running_B = np.array([o is not None for o in occupant])
                     admitted_B = np.zeros(B, bool)
                     admitted_B[list(new)] = True
-                    left_B[admitted_B] = program.max_new_tokens   # a new row has its whole budget (at most) ahead
-                    batch = Batch(running_B, admitted_B, drafted_B & ~admitted_B, left_B.copy(), exhausted)
+                    batch = Batch(running_B, admitted_B, drafted_B & ~admitted_B, exhausted)
                     # K is chosen before admitting, so that rows admitted for a target-only run skip the
                     # draft's prefill: K = 0 then costs what having no draft costs.
                     k = policy.next_k(batch)
@@ -213,13 +184,10 @@ class Engine:
                     # host scalars, not jnp ones: an eager jnp.int32 is a dispatch of its own (~0.25 ms)
                     state = run_rounds(*(models if k else target_models), state, np.int32(max_rounds),
                                        np.int32(stop_free), sp, program=program.with_draft_tokens(k))
-                    finish, rounds_B, round_tokens_B, acc_BK, n_out_B, budget_B = (
+                    finish, rounds_B, round_tokens_B, acc_BK, n_out_B = (
                         np.asarray(x, np.int64) for x in fetch_all(state.finish_B, state.rounds_B, state.round_tokens_B,
-                                                                   state.accepted_BK, state.n_out_B, state.budget_B))
-                    left_B = budget_B - n_out_B
+                                                                   state.accepted_BK, state.n_out_B))
                     done = [b for b, req in enumerate(occupant) if req is not None and finish[b] != RUNNING]
-                    finished_B = np.zeros(B, bool)
-                    finished_B[done] = True
                     now = {"rounds": rounds_B, "round_tokens": round_tokens_B, "emitted": n_out_B, "accepted": acc_BK}
                     delta = {name: np.where(running_B.reshape((B,) + (1,) * (x.ndim - 1)), x - seen[name], 0)
                              for name, x in now.items()}
@@ -230,29 +198,25 @@ class Engine:
                               admit_seconds=admit_seconds if timed else None,
                               iterations=int(delta["rounds"].max()), admitted=len(new), taught_B=taught_B,
                               rounds_B=delta["rounds"], round_tokens_B=delta["round_tokens"],
-                              emitted_B=delta["emitted"], accepted_BK=delta["accepted"], finished_B=finished_B)
+                              emitted_B=delta["emitted"], accepted_BK=delta["accepted"])
                     policy.observe(run)
                     self._record_speculation(run)
                     for b, (tokens, reason, stats) in zip(done, results):
                         fin = Finished(key=occupant[b].key, tokens=tokens, finish_reason=reason, stats=stats)
                         occupant[b] = None
-                        session.record(stats)
+                        session.stats = GenerationStats.combine([session.stats, stats])
                         session.stats.seconds = seconds_before + time.perf_counter() - start
                         yield fin
             policy.finish()
-            if self.draft is not None:
+            if session.draft is not None:
                 check_acceptance(self.speculative_stats, self.max_draft_tokens, context="batch generation")
         finally:
             session.compiled_programs += log.count - mark
 
     def _record_speculation(self, run: Run) -> None:
-        if not run.k or not run.taught_B.any():
-            return
         taught = run.taught_B
-        rounds = int(run.rounds_B[taught].sum())
-        accepted = run.accepted_BK[taught].sum(0)
-        s = self.speculative_stats
-        self.speculative_stats = GenerationStats(
-            rounds=s.rounds + rounds, tokens=s.tokens + int(run.round_tokens_B[taught].sum()),
-            round_tokens=s.round_tokens + int(run.round_tokens_B[taught].sum()), seconds=0.0,
-            accepted_per_position=[a + int(accepted[j]) for j, a in enumerate(s.accepted_per_position)])
+        if run.k and taught.any():
+            tokens = int(run.round_tokens_B[taught].sum())
+            self.speculative_stats = GenerationStats.combine([self.speculative_stats, GenerationStats(
+                rounds=int(run.rounds_B[taught].sum()), tokens=tokens, round_tokens=tokens, seconds=0.0,
+                accepted_per_position=[int(a) for a in run.accepted_BK[taught].sum(0)])])

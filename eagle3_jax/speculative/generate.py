@@ -66,8 +66,7 @@ class DecodeProgram:
     fixes the loop state's layout, so programs of every K <= it run on the same state;
     ``max_len`` the per-row capacity of the caches (prompt + generation); ``aux_layer_ids`` the
     target layers whose outputs feed the draft (empty without a draft). Greedy vs sampling is not
-    part of it: it is the traced ``Sampling.greedy``, so one program serves both (the demo's
-    greedy and T = 1 cases shared none of their ~35 programs while it was static).
+    part of it (the traced ``Sampling.greedy``), so one program serves both.
     """
 
     batch_size: int
@@ -89,8 +88,8 @@ class DecodeProgram:
         return dataclasses.replace(self, num_draft_tokens=num_draft_tokens)
 
 
-# Logical axes of LoopState's sharded arrays by field path (the caches as cache.py lays them out). Fields not listed are per-row vectors or
-# matrices (batch first) or replicated scalars. Planning tools lay the state out from this table.
+# Logical axes of LoopState's sharded arrays by field path, for the planning tools; fields not listed
+# are batch-first per-row arrays or replicated scalars.
 LOOP_STATE_AXES = {
     **{f"tcache.{f}": a for f, a in MLACache.AXES.items()},
     **{f"dcache.{f}": a for f, a in KVCache.AXES.items()},
@@ -305,17 +304,13 @@ def admit_rows(tgraph, tstate, dgraph, dstate, state: LoopState, rows_A, prompt_
     one prompt costs a one-row prefill, not a whole batch. An entry of ``rows_A`` that is out of
     range (``>= batch_size``) is padding: its prefill is computed and dropped.
 
-    Called without the draft (``dgraph``, ``dstate`` None) on a state that has draft fields, it
-    admits without the draft: only the target prefills (no aux states, no draft pass), and the
-    rows' draft state is left as it was, stale, as after any target-only round. Rows that will
-    only run target-only rounds need no draft state: this keeps K = 0 under auto as cheap as
-    having no draft (the Engine's choice).
+    Called without the draft (``dgraph``, ``dstate`` None), only the target prefills and the rows'
+    draft state is left stale, as after a target-only round: K = 0 under auto costs what having no
+    draft costs.
 
-    The new rows' caches span only the prompt block's slots, which are then written over the
-    rows' first slots in the state; the slots past them keep what an earlier occupant left there,
-    masked by position like any stale slot until decoding overwrites them. A full-capacity cache
-    per admission was a second copy of the state's caches at whole-batch admissions (Kimi-K2.5,
-    32 rows x 8192 slots: 17 GiB per chip on a v5p slice with ``data=1``)."""
+    The new rows' caches span only the prompt block's slots (a full-capacity one would be a second
+    copy of the state's caches), written over the rows' first slots; the slots past them keep an
+    earlier occupant's entries, masked by position like any stale slot."""
     target, draft = merge_models(tgraph, tstate, dgraph, dstate)
     key, k_new = jax.random.split(state.key)
     fresh = _prefill(target, draft, prompt_AT, prompt_len_A, k_new, sp, program,

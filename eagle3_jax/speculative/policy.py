@@ -1,17 +1,12 @@
-"""What chooses K, the draft tokens per round, for each bounded run of the engine.
-
-The engine admits prompts, runs the loop, harvests finished rows, and tells the policy what it saw;
-a policy keeps its own bookkeeping. Every policy answers the same three questions (``KPolicy``):
-which K the next run uses (``next_k``), whether that K holds for the rows now running, so the run
-may go to their end without stopping for another choice (``settled``), and what it learned from a
-run (``observe``); ``finish`` tells it the job is over. ``report`` says what it decided, for
-metrics; a fixed K has nothing to say.
+"""What chooses K, the draft tokens per round, for each bounded run of the engine. A policy
+(``FixedK``, ``autodraft.AutoDraft``) answers: the K of the next run (``next_k``), whether it holds
+for the rows now running so the run may go to their end (``settled``), what a run taught it
+(``observe``), that the job is over (``finish``), and what it decided, for metrics (``report``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
@@ -25,7 +20,6 @@ class Batch:
     drafted_B: np.ndarray     # rows whose draft state is current: admitted with the draft and not
     #                           advanced by a target-only run since (a draft on any other row only
     #                           proposes from a stale state)
-    remaining_B: np.ndarray   # tokens each row may still emit
     last_wave: bool           # no prompt is waiting: the rows running are the job's last
 
     @property
@@ -52,23 +46,10 @@ class Run:
     round_tokens_B: np.ndarray    # tokens the rounds emitted per row
     emitted_B: np.ndarray         # every token emitted per row (the admission's first token included)
     accepted_BK: np.ndarray       # rounds in which draft position j was accepted, per row
-    finished_B: np.ndarray        # rows that finished in this run
 
     @property
     def emitted(self) -> int:
         return int(self.emitted_B.sum())
-
-
-class KPolicy(Protocol):
-    def next_k(self, batch: Batch) -> int: ...
-
-    def settled(self, batch: Batch) -> bool: ...
-
-    def observe(self, run: Run) -> None: ...
-
-    def finish(self) -> None: ...
-
-    def report(self): ...
 
 
 class FixedK:

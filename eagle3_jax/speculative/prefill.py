@@ -1,10 +1,7 @@
-"""Chunked prefill: a prompt block through the target (and the draft) C positions at a time.
-
-Each chunk is written into the cache before the next one attends to it, so the temporaries of one
-call (MoE assignments, attention scores) scale with B x C instead of B x T. Same tokens, same cache
-contents as one call over the whole block (tests/test_prefill_chunks.py). Positions past T (the
-last chunk's padding) write cache slots >= T, which hold no prompt token: they are masked by
-position like any stale slot and overwritten by the first decode steps.
+"""Chunked prefill: a prompt block through the target (and the draft) C positions at a time, so
+one call's temporaries (MoE assignments, attention scores) scale with B x C instead of B x T; same
+tokens and cache contents as one call. The last chunk's padding writes slots >= T, masked by
+position like any stale slot.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """One decode session: a target, an optional draft and the settings of the programs they run.
 
 ``Generator`` (one static batch) and ``Engine`` (refilled rows) are thin front ends over a
-``DecodeSession``. Everything both need is decided here, once: the sampling ranges, that the draft
-belongs to the target, how a batch is padded to the mesh's data axis, how prompt lengths are
-bucketed (nearby lengths share one compiled program), the mesh context the programs run in, and the
-statistics they report. ``DecodeProgram`` is the frozen, hashable description of one compiled
-program; the jitted functions in ``generate.py`` take it as their single static argument.
+``DecodeSession``, which decides once what both need: sampling ranges, that the draft belongs to
+the target, batch padding to the mesh's data axis, prompt-length buckets, the mesh context, the
+K policy and the statistics.
 """
 
 from __future__ import annotations
@@ -30,11 +28,10 @@ from eagle3_jax.speculative.policy import FixedK
 from eagle3_jax.speculative.static_graph import StaticGraph
 
 # Prompts are right-padded to a bucket, so nearby lengths share one compiled program. Buckets grow
-# geometrically from PROMPT_BUCKET (16, 24, 32, 48, 64, 96, ...: powers of two and 1.5x them), so a
-# long-running serve compiles at most ~2 log2(max_len / 16) + 1 of them and pads a prompt by < 50 %.
+# geometrically from PROMPT_BUCKET (16, 24, 32, 48, 64, 96, ...), so there are O(log max_len) of
+# them and a prompt is padded by < 50 %.
 PROMPT_BUCKET = 16
-# Under auto, a program shape without a calibration is probed at start-up (``probe_costs``):
-# PROBE_REPEATS interleaved admissions and runs of PROBE_ROUNDS rounds for each of PROBE_KS.
+# ``probe_costs``: PROBE_REPEATS interleaved admissions and runs of PROBE_ROUNDS rounds per K of PROBE_KS.
 PROBE_ROUNDS = 8
 PROBE_REPEATS = 3
 PROBE_KS = (0, 1, 2)
@@ -72,15 +69,6 @@ def bucket_prompt_len(longest: int, max_len: int) -> int:
     while bucket < longest:
         bucket = bucket * 3 // 2 if bucket & (bucket - 1) == 0 else bucket * 4 // 3
     return min(bucket, max_len - 1)
-
-
-def prompt_buckets(max_len: int) -> list[int]:
-    """Every padded prompt length a session of this capacity can use."""
-    out, bucket = [], PROMPT_BUCKET
-    while bucket < max_len - 1:
-        out.append(bucket)
-        bucket = bucket * 3 // 2 if bucket & (bucket - 1) == 0 else bucket * 4 // 3
-    return out + [max_len - 1]
 
 
 class DecodeSession:
@@ -126,16 +114,14 @@ class DecodeSession:
         self.max_len = max_len
         self.mesh = target.mesh
         self.stats = GenerationStats.empty(self.max_draft_tokens)
-        # Acceptance per sampling setting: greedy and T = 1 accept very differently (demo pair, batch 8:
-        # 0.88 / 0.20 at draft position 1), and a model shared across them priced T = 1 rounds with the
-        # greedy rounds' acceptance (0.70x target-only). Costs per batch shape (autodraft.Costs).
+        # Under auto: acceptance per sampling setting (greedy and T = 1 accept very differently),
+        # costs per batch shape (autodraft.Costs).
         self._acceptance: dict[tuple, Acceptance] = {}
         self._costs: dict[tuple, Costs] = {}
         self.calibration = calibration
         self.k_table = {int(b): int(k) for b, k in (k_table or {}).items()}
         self._static = None   # the graphdefs as StaticGraph, made on first use
-        # Programs compiled (or loaded from the persistent cache) by this session's calls: bounded
-        # by the prompt buckets, admission sizes and Ks, never by how long it serves.
+        # Programs compiled (or loaded from the persistent cache) by this session's calls.
         self.compiled_programs = 0
 
     # ---------------------------------------------------------------- settings
@@ -143,33 +129,25 @@ class DecodeSession:
         """The mesh context every program of this session runs in."""
         return mesh_context(self.mesh)
 
-    def padded_batch(self, rows: int) -> int:
-        """``rows`` rounded up to a multiple of the mesh's data axis."""
-        if rows < 1:
-            raise ConfigError(f"batch_size must be >= 1, found {rows}")
-        data = data_parallel_size(self.mesh)
-        return -(-rows // data) * data
-
-    def program(self, batch_size: int, max_new_tokens: int, sampling: SamplingSettings,
-                num_draft_tokens: int | None = None) -> DecodeProgram:
-        """The program of one batch shape; its K is the fixed K, or K_max under auto (whose runs
-        switch with ``program.with_draft_tokens``)."""
+    def program(self, batch_size: int, max_new_tokens: int, sampling: SamplingSettings) -> DecodeProgram:
+        """The program of one batch shape (rows rounded up to a multiple of the mesh's data axis); its
+        K is the fixed K, or K_max under auto (whose runs switch with ``program.with_draft_tokens``)."""
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, found {batch_size}")
+        data = data_parallel_size(self.mesh)
         return DecodeProgram(
-            batch_size=self.padded_batch(batch_size), max_len=self.max_len, max_new_tokens=int(max_new_tokens),
-            num_draft_tokens=self.max_draft_tokens if num_draft_tokens is None else num_draft_tokens,
-            max_draft_tokens=self.max_draft_tokens,
+            batch_size=-(-batch_size // data) * data, max_len=self.max_len, max_new_tokens=int(max_new_tokens),
+            num_draft_tokens=self.max_draft_tokens, max_draft_tokens=self.max_draft_tokens,
             aux_layer_ids=self.draft.aux_layer_ids if self.draft is not None else (),
             prefill_chunk=self.prefill_chunk)
 
     def policy(self, program: DecodeProgram, sp, sampling: SamplingSettings):
         """What chooses K for each run of one job on this program: ``FixedK``, or under auto an
-        ``AutoDraft`` on the session's costs of this batch shape and greedy-or-sampled (sampling's
-        softmax, sort and key work cost time; the text does not, every shape being static) and its
-        acceptance of this sampling setting across batch shapes (it depends on the text and the
-        sampler, not on the batch). Both start from the calibration when there is one; a shape
-        without is probed, once per session."""
+        ``AutoDraft`` on the session's costs of this batch shape and greedy-or-sampled, and its
+        acceptance of this sampling setting across batch shapes. Both start from the calibration
+        when there is one; a shape without is probed, once per session."""
         if not self.auto:
             return FixedK(program.num_draft_tokens)
         shape = (dataclasses.replace(program, max_new_tokens=0), sampling.greedy)
@@ -242,10 +220,6 @@ class DecodeSession:
                 per_row_accept_length=[float(round_tokens[b] / rounds[b]) if rounds[b] else float("nan")])
             out.append((tokens[b, : n_out[b]].tolist(), FINISH_NAMES.get(int(finish[b]), "error"), stats))
         return out
-
-    def record(self, stats: GenerationStats) -> None:
-        """Adds one finished piece of work to the session's totals."""
-        self.stats = GenerationStats.combine([self.stats, stats])
 
 
 def probe_costs(session, program, sp, ks) -> Costs:

@@ -6,9 +6,8 @@ from flax import nnx
 
 
 class StaticGraph:
-    """A model graphdef as a static jit argument, hashed once. jit hashes its static arguments on
-    every call, and a graphdef's own hash walks the whole module graph (0.6 ms for the demo
-    target, as much as a decode round at batch 1), so each bounded run would pay it."""
+    """A model graphdef as a static jit argument, hashed once: jit hashes its static arguments on
+    every call, and a graphdef's own hash walks the whole module graph."""
 
     __slots__ = ("graphdef", "_hash")
 
