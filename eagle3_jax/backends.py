@@ -7,7 +7,7 @@ JAX starts every backend it has a plugin for; on a host without a TPU, libtpu's 
 TPU_WORKER_HOSTNAMES ...`` and a source-location trace before anything of ours, which reads as a
 crash. Where no TPU is attached we name the platforms that can run instead. A TPU host, a host
 without libtpu, and any explicit choice (``JAX_PLATFORMS``, ``JAX_FORCE_TPU_INIT``) are left alone.
-Deviceless TPU compiles (``eagle3_jax.tpu``) load libtpu themselves and are unaffected.
+Deviceless TPU compiles (``tools/tpu.py``) load libtpu themselves and are unaffected.
 
 ``auto_dtype()``: XLA:CPU has no bfloat16 matmul units and computes bf16 dots through float32
 copies, so on a CPU host float32 is the faster compute dtype (the demo pair: 188 against 29 tok/s).

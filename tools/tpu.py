@@ -37,15 +37,10 @@ _OOM = re.compile(r"required for .*?\(([0-9.]+)([KMGT])\) exceeds available HBM 
 _UNIT = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 
 
-def libtpu_available() -> bool:
-    """Whether the TPU compiler can be loaded (the ``tpu`` extra is installed)."""
-    return backends.libtpu_installed()
-
-
 @functools.lru_cache(maxsize=None)
 def topology_devices(topology: str) -> tuple:
     """The TPU devices (one per chip) of a slice such as ``v5p:2x2x2``, for compiling only."""
-    if not libtpu_available():
+    if not backends.libtpu_installed():
         raise ConfigError(f"compiling for TPU topology '{topology}' needs libtpu; install the tpu extra "
                           "(pip install -e '.[tpu]')")
     from jax.experimental import topologies
