@@ -128,14 +128,6 @@ def broadcast_json(obj=None):
     return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes().decode("utf-8"))
 
 
-def barrier(name: str) -> None:
-    """Every process waits here until all have arrived (no-op with one process)."""
-    if is_multi_process():
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
 def fetch(x) -> np.ndarray:
     """A global array's full value on every process (device_get alone fails across processes).
 

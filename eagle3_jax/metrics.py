@@ -185,10 +185,6 @@ class CompileLog:
                 tally.compiled += 1
         return tally
 
-    def seconds_since(self, count: int) -> float:
-        """Wall seconds covered by the compilations after the first ``count`` (overlaps once)."""
-        return union_length(self.intervals[count:])
-
 
 _LOG: CompileLog | None = None
 
