@@ -1,23 +1,18 @@
 """Grouped matmul over quantized expert stacks, dequantizing one weight tile at a time in the kernel.
 
 The rows come in J blocks of ``rows`` rows, block j belonging to expert ``e_J[j]`` (the block table
-of ``models/moe.py``); the first ``used`` blocks hold rows, the rest are padding that the kernel
-skips (it writes zeros there and, as their weight indices repeat the last used block's, the
-pipeline fetches no weights for them). For block j and a tile of output features the kernel reads
-that expert's stored tile, as stored, dequantizes it in VMEM and multiplies:
+of ``kernels/experts.py``); the first ``used`` blocks hold rows, the rest are padding that the kernel
+skips (zeros, and their weight indices repeat the last used block's, so no weights are fetched).
 
-  * INT4 (``packed`` int32 [E, O, I/8], eight offset-binary nibbles a word, least significant
-    first; ``scale`` [E, O, I/group]): input column i is nibble i % 8 of word i // 8. Rather than
-    interleave the nibbles back into columns (a relayout of every word), the activations come split
-    into the same eight planes, ``x_planes[k, a, w] = x[a, 8 w + k]``, and the kernel sums
-    ``x_planes[k] @ ((word >> 4k & 15) - 8) * scale`` over k. The group scale of word w is expanded
-    to words by a 0/1 matmul (exact: each output is one scale).
+  * INT4 (``packed`` int32 [E, O, I/8], ``scale`` [E, O, I/group]): rather than interleave the
+    nibbles back into columns (a relayout of every word), the activations come split into the same
+    eight planes, ``x_planes[k, a, w] = x[a, 8 w + k]``, and the kernel sums
+    ``x_planes[k] @ ((word >> 4k & 15) - 8) * scale`` over k.
   * FP8 (``weight`` float8_e4m3fn [E, O, I], ``scale_inv`` float32 [E, O/bo, I/bi]): tiles of bo
     output rows and bi-column chunks, each chunk times its block's scale, read from SMEM.
 
 Each dequantized weight is rounded once to the activations' dtype, as ``models/quantized.py``'s
-reference dequantization does; products accumulate in float32. Nothing outside the kernel touches
-the stacks, so no copy or relayout of them exists in the program.
+reference does; products accumulate in float32.
 """
 
 from __future__ import annotations
@@ -97,11 +92,9 @@ def int4_gmm(x_planes, e_J, used, packed, scale, *, rows: int, out_dtype=jnp.flo
                           f"{rows}-row blocks; found packed {packed.shape}, scale {scale.shape}, {A} rows")
     tn = out_tile(O)
     J = A // rows
-    # The kernel reads the scales group-major, [E, G, O]. A stack's scale [E, O, G] has a narrow
-    # last dim (I/32: 64 or 224 at Kimi-K2.5's widths), for which the TPU's default HBM layout
-    # puts O innermost: physically it already is [E, G, O], so this swap is a free bitcast, where
-    # asking for [E, O, G] blocks made the compiler relayout every scale stack ahead of the decode
-    # loop (one copy per layer and projection, ~180 MiB per MoE layer per chip at Kimi-K2.5's width).
+    # The kernel reads the scales group-major, [E, G, O]: for a narrow last dim (G = I/32) the TPU's
+    # default HBM layout already puts O innermost, so this swap is free, where [E, O, G] blocks
+    # made the compiler relayout every scale stack ahead of the decode loop.
     scale_EGO = jnp.swapaxes(scale, 1, 2)
 
     def x_map(j, n, e_ref, used_ref):
