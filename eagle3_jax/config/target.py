@@ -45,14 +45,8 @@ class RopeConfig:
     def from_hf(cls, d: Mapping[str, Any], where: str = "config") -> "RopeConfig":
         """Reads either the older ``rope_scaling`` + ``rope_theta`` fields or transformers 5's
         ``rope_parameters`` dict (which carries the theta itself)."""
-        params = d.get("rope_parameters")
-        scaling = d.get("rope_scaling")
-        if isinstance(params, Mapping) and params:
-            src = dict(params)
-        elif isinstance(scaling, Mapping) and scaling:
-            src = dict(scaling)
-        else:
-            src = {}
+        src = next((dict(m) for m in (d.get("rope_parameters"), d.get("rope_scaling")) if isinstance(m, Mapping) and m),
+                   {})
         theta = src.get("rope_theta", d.get("rope_theta", 10000.0))
         rope_type = src.get("rope_type", src.get("type", "default")) or "default"
         if rope_type not in ("default", "yarn"):
@@ -251,14 +245,8 @@ class TargetConfig:
         """The config.json this config came from (or an equivalent one for configs built in code)."""
         if self.hf_config:
             return json.loads(json.dumps(self.hf_config))
-        d = {k: getattr(self, k) for k in (
-            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-            "num_hidden_layers", "first_k_dense_replace", "n_routed_experts", "n_shared_experts",
-            "num_experts_per_tok", "n_group", "topk_group", "num_attention_heads", "q_lora_rank",
-            "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "scoring_func",
-            "norm_topk_prob", "routed_scaling_factor", "moe_layer_freq", "rms_norm_eps",
-            "rope_interleave", "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
-            "hidden_act", "model_type")}
+        ours = ("latent_rms_norm_eps", "rope", "eos_token_ids", "weight_prefix", "hf_config")   # not HF's as they are
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ours}
         d["architectures"] = ["DeepseekV3ForCausalLM"]
         d["num_key_value_heads"] = self.num_attention_heads
         d["topk_method"] = "noaux_tc"
