@@ -212,10 +212,9 @@ def min_rows(platform: str) -> int:
 
 
 def supports(stack, out: int, cols: int, platform: str) -> bool:
-    """Whether the kernels for ``platform`` take the stack (``Int4Stack`` / ``Fp8Stack`` of
-    ``models/quantized.py``) of ``out`` x ``cols`` matrices: INT4 groups of whole words over whole
-    words; FP8 whole blocks; on GPU also power-of-two tiles of >= 16 (Triton's dot), on TPU
-    blocks of whole 128-lane tiles. A stack they do not take runs the ``blocked`` loop."""
+    """Whether the kernels for ``platform`` take the ``Int4Stack`` / ``Fp8Stack`` of ``out`` x ``cols``
+    matrices: INT4 groups of whole words; FP8 whole blocks, on GPU of powers of two (Triton's dot),
+    on TPU of whole 128-lane tiles."""
     from eagle3_jax.kernels import quant_gmm_gpu
 
     gpu = kernel_platform(platform) == "gpu"
@@ -225,8 +224,7 @@ def supports(stack, out: int, cols: int, platform: str) -> bool:
         return not gpu or quant_gmm_gpu.int4_tiles(out, cols // 8, cols // stack.group) is not None
     bo, bi = stack.block
     pow2 = not (bo & (bo - 1) or bi & (bi - 1))
-    # Mosaic tiles the last dim of every block by 128 lanes: the kernel's output tile is bo wide
-    # and it slices its input tile bi columns at a time (real FP8 checkpoints use 128x128 blocks).
+    # Mosaic tiles the last dim of every block by 128 lanes: output tiles are bo wide, input chunks bi.
     lanes = bo % 128 == 0 and bi % 128 == 0
     return cols % bi == 0 and out % bo == 0 and (pow2 or not gpu) and (lanes or kernel_platform(platform) != "tpu")
 
@@ -247,10 +245,8 @@ def matmul(x_AI: jax.Array, e_J, used, values, scales, stack, rows: int, platfor
 
 
 def expert_ffn(x_AD: jax.Array, e_J, used, gate, up, down, rows: int, platform: str = "tpu") -> jax.Array:
-    """SwiGLU experts over rows in expert blocks: ``down(silu(gate x) * up x)`` with each of
-    ``gate`` / ``up`` / ``down`` a (values, scales, container) triple in checkpoint orientation
-    [E, out, in], on ``platform``'s kernels. Returns [A, D] in x's dtype; rows of blocks past
-    ``used`` are 0."""
+    """SwiGLU experts ``down(silu(gate x) * up x)`` over rows in expert blocks, each weight a
+    (values, scales, container) triple [E, out, in]; [A, D] in x's dtype, rows past ``used`` 0."""
     g_AF = matmul(x_AD, e_J, used, *gate, rows, platform)
     u_AF = matmul(x_AD, e_J, used, *up, rows, platform)
     h_AF = (jax.nn.silu(g_AF) * u_AF).astype(x_AD.dtype)
