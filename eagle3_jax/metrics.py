@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from jax import monitoring
@@ -123,8 +123,7 @@ class CompileTally:
         return self.compiled + self.from_cache
 
     def as_dict(self) -> dict:
-        return {"compiled": self.compiled, "from_cache": self.from_cache, "seconds": self.seconds,
-                "by_function": self.by_function}
+        return asdict(self)
 
 
 class CompileLog:

@@ -91,13 +91,8 @@ class Tokenizer:
 
     def template_variables(self) -> dict:
         """Special tokens by name (bos_token, eos_token, ...) as chat templates expect them."""
-        out = {}
-        for k, v in self.config.items():
-            if k.endswith("_token"):
-                content = _token_content(v)
-                if content is not None:
-                    out[k] = content
-        return out
+        contents = {k: _token_content(v) for k, v in self.config.items() if k.endswith("_token")}
+        return {k: c for k, c in contents.items() if c is not None}
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:

@@ -189,24 +189,16 @@ class TargetConfig:
                 f"{where}: num_key_value_heads={n_kv} differs from num_attention_heads={n_heads}; "
                 "MLA expands every head from the shared latent, so they must be equal"
             )
+        def ints(defaults: dict) -> dict:   # a default of None: required
+            return {k: int(get(k, v, required=v is None)) for k, v in defaults.items()}
+
         cfg = cls(
-            vocab_size=int(get("vocab_size", required=True)),
-            hidden_size=int(get("hidden_size", required=True)),
-            intermediate_size=int(get("intermediate_size", required=True)),
-            moe_intermediate_size=int(get("moe_intermediate_size", required=True)),
-            num_hidden_layers=int(get("num_hidden_layers", required=True)),
-            first_k_dense_replace=int(get("first_k_dense_replace", 0)),
-            n_routed_experts=int(get("n_routed_experts", 0)),
-            n_shared_experts=int(get("n_shared_experts", 0)),
-            num_experts_per_tok=int(get("num_experts_per_tok", 1)),
-            n_group=int(get("n_group", 1)),
-            topk_group=int(get("topk_group", 1)),
+            **ints({"vocab_size": None, "hidden_size": None, "intermediate_size": None, "moe_intermediate_size": None,
+                    "num_hidden_layers": None, "first_k_dense_replace": 0, "n_routed_experts": 0,
+                    "n_shared_experts": 0, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1}),
             num_attention_heads=n_heads,
             q_lora_rank=None if text.get("q_lora_rank") is None else int(text["q_lora_rank"]),
-            kv_lora_rank=int(get("kv_lora_rank", required=True)),
-            qk_nope_head_dim=int(get("qk_nope_head_dim", required=True)),
-            qk_rope_head_dim=int(get("qk_rope_head_dim", required=True)),
-            v_head_dim=int(get("v_head_dim", required=True)),
+            **ints(dict.fromkeys(("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))),
             scoring_func=str(get("scoring_func", "sigmoid")),
             norm_topk_prob=bool(get("norm_topk_prob", True)),
             routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
