@@ -11,8 +11,6 @@ local experts (and its slice of their width) inside ``jax.shard_map``; a psum co
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -67,7 +65,7 @@ class MoE(nnx.Module):
         self.quantized = quant is not None and quant.experts is not None
         # Where this layer's programs will run: a TPU program planned on a CPU host names "tpu".
         self.platform = platform or platform_of(mesh)
-        self.record_routes = record_routes
+        self.record_routes = record_routes   # sow the chosen expert ids (tools/demo/routes.py)
         # The router stays float32 whatever the model dtype, as in the reference checkpoints.
         self.gate = param(rngs, (D, E), ("embed", None), jnp.float32)
         self.e_score_correction_bias = param(None, (E,), (None,), jnp.float32, init="zeros")
@@ -175,28 +173,3 @@ class MoE(nnx.Module):
             check_vma=False,
         )
         return fn(x_MD, idx_MK, weights_MK, *ws)
-
-
-def set_route_recording(model: nnx.Module, on: bool = True) -> None:
-    """Makes every MoE layer of ``model`` sow (or stop sowing) its chosen expert ids per call."""
-    for _, module in nnx.iter_modules(model):
-        if isinstance(module, MoE):
-            module.record_routes = on
-
-
-def capture_routes(fn: Callable) -> Callable:
-    """Wraps ``fn(model, *args)`` to return ``(result, expert ids)`` of that call: one [M, K] int32
-    array per MoE call, by ascending layer index. Recording is on only for the call."""
-    captured = nnx.capture(fn, nnx.Intermediate)
-
-    def wrapped(model, *args, **kwargs):
-        set_route_recording(model, True)
-        try:
-            result, sown = captured(model, *args, **kwargs)
-        finally:
-            set_route_recording(model, False)
-        routes = [ids for path, var in nnx.to_flat_state(sown) if path[-1] == "expert_ids"
-                  for ids in var.get_value()]
-        return result, routes
-
-    return wrapped
