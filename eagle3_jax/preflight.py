@@ -52,14 +52,11 @@ class PairFacts:
 
 def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None = None,
                weights: str | None = None, target_config: TargetConfig | None = None) -> PairFacts:
-    """Checks everything that needs no weights; raises on the first failure.
-
-    ``target``: a checkpoint directory or a TargetConfig. ``draft``: a draft directory, a config (a
-    draft about to be trained), or None. ``mesh``: a spec string, ``"auto"``/``"none"``, a
-    MeshConfig, a jax Mesh or None. ``max_len``: the capacity the run asks for. ``weights``:
-    ``"native"`` refuses a quantization_config whose weights cannot be held as stored.
-    ``target_config``: the config already read from the ``target`` directory.
-    """
+    """Checks everything that needs no weights; raises on the first failure. ``target``: a checkpoint
+    directory or a TargetConfig. ``draft``: a draft directory, a config (a draft about to be trained)
+    or None. ``mesh``: a spec string, ``"auto"``/``"none"``, a MeshConfig, a jax Mesh or None.
+    ``weights="native"`` refuses a quantization_config whose weights cannot be held as stored.
+    ``target_config``: the config already read from the ``target`` directory."""
     from eagle3_jax.checkpoint.quant import QuantScheme
 
     target_dir = None

@@ -1,11 +1,9 @@
 """One reader for every settings dataclass (train config, serve settings, the demo's demo.yaml).
 
-Settings arrive in layers, lowest first: the dataclass defaults, a YAML file, then the command
-line. Each layer carries the name of where it came from (``--config configs/x.yaml``, ``command
-line lr=fast``, ``--max-new-tokens``), so an error names the key, the bad value and its source.
-Values are checked against the dataclass annotations: ``int``, ``float``, ``bool``, ``str``,
-``X | None``, fixed and variable tuples, and nested dataclasses (whose mappings merge key by key
-across layers, so ``draft.head_dim=16`` on the command line keeps the file's other draft keys).
+Settings arrive in layers, lowest first: the dataclass defaults, a YAML file, then the command line,
+each named by where it came from, so an error names the key, the bad value and its source. Values
+are checked against the dataclass annotations; nested dataclasses merge key by key across layers
+(``draft.head_dim=16`` on the command line keeps the file's other draft keys).
 """
 
 from __future__ import annotations
