@@ -51,11 +51,6 @@ def route(x_MD: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array, cfg: Targe
     return idx_MK.astype(jnp.int32), weights_MK * cfg.routed_scaling_factor
 
 
-def platform_of(mesh) -> str:
-    """The platform a model's programs run on: its mesh's devices', else the default backend's."""
-    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-
-
 class MoE(nnx.Module):
     def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs | None, mesh=None, kernel: str | None = None,
                  record_routes: bool = False, quant: QuantLayout | None = None, platform: str | None = None):
@@ -64,7 +59,7 @@ class MoE(nnx.Module):
         self.mesh = mesh
         self.quantized = quant is not None and quant.experts is not None
         # Where this layer's programs will run: a TPU program planned on a CPU host names "tpu".
-        self.platform = platform or platform_of(mesh)
+        self.platform = platform or (mesh.devices.flat[0].platform if mesh is not None else jax.default_backend())
         self.record_routes = record_routes   # sow the chosen expert ids (tools/demo/routes.py)
         # The router stays float32 whatever the model dtype, as in the reference checkpoints.
         self.gate = param(rngs, (D, E), ("embed", None), jnp.float32)
