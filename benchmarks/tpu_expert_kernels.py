@@ -24,9 +24,9 @@ from _common import table
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax import tpu
 from eagle3_jax.kernels import experts
 from eagle3_jax.models.quantized import Fp8Stack, Int4Stack, QuantLayout
+from tools import tpu
 
 
 def experts_megablox(x_MD, idx_MK, weights_MK, wg, wu, wd, first):

@@ -27,10 +27,9 @@ class GenerationResult:
 class Generator:
     """Batch generation with an optional EAGLE-3 draft; ``draft=None`` is target-only decoding.
 
-    A thin front end over ``DecodeSession``: one call of ``generate`` is one run of the refill
-    ``Engine`` on ``batch_size`` rows (all prompts at once when it is None), so no row waits for the
-    slowest one while prompts wait, and K (fixed, or ``num_draft_tokens="auto"``) comes from the
-    session's policy. Greedy output equals target-only decoding whatever the rows and Ks."""
+    One call of ``generate`` is one run of the refill ``Engine`` on ``batch_size`` rows (None: all
+    prompts at once), K fixed or ``num_draft_tokens="auto"``. Greedy output equals target-only
+    decoding whatever the rows and Ks."""
 
     def __init__(self, target: LoadedTarget, draft: LoadedDraft | None = None, num_draft_tokens: int | str = 4,
                  max_len: int = 2048, mesh=None, batch_size: int | None = None, max_draft_tokens: int | None = None,
@@ -53,10 +52,7 @@ class Generator:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, eos_token_ids: Sequence[int] = (),
                  prompt_len: int | None = None, rounds_per_sync: int = 16) -> GenerationResult:
-        """Generates for ``prompts`` (token id lists); results are in prompt order.
-
-        Compiled programs depend on the batch size, ``max_new_tokens`` and the padded prompt length
-        (the longest admitted prompt's bucket, or ``prompt_len`` when given): calls that pin one
+        """Generates for ``prompts`` (token id lists); results are in prompt order. Calls that pin one
         ``prompt_len`` share one admission program. ``rounds_per_sync``: rounds between refills
         while prompts wait, and between K choices under auto."""
         import time

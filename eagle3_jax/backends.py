@@ -1,26 +1,19 @@
 """Which JAX backends start, and the compute dtype that suits the one that runs.
 
-``quiet_without_tpu()`` runs first when ``eagle3_jax`` is imported. With libtpu installed (the
-``tpu`` extra, which ``make setup`` adds for the deviceless TPU compile tier) and no platform list,
-JAX starts every backend it has a plugin for; on a host without a TPU, libtpu's start-up fails
-(JAX then falls back to the CPU) and prints ``Failed to find host bounds ...``, ``E0000 ...
-TPU_WORKER_HOSTNAMES ...`` and a source-location trace before anything of ours, which reads as a
-crash. Where no TPU is attached we name the platforms that can run instead. A TPU host, a host
-without libtpu, and any explicit choice (``JAX_PLATFORMS``, ``JAX_FORCE_TPU_INIT``) are left alone.
-Deviceless TPU compiles (``eagle3_jax.tpu``) load libtpu themselves and are unaffected.
+``quiet_without_tpu()`` runs first when ``eagle3_jax`` is imported. With libtpu installed and no
+TPU attached, JAX's default start-up loads libtpu, which fails and prints errors that read as a
+crash before anything of ours; we name the platforms that can run instead. A TPU host, a host
+without libtpu and any explicit choice (``JAX_PLATFORMS``, ``JAX_FORCE_TPU_INIT``) are left alone.
 
-``auto_dtype()``: XLA:CPU has no bfloat16 matmul units and computes bf16 dots through float32
-copies, so on a CPU host float32 is the faster compute dtype (the demo pair: 188 against 29 tok/s).
+``auto_dtype()``: XLA:CPU computes bfloat16 dots through float32 copies, so on a CPU host float32
+is the faster compute dtype.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import os
 import pkgutil
-import sys
-import tempfile
 
 import jax
 
@@ -78,28 +71,6 @@ def quiet_without_tpu() -> str | None:
     platforms = ",".join(_gpu_platforms() + ["cpu"])
     jax.config.update("jax_platforms", platforms)
     return platforms
-
-
-@contextlib.contextmanager
-def held_stderr():
-    """Holds back what native code writes to stderr (fd 2) inside the block, and shows it if the
-    block raises: libtpu prints its failed start-up there when it loads on a host without a TPU."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    failed = False
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            if failed:
-                held.seek(0)
-                sys.stderr.write(held.read().decode(errors="replace"))
 
 
 def auto_dtype(checkpoint_dtype: str, platform: str) -> tuple[str, str | None]:

@@ -1,10 +1,6 @@
-"""JAX's persistent compilation cache under the project's cache directory.
-
-A serving run compiles one program per draft length it runs (and per batch size and prompt bucket;
-greedy and sampling share them); a second run of the same pair on the same machine reads the
-compiled executables from disk instead of compiling them again. Under ``num_draft_tokens: auto``
-what the chooser measured is kept beside them while the cache is on (``calibration_dir``), so the
-second run also starts from the first one's measurements and runs only programs it compiled.
+"""JAX's persistent compilation cache under the project's cache directory: a second run of the same
+pair reads its compiled programs from disk. Under ``num_draft_tokens: auto`` the chooser's
+measurements are kept beside them (``calibration_dir``), so a second run starts from them too.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Checks that a draft and a target belong together, run before any token is generated.
-
-This is the seed's lesson: a draft served with the wrong wiring (one captured layer instead of
-three, a 7168-wide input where fc wants 21504) does not crash, it just never gets a token
-accepted. Every mismatch here is an error naming both numbers and the fix.
+"""Checks that a draft and a target belong together, run before any token is generated: a draft
+served with the wrong wiring does not crash, it just never gets a token accepted. Every mismatch
+is an error naming both numbers and the fix.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Multi-process (multi-host) start-up: one JAX process per host, one mesh over all their devices.
 
-Settings come from arguments (serve.py / train.py ``--coordinator HOST:PORT --num-processes N
---process-id I``) or the environment (``EAGLE3_COORDINATOR``, ``EAGLE3_NUM_PROCESSES``,
-``EAGLE3_PROCESS_ID``), so the same command line runs on every host. On CPU the cross-process
-collectives use gloo. Every process runs the same program on the same inputs; process 0 alone
-writes outputs, logs and progress (``is_writer``). Files that several processes read back (a
-serve output being resumed is broadcast instead; training checkpoints and the vocab map are read
-from disk) must live on a filesystem all hosts share.
-
-``jax`` is imported lazily: a single-process command that never asks for a process group pays nothing.
+Settings come from flags or the ``EAGLE3_*`` environment, so the same command line runs on every
+host. Every process runs the same program on the same inputs; process 0 alone writes outputs, logs
+and progress (``is_writer``). Files that several processes read back (training checkpoints, the
+vocab map) must live on a filesystem all hosts share. ``jax`` is imported lazily.
 """
 
 from __future__ import annotations
@@ -26,19 +21,15 @@ ENV_COORDINATOR = "EAGLE3_COORDINATOR"
 ENV_NUM_PROCESSES = "EAGLE3_NUM_PROCESSES"
 ENV_PROCESS_ID = "EAGLE3_PROCESS_ID"
 
-FLAGS_HELP = {
-    "coordinator": f"multi-host: HOST:PORT of process 0's coordinator, the same on every process "
-                   f"(env {ENV_COORDINATOR}); omit for a single process",
-    "num_processes": f"multi-host: how many processes (one per host) take part (env {ENV_NUM_PROCESSES})",
-    "process_id": f"multi-host: this process's id in [0, N); 0 writes the outputs (env {ENV_PROCESS_ID})",
-}
-
 
 def add_flags(parser) -> None:
     """``--coordinator``, ``--num-processes``, ``--process-id`` on an argparse parser (default None)."""
-    parser.add_argument("--coordinator", metavar="HOST:PORT", help=FLAGS_HELP["coordinator"])
-    parser.add_argument("--num-processes", type=int, metavar="N", help=FLAGS_HELP["num_processes"])
-    parser.add_argument("--process-id", type=int, metavar="I", help=FLAGS_HELP["process_id"])
+    parser.add_argument("--coordinator", metavar="HOST:PORT", help="multi-host: HOST:PORT of process 0's "
+                        f"coordinator, the same on every process (env {ENV_COORDINATOR}); omit for a single process")
+    parser.add_argument("--num-processes", type=int, metavar="N",
+                        help=f"multi-host: how many processes (one per host) take part (env {ENV_NUM_PROCESSES})")
+    parser.add_argument("--process-id", type=int, metavar="I",
+                        help=f"multi-host: this process's id in [0, N); 0 writes the outputs (env {ENV_PROCESS_ID})")
 
 
 def resolve(coordinator: str | None = None, num_processes: int | None = None,
@@ -126,14 +117,6 @@ def broadcast_json(obj=None):
     buf = np.zeros((n,), np.uint8)
     buf[:data.size] = data
     return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes().decode("utf-8"))
-
-
-def barrier(name: str) -> None:
-    """Every process waits here until all have arrived (no-op with one process)."""
-    if is_multi_process():
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
 
 
 def fetch(x) -> np.ndarray:

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from jax import monitoring
@@ -100,10 +100,8 @@ def check_acceptance(stats: GenerationStats, num_draft_tokens: int, context: str
     return True
 
 
-# JAX's public compile events (jax.monitoring, names as jax 0.10 records them): the start of tracing a
-# function (a scalar event holding its start time) and the duration of tracing, of lowering and of the
-# backend compile, which wraps both an XLA compile and a load from the persistent compilation cache
-# (a load also records CACHE_HIT_EVENT). A call that hits jit's in-memory cache records none of them.
+# JAX's compile events (jax.monitoring): tracing (also a scalar event at its start), lowering, and the
+# backend compile, which also wraps a load from the persistent cache (that records CACHE_HIT_EVENT).
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -112,9 +110,8 @@ CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 @dataclass
 class CompileTally:
-    """The compilations of a stretch of time: programs compiled by XLA, programs loaded from the
-    persistent compile cache, and the wall seconds they took (tracing to the end of the compile or
-    load, overlaps once), by jitted function name."""
+    """The compilations of a stretch of time: programs compiled, programs loaded from the persistent
+    cache, and the wall seconds they took (overlaps once), also by jitted function name."""
 
     compiled: int = 0
     from_cache: int = 0
@@ -126,17 +123,15 @@ class CompileTally:
         return self.compiled + self.from_cache
 
     def as_dict(self) -> dict:
-        return {"compiled": self.compiled, "from_cache": self.from_cache, "seconds": self.seconds,
-                "by_function": self.by_function}
+        return asdict(self)
 
 
 class CompileLog:
-    """Every program this process compiled or loaded from the persistent cache: when (a
-    ``time.perf_counter`` interval from the start of its tracing to the end of its backend compile),
-    what (the jitted function's name) and whether it came from the cache. One set of listeners on
-    JAX's compile events feeds it, installed on first use (``compile_log()``). Callers take a
-    ``count`` and later ask ``since(count)``; ``on_trace`` callbacks hear when tracing starts, so a
-    progress line can say that it is compiling instead of stalling silently."""
+    """Every program this process compiled or loaded from the persistent cache: its
+    ``time.perf_counter`` interval (start of tracing to end of backend compile), function name and
+    whether it came from the cache, fed by listeners installed on first use (``compile_log()``).
+    Callers take a ``count`` and later ask ``since(count)``; ``on_trace`` callbacks hear when
+    tracing starts (so a progress line can say it is compiling)."""
 
     def __init__(self):
         self.intervals: list[tuple[float, float]] = []
@@ -184,10 +179,6 @@ class CompileLog:
             else:
                 tally.compiled += 1
         return tally
-
-    def seconds_since(self, count: int) -> float:
-        """Wall seconds covered by the compilations after the first ``count`` (overlaps once)."""
-        return union_length(self.intervals[count:])
 
 
 _LOG: CompileLog | None = None

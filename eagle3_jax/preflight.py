@@ -1,14 +1,9 @@
 """Static checks of a target/draft pair, from config.json files and safetensors headers only.
 
-``check_pair`` is the one door every entry point goes through first (serve.py before it writes an
-output, train.py before it creates its out_dir, ``load_draft`` before it reads a weight, and
-``tools.doctor``): on a terabyte target, being told that the draft's fc width is wrong must take
-seconds, not a full load. Nothing here reads tensor data: shapes and dtypes come from the
-safetensors headers (or a converted checkpoint's metadata). The one check that needs data, the
-range of the draft's ``d2t`` map, runs in ``load_draft`` on that small tensor.
-
-Failures raise the family's exception (ConfigError, CheckpointError, TokenizerError) with both
-numbers and the fix; observations that do not stop a run are returned as ``PairFacts.notes``.
+``check_pair`` is the door every entry point goes through first (serve.py, train.py, ``load_draft``,
+``tools.doctor``): on a terabyte target, a wrong fc width must be reported in seconds, not after a
+full load. Failures raise with both numbers and the fix; observations that do not stop a run are
+returned as ``PairFacts.notes``. (The range of ``d2t``, which needs data, is checked in ``load_draft``.)
 """
 
 from __future__ import annotations
@@ -57,16 +52,11 @@ class PairFacts:
 
 def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None = None,
                weights: str | None = None, target_config: TargetConfig | None = None) -> PairFacts:
-    """Checks everything that needs no weights; raises on the first failure.
-
-    ``target``: a checkpoint directory or an already-read TargetConfig. ``draft``: a draft directory,
-    a DraftConfig (a draft about to be trained), or None (target-only). ``mesh``: a mesh spec string,
-    ``"auto"``/``"none"``, a MeshConfig, a jax Mesh or None. ``dtype``: the compute dtype name (or
-    ``"auto"``). ``max_len``: the prompt + generation capacity the run asks for. ``weights``: how
-    the run will load the target (``"native"``: a quantization_config whose weights cannot be held
-    as stored is refused here, naming its field; None: not checked). ``target_config``: the config
-    the caller already read from the ``target`` directory (not read again).
-    """
+    """Checks everything that needs no weights; raises on the first failure. ``target``: a checkpoint
+    directory or a TargetConfig. ``draft``: a draft directory, a config (a draft about to be trained)
+    or None. ``mesh``: a spec string, ``"auto"``/``"none"``, a MeshConfig, a jax Mesh or None.
+    ``weights="native"`` refuses a quantization_config whose weights cannot be held as stored.
+    ``target_config``: the config already read from the ``target`` directory."""
     from eagle3_jax.checkpoint.quant import QuantScheme
 
     target_dir = None

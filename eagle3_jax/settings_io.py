@@ -1,11 +1,9 @@
 """One reader for every settings dataclass (train config, serve settings, the demo's demo.yaml).
 
-Settings arrive in layers, lowest first: the dataclass defaults, a YAML file, then the command
-line. Each layer carries the name of where it came from (``--config configs/x.yaml``, ``command
-line lr=fast``, ``--max-new-tokens``), so an error names the key, the bad value and its source.
-Values are checked against the dataclass annotations: ``int``, ``float``, ``bool``, ``str``,
-``X | None``, fixed and variable tuples, and nested dataclasses (whose mappings merge key by key
-across layers, so ``draft.head_dim=16`` on the command line keeps the file's other draft keys).
+Settings arrive in layers, lowest first: the dataclass defaults, a YAML file, then the command line,
+each named by where it came from, so an error names the key, the bad value and its source. Values
+are checked against the dataclass annotations; nested dataclasses merge key by key across layers
+(``draft.head_dim=16`` on the command line keeps the file's other draft keys).
 """
 
 from __future__ import annotations
@@ -132,6 +130,9 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+_EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
 def coerce(value: Any, tp, where: str) -> Any:
     """``value`` checked against annotation ``tp``; ints widen to floats, lists become tuples."""
     origin = typing.get_origin(tp)
@@ -158,28 +159,17 @@ def coerce(value: Any, tp, where: str) -> Any:
         else:
             items = tuple(coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
         return list(items) if origin is list else items
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise SettingsError(f"{where}: expected true or false, found {type(value).__name__} {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise SettingsError(f"{where}: expected an integer, found {type(value).__name__} {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if tp not in _EXPECTED:
+        raise SettingsError(f"{where}: unsupported setting type {_type_name(tp)}")
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+        try:
             return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise SettingsError(f"{where}: expected a number, found {type(value).__name__} {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise SettingsError(f"{where}: expected a string, found {type(value).__name__} {value!r}")
-    raise SettingsError(f"{where}: unsupported setting type {_type_name(tp)}")
+        except ValueError:
+            pass
+    elif isinstance(value, tp) or (tp is float and isinstance(value, int)):
+        if not isinstance(value, bool) or tp is bool:
+            return float(value) if tp is float else value
+    raise SettingsError(f"{where}: expected {_EXPECTED[tp]}, found {type(value).__name__} {value!r}")
 
 
 def mesh_text(value: Any) -> Any:

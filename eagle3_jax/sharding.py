@@ -1,9 +1,7 @@
 """The device mesh and the one table that maps logical axes onto it.
 
-Every parameter carries logical axis names (``axes=`` metadata on its ``nnx.Param``) and activations
-are constrained with logical names at block boundaries. ``LOGICAL_AXIS_RULES`` below is the only
-place that decides which mesh axis shards which logical axis: changing the parallelism means
-editing this table, nothing else.
+Parameters carry logical axis names (``axes=`` metadata) and activations are constrained by logical
+names; ``LOGICAL_AXIS_RULES`` alone decides which mesh axis shards which logical axis.
 """
 
 from __future__ import annotations
@@ -22,18 +20,14 @@ from eagle3_jax.errors import ConfigError
 
 log = logging.getLogger("eagle3_jax")
 
-# The mesh axes by role; code outside this module names them through these constants (or through
-# ``mesh_axis(logical)``), never as string literals, so the table below stays the one place to edit.
+# The mesh axes by role; other code names them through these or ``mesh_axis(logical)``.
 DATA_AXIS, EXPERT_AXIS, TENSOR_AXIS = MESH_AXES
 
 # logical axis -> mesh axis, or a tuple of mesh axes that split it together (None = replicated)
 LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": DATA_AXIS,     # rows of a generation batch / training batch
-    # Rows of attention and of the KV caches (data-parallel attention, as DeepSeek is served): split
-    # over the chips that hold different experts too, so with data=1 a chip holds and attends over
-    # its own rows' caches, not every row's. The expert-parallel MoE needs every row of its data
-    # shard on each expert shard, so its rows stay "batch" and the compiler gathers the tokens before
-    # it and splits them again after it. A batch the pair does not divide falls back (see _fits).
+    # Rows of attention and of the KV caches (data-parallel attention): split over the expert axis
+    # too, so a chip holds its own rows' caches. The MoE's rows stay "batch" (moe.py).
     "attn_batch": (DATA_AXIS, EXPERT_AXIS),
     "seq": None,            # token positions
     "cache_seq": None,      # KV-cache slots
@@ -53,10 +47,9 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "draft_seq": EXPERT_AXIS,
 }
 
-# Training only: each trainable draft parameter (and with it its gradient and AdamW moments) is split
-# further over these mesh axes where the table above leaves them unused for it (ZeRO-3 / FSDP: the
-# step gathers a weight where it is used). Replicated instead, the draft's float32 weights, gradients
-# and moments would be whole on every device: 2.4 GB a copy for a Kimi-K2.5 draft, 3 copies.
+# Training only: each trainable draft parameter (with its gradient and AdamW moments) is split further
+# over these mesh axes where the table leaves them unused for it (ZeRO-3 / FSDP), not held whole on
+# every device.
 TRAIN_SPLIT_AXES = (DATA_AXIS, EXPERT_AXIS)
 
 
@@ -88,10 +81,8 @@ def data_parallel_size(mesh: "jax.sharding.Mesh | None") -> int:
 
 
 def make_mesh(spec: "str | MeshConfig | None" = None, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
-    """Builds a (data, expert, tensor) mesh from ``data=1,expert=8,tensor=1``.
-
-    With no spec, all devices go on the ``expert`` axis (the layout DeepSeek-class serving wants).
-    """
+    """Builds a (data, expert, tensor) mesh from ``data=1,expert=8,tensor=1``; with no spec, all
+    devices go on the ``expert`` axis."""
     devices = list(jax.devices() if devices is None else devices)
     if spec is None:
         cfg = MeshConfig(expert=len(devices))
@@ -107,12 +98,8 @@ def make_mesh(spec: "str | MeshConfig | None" = None, devices: Sequence[Any] | N
 
 
 def logical_to_spec(axes: Sequence[str | None] | None) -> P:
-    """PartitionSpec for logical axis names.
-
-    Raises ConfigError when two logical axes of one array map onto the same mesh axis: a mesh axis
-    can split only one dimension, and quietly replicating the second one would hide a table (or
-    annotation) mistake behind a memory blow-up.
-    """
+    """PartitionSpec for logical axis names; a ConfigError when two axes of one array map onto the
+    same mesh axis (replicating one quietly would hide the mistake behind a memory blow-up)."""
     if axes is None:
         return P()
     mesh_axes: list[str | None] = []
@@ -134,14 +121,9 @@ _fallbacks_logged: set = set()
 
 
 def _fits(mesh_shape: dict, spec: P, shape: Sequence[int], axes: Sequence[str | None] | None) -> P:
-    """Replicates dimensions that their mesh axis does not divide, logging each case once.
-
-    This is the intended fallback for small models on big meshes (a 4-head test model on a tensor
-    axis of 8, a batch of 1 on a data axis of 2); XLA cannot split an uneven dimension without
-    padding, which this code does not do. A dimension mapped to several mesh axes keeps the longest
-    leading run of them whose product divides it (attention rows: data x expert, else data alone).
-    The log line names the facts so a full-size run that hits it (and pays the memory) is visible.
-    """
+    """Replicates dimensions that their mesh axis does not divide (small models on big meshes),
+    logging each case once so a full-size run that pays for it is visible. A dimension mapped to
+    several mesh axes keeps the longest leading run of them whose product divides it."""
     axes = tuple(axes or ())
     out = []
     for i, (dim, m) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):

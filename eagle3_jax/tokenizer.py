@@ -1,16 +1,11 @@
 """Tokenizers for serving: Hugging Face ``tokenizer.json``, Kimi's tiktoken file, or raw bytes.
 
-``load_tokenizer(model_dir)`` picks, in order:
-  1. ``tokenizer.json``                        -> the ``tokenizers`` library (DeepSeek-V3/R1, most HF models);
-  2. ``tiktoken.model`` (+ tokenizer_config)   -> the ``tiktoken`` library with Kimi's split pattern and
-                                                  special tokens (Kimi-K2, Kimi-K2.5);
-  3. neither                                    -> byte level: token id = UTF-8 byte (only models with
-                                                  no tokenizer files, e.g. the tiny test targets).
-The chat template comes from ``tokenizer_config.json`` (``chat_template``: a string or a list of named
-templates) or a ``chat_template.jinja`` file, rendered with jinja2 the way Hugging Face does it
-(sandboxed, trim_blocks + lstrip_blocks, ``raise_exception``, ``tojson``), ``add_generation_prompt=True``.
-Stop ids are the union of ``eos_token_id`` in generation_config.json and config.json (also under a
-nested ``text_config``) and the id of ``eos_token`` in tokenizer_config.json.
+``load_tokenizer(model_dir)`` takes ``tokenizer.json`` (the ``tokenizers`` library), else
+``tiktoken.model`` (``tiktoken`` with Kimi's split pattern and special tokens), else bytes (token
+id = UTF-8 byte: models without tokenizer files, e.g. the tiny test targets). The chat template
+(``tokenizer_config.json``'s ``chat_template`` or a ``chat_template.jinja`` file) is rendered with
+jinja2 the way Hugging Face does it. Stop ids: every ``eos_token_id`` in generation_config.json and
+config.json (also under ``text_config``) and the id of tokenizer_config.json's ``eos_token``.
 """
 
 from __future__ import annotations
@@ -82,7 +77,8 @@ def _as_id_list(v: Any) -> list[int]:
 
 
 class Tokenizer:
-    """Text <-> token ids, the chat template, and the ids that end a generation."""
+    """Text <-> token ids, the chat template, and the ids that end a generation. A backend gives
+    ``vocab_size``, ``encode(text, add_special_tokens)``, ``decode(ids)`` and ``token_to_id(token)``."""
 
     kind = "base"
 
@@ -93,30 +89,10 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = ()
         self._compiled_template = None
 
-    # ----------------------------------------------------------------- backend specifics
-    @property
-    def vocab_size(self) -> int:
-        raise NotImplementedError
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        raise NotImplementedError
-
-    def decode(self, ids: Sequence[int]) -> str:
-        raise NotImplementedError
-
-    def token_to_id(self, token: str) -> int | None:
-        raise NotImplementedError
-
-    # ----------------------------------------------------------------- chat
     def template_variables(self) -> dict:
         """Special tokens by name (bos_token, eos_token, ...) as chat templates expect them."""
-        out = {}
-        for k, v in self.config.items():
-            if k.endswith("_token"):
-                content = _token_content(v)
-                if content is not None:
-                    out[k] = content
-        return out
+        contents = {k: _token_content(v) for k, v in self.config.items() if k.endswith("_token")}
+        return {k: c for k, c in contents.items() if c is not None}
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:

@@ -15,6 +15,7 @@ from eagle3_jax.config import TargetConfig
 from eagle3_jax.kernels import experts
 from eagle3_jax.models import moe
 from tests.hf_fixtures import TINY
+from tools.demo.routes import capture_routes
 
 
 def dense_oracle(x_MD, idx_MK, weights_MK, wg, wu, wd, first):
@@ -109,7 +110,7 @@ def test_captured_routes_are_the_routes_of_that_call():
     def twice(layer, x_BTD):
         return layer(x_BTD) + layer(x_BTD[:1]).sum()
 
-    out, routes = jax.jit(moe.capture_routes(twice))(layer, x_BTD)
+    out, routes = jax.jit(capture_routes(twice))(layer, x_BTD)
     want, _ = moe.route(x_BTD.reshape(6, -1), layer.gate[...], layer.e_score_correction_bias[...], cfg)
     assert [r.shape for r in routes] == [(6, cfg.num_experts_per_tok), (3, cfg.num_experts_per_tok)]
     np.testing.assert_array_equal(routes[0], want)

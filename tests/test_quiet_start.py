@@ -40,7 +40,7 @@ def test_no_libtpu_start_up_errors_without_a_tpu():
         "from eagle3_jax.serve import cli\n"
         "import jax\n"
         "print(jax.default_backend(), jax.device_count())\n"
-        "from eagle3_jax import tpu\n"
+        "from tools import tpu\n"
         "print(len(tpu.topology_devices('v5p:2x2x2')))\n")
     assert ours.returncode == 0, ours.stderr
     assert ours.stdout.split() == ["cpu", "1", "8"], ours.stdout

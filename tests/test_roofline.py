@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from eagle3_jax.models.attention_core import key_block
-from eagle3_jax.tpu import libtpu_available
+from eagle3_jax.backends import libtpu_installed
 from tools.plan import rounds, speedup, uncounted
 from tools.plan.roofline import CHIPS, UNIFORM, ZIPF, Routing, experts_touched, hlo_costs, roofline_seconds
 
@@ -106,7 +106,7 @@ TINY = json.loads((REPO / "configs/models/tiny_deepseek_v3.json").read_text())
 
 
 @pytest.mark.tpu_compile
-@pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed (pip install -e '.[tpu]')")
+@pytest.mark.skipif(not libtpu_installed(), reason="libtpu is not installed (pip install -e '.[tpu]')")
 def test_speedup_table_on_the_tpu_compiler(tmp_path):
     """Tiny DeepSeek-V3 shape with INT4 experts on v5p:2x2x2: the table is complete, rounds cost
     more as K grows, the K table names a K per batch, and the per-layer extrapolation from the 2-

@@ -18,12 +18,12 @@ import pathlib
 import jax
 import pytest
 
-from eagle3_jax.tpu import libtpu_available
+from eagle3_jax.backends import libtpu_installed
 from tests.quant_fixtures import int4_config
 from tools.plan import serve
 
 pytestmark = [pytest.mark.tpu_compile,
-              pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed (pip install -e '.[tpu]')")]
+              pytest.mark.skipif(not libtpu_installed(), reason="libtpu is not installed (pip install -e '.[tpu]')")]
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TOPOLOGIES = ("v5p:2x2x2", "v6e:2x4")

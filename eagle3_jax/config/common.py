@@ -49,8 +49,6 @@ def resolve_dtype(dtype):
     """A dtype name ("float32", "bfloat16", "float16") or dtype object -> a numpy-compatible dtype."""
     import jax.numpy as jnp
 
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ConfigError(f"dtype '{dtype}' is not supported; use one of {sorted(DTYPES)}")
-        return jnp.dtype(dtype)
+    if isinstance(dtype, str) and dtype not in DTYPES:
+        raise ConfigError(f"dtype '{dtype}' is not supported; use one of {sorted(DTYPES)}")
     return jnp.dtype(dtype)

@@ -45,14 +45,8 @@ class RopeConfig:
     def from_hf(cls, d: Mapping[str, Any], where: str = "config") -> "RopeConfig":
         """Reads either the older ``rope_scaling`` + ``rope_theta`` fields or transformers 5's
         ``rope_parameters`` dict (which carries the theta itself)."""
-        params = d.get("rope_parameters")
-        scaling = d.get("rope_scaling")
-        if isinstance(params, Mapping) and params:
-            src = dict(params)
-        elif isinstance(scaling, Mapping) and scaling:
-            src = dict(scaling)
-        else:
-            src = {}
+        src = next((dict(m) for m in (d.get("rope_parameters"), d.get("rope_scaling")) if isinstance(m, Mapping) and m),
+                   {})
         theta = src.get("rope_theta", d.get("rope_theta", 10000.0))
         rope_type = src.get("rope_type", src.get("type", "default")) or "default"
         if rope_type not in ("default", "yarn"):
@@ -195,24 +189,16 @@ class TargetConfig:
                 f"{where}: num_key_value_heads={n_kv} differs from num_attention_heads={n_heads}; "
                 "MLA expands every head from the shared latent, so they must be equal"
             )
+        def ints(defaults: dict) -> dict:   # a default of None: required
+            return {k: int(get(k, v, required=v is None)) for k, v in defaults.items()}
+
         cfg = cls(
-            vocab_size=int(get("vocab_size", required=True)),
-            hidden_size=int(get("hidden_size", required=True)),
-            intermediate_size=int(get("intermediate_size", required=True)),
-            moe_intermediate_size=int(get("moe_intermediate_size", required=True)),
-            num_hidden_layers=int(get("num_hidden_layers", required=True)),
-            first_k_dense_replace=int(get("first_k_dense_replace", 0)),
-            n_routed_experts=int(get("n_routed_experts", 0)),
-            n_shared_experts=int(get("n_shared_experts", 0)),
-            num_experts_per_tok=int(get("num_experts_per_tok", 1)),
-            n_group=int(get("n_group", 1)),
-            topk_group=int(get("topk_group", 1)),
+            **ints({"vocab_size": None, "hidden_size": None, "intermediate_size": None, "moe_intermediate_size": None,
+                    "num_hidden_layers": None, "first_k_dense_replace": 0, "n_routed_experts": 0,
+                    "n_shared_experts": 0, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1}),
             num_attention_heads=n_heads,
             q_lora_rank=None if text.get("q_lora_rank") is None else int(text["q_lora_rank"]),
-            kv_lora_rank=int(get("kv_lora_rank", required=True)),
-            qk_nope_head_dim=int(get("qk_nope_head_dim", required=True)),
-            qk_rope_head_dim=int(get("qk_rope_head_dim", required=True)),
-            v_head_dim=int(get("v_head_dim", required=True)),
+            **ints(dict.fromkeys(("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))),
             scoring_func=str(get("scoring_func", "sigmoid")),
             norm_topk_prob=bool(get("norm_topk_prob", True)),
             routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
@@ -251,14 +237,8 @@ class TargetConfig:
         """The config.json this config came from (or an equivalent one for configs built in code)."""
         if self.hf_config:
             return json.loads(json.dumps(self.hf_config))
-        d = {k: getattr(self, k) for k in (
-            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-            "num_hidden_layers", "first_k_dense_replace", "n_routed_experts", "n_shared_experts",
-            "num_experts_per_tok", "n_group", "topk_group", "num_attention_heads", "q_lora_rank",
-            "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "scoring_func",
-            "norm_topk_prob", "routed_scaling_factor", "moe_layer_freq", "rms_norm_eps",
-            "rope_interleave", "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
-            "hidden_act", "model_type")}
+        ours = ("latent_rms_norm_eps", "rope", "eos_token_ids", "weight_prefix", "hf_config")   # not HF's as they are
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ours}
         d["architectures"] = ["DeepseekV3ForCausalLM"]
         d["num_key_value_heads"] = self.num_attention_heads
         d["topk_method"] = "noaux_tc"

@@ -1,11 +1,7 @@
-"""How quantized weights are read inside a compiled loop without a whole widened or dequantized copy.
-
-Two things the compilers do that the math in ``models/quantized.py`` must not trigger:
-  * a backend without float8 arithmetic (XLA:CPU) widens a whole float8 array to 16 bits ahead of
-    the loop that slices it; viewed as bytes, only the slice is read (``as_bytes``, ``take_expert``);
-  * a dequantized matrix at each matmul is hoisted out of the decode loop (a float copy of every
-    layer's weights at once), and XLA:CPU does not share the temporaries of separate loops; so a
-    matmul dequantizes one tile of columns at a time inside its own loop (``quantized_matmul``).
+"""How quantized weights are read inside a compiled loop without a whole widened or dequantized copy:
+XLA:CPU widens a whole float8 array ahead of the loop that slices it (so it is sliced as bytes:
+``as_bytes``, ``take_expert``), and a dequantized matrix gets hoisted out of the decode loop (so a
+matmul dequantizes one tile of columns at a time inside its own loop: ``quantized_matmul``).
 """
 
 from __future__ import annotations
@@ -17,13 +13,9 @@ TILE_COLS = 512
 
 
 def as_bytes(w, index) -> jax.Array:
-    """Float8 ``w`` viewed as uint8, for slicing at the loop-dependent ``index`` just after.
-
-    XLA:CPU runs the view as a copy; left loop-invariant, loop-invariant code motion hoists that
-    copy of the whole array out of every enclosing loop (a byte copy of every FP8 weight at once).
-    Tying the array to ``index`` through an optimization barrier keeps the view inside the loop,
-    where it fuses into the slice and only the slice is read.
-    """
+    """Float8 ``w`` viewed as uint8, for slicing at the loop-dependent ``index`` just after. XLA:CPU
+    runs the view as a copy, which would be hoisted out of the loop; tying it to ``index`` through
+    an optimization barrier keeps it inside, fused into the slice."""
     if not isinstance(index, int):
         w, _ = jax.lax.optimization_barrier((w, index))
     return jax.lax.bitcast_convert_type(w, jnp.uint8)
@@ -42,9 +34,8 @@ def tile_width(n: int, unit: int, tile: int) -> int | None:
 
 
 def quantized_matmul(x_bI: jax.Array, values, scales, stack, tile: int = TILE_COLS) -> jax.Array:
-    """``x [b, I] @ W.T`` for one quantized ``W [O, I]`` (``stack``: its container, which knows the
-    format), dequantizing ``tile`` input columns at a time inside a loop: the largest weight
-    temporary is one [O, tile] tile, not the matrix. Partial products accumulate in float32."""
+    """``x [b, I] @ W.T`` for one quantized ``W [O, I]`` (``stack``: its container), dequantizing
+    ``tile`` input columns at a time; partial products accumulate in float32."""
     I = x_bI.shape[-1]
     width = tile_width(I, stack.col_unit, tile)
     if width is None:  # columns not a multiple of whole groups / blocks: one piece

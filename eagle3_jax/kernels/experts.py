@@ -6,21 +6,16 @@ in checkpoint orientation [E, out, in]. Experts outside [first_expert, first_exp
 another device's and contribute 0. All give the same result up to float summation order.
 
 Float stacks (``EXPERT_KERNELS``):
-  * ``blocked`` (CPU): assignments (token, expert) sorted by expert, then a loop over fixed-size
-    row blocks of the *non-empty* experts only, each a [b, D] x [D, F] matmul with that expert's
-    weights. Work = O(assignments + experts hit), never O(all experts). Not reverse-differentiable
-    (a dynamic-length loop); on GPU every trip is a kernel launch plus a host-visible predicate.
-    (Gathering every assignment's expert weights at once instead was much slower on CPU at decode
-    sizes: benchmarks/moe_dispatch.py.)
-  * ``ragged`` (TPU, GPU): tokens sorted by expert through ``jax.lax.ragged_dot``, a native grouped
-    matmul. Differentiable. XLA:CPU lowers it to O(tokens x all experts).
-  * ``padded_blocks``: ``blocked`` with a static trip count: each expert's run padded to whole
-    blocks, at most ceil(A / b) + E of them, as one batched matmul against per-block gathered
-    weights; cost about (A + E b) rows. Differentiable: the cheap training kernel on CPU.
+  * ``blocked`` (CPU): assignments sorted by expert, then a loop over fixed-size row blocks of the
+    *non-empty* experts only: work O(assignments + experts hit), never O(all experts). Not
+    reverse-differentiable (a dynamic-length loop); on GPU every trip is a kernel launch.
+  * ``ragged`` (TPU, GPU): ``jax.lax.ragged_dot``, a native grouped matmul. Differentiable.
+    XLA:CPU lowers it to O(tokens x all experts).
+  * ``padded_blocks``: ``blocked`` with a static trip count (each expert's run padded to whole
+    blocks) as one batched matmul. Differentiable: the cheap training kernel on CPU.
 Quantized stacks (``QUANT_EXPERT_KERNELS``):
   * ``blocked`` (CPU): the loop above, each trip dequantizing its expert a tile of columns at a time.
-  * ``grouped`` (TPU, GPU): three Pallas grouped matmuls over all blocks at once, each reading the
-    stored words and dequantizing a tile in the kernel (``quant_gmm*.py``: Mosaic, Triton).
+  * ``grouped`` (TPU, GPU): three Pallas grouped matmuls that dequantize in the kernel (``quant_gmm*.py``).
 """
 
 from __future__ import annotations
@@ -58,16 +53,10 @@ def pow2_at_least(n: float) -> int:
 
 
 def block_rows(num_tokens: int, top_k: int, num_experts: int) -> int:
-    """Static block size of the ``blocked`` loop: the mean rows of an expert *that is hit*, rounded
-    up to a power of two in [1, 256].
-
-    A trip's fixed cost is copying its expert's three weight matrices out of the stack (XLA:CPU
-    does not read a dynamic slice in place), the price of a few rows of compute at any D x F,
-    since both scale with D x F. So blocks should hold what one expert receives: each expert is
-    hit by a token with probability p = top_k / E, and an expert that is hit holds
-    M p / (1 - (1 - p)^M) rows on average. Sizing by the mean over *all* experts (A / E) made one
-    trip per row when A < 2E, about twice the trips.
-    """
+    """Static block size of the ``blocked`` loop: the mean rows of an expert *that is hit*
+    (M p / (1 - (1 - p)^M) with p = top_k / E), rounded up to a power of two in [1, 256]. A trip's
+    fixed cost (copying its expert's weights out of the stack) is worth a few rows of compute at
+    any D x F, so a block should hold what one expert receives."""
     p = min(1.0, top_k / max(1, num_experts))
     hit_rows = num_tokens * p / (1.0 - (1.0 - p) ** num_tokens) if num_tokens > 0 else 1.0
     return min(256, pow2_at_least(hit_rows), pow2_at_least(num_tokens))
@@ -99,12 +88,8 @@ def block_table(idx_MK, weights_MK, first_expert, num_experts: int, b: int):
 
 
 def _blocked_loop(x_MD, idx_MK, weights_MK, first_expert, num_experts, expert_ffn):
-    """The ``blocked`` loop: assignments sorted by expert, one fori_loop trip per non-empty block of
-    rows of one expert; ``expert_ffn(x_bD, e) -> y_bD`` runs expert e on a block (dense or quantized
-    weights). Experts outside [first_expert, first_expert + num_experts) contribute 0.
-
-    Which expert and rows each block j takes is computed for all blocks before the loop (a few
-    vector ops), so a trip is only gather -> expert -> scatter-add."""
+    """The ``blocked`` loop: one fori_loop trip per non-empty block of ``block_table``, each only
+    gather -> ``expert_ffn(x_bD, e) -> y_bD`` (dense or quantized weights) -> scatter-add."""
     M, K = idx_MK.shape
     e_J, tok_JB, w_JB, used = block_table(idx_MK, weights_MK, first_expert, num_experts,
                                           block_rows(M, K, num_experts))
@@ -140,13 +125,8 @@ PADDED_BLOCK_ROWS = 128
 
 
 def experts_blocked_quantized(x_MD, idx_MK, weights_MK, gate, up, down, first_expert):
-    """``experts_blocked`` over quantized stacks: each block dequantizes only its own expert.
-
-    ``gate`` / ``up`` / ``down`` are (values, scales, container) with values/scales the stacked
-    ``[E, out, ...]`` arrays in checkpoint orientation; ``quantized_matmul`` dequantizes the chosen
-    expert one tile of input columns at a time, so the largest weight temporary is one tile, never
-    an expert stack (``ragged_dot`` would need the whole dequantized stack as one operand).
-    """
+    """``experts_blocked`` over quantized (values, scales, container) stacks: each block dequantizes
+    its own expert a tile of input columns at a time (``quantized_matmul``), never a whole stack."""
     def matmul(x_bI, w, e):
         values, scales, stack = w
         return quantized_matmul(x_bI, take_expert(values, e), scales[e], stack)
@@ -158,11 +138,8 @@ def experts_blocked_quantized(x_MD, idx_MK, weights_MK, gate, up, down, first_ex
 
 
 def experts_grouped_quantized(x_MD, idx_MK, weights_MK, gate, up, down, first_expert, platform="tpu"):
-    """Quantized experts as three grouped matmuls (``kernels/quant_gmm.py``): one kernel launch
-    each over all expert blocks, the weights read as stored and dequantized a tile at a time in
-    the kernel, padding blocks skipped inside it. No loop over experts outside the kernel, no
-    copy of a stack. ``platform``: "tpu" (Mosaic), "gpu" (Triton), anything else runs the Mosaic
-    kernels in Pallas interpret mode (CPU checks)."""
+    """Quantized experts as three grouped matmuls over all expert blocks (``kernels/quant_gmm.py``).
+    ``platform``: "tpu" (Mosaic), "gpu" (Triton), anything else the Mosaic kernels interpreted."""
     M, K = idx_MK.shape
     E = gate[0].shape[0]
     b = min(256, max(quant_gmm.min_rows(platform), block_rows(M, K, E)))
@@ -194,15 +171,10 @@ QUANT_EXPERT_KERNELS: dict[str, ExpertKernel] = {
 
 
 def pick(name: str | None, platform: str, quantized: bool = False, shards=()) -> str:
-    """The expert kernel for ``platform`` (where the program will run, which for a TPU program
-    planned on a CPU host is not ``jax.default_backend()``): ``name`` if given and valid, else the
-    platform's default. The one place a backend chooses its expert kernel.
-
-    Float experts: ``ragged`` on TPU and GPU; ``blocked`` on CPU, where ragged_dot is dense (on GPU
-    ``blocked`` would be launch-bound: one loop trip per expert block). Quantized experts:
-    ``grouped`` on TPU and GPU (a float kernel's name means this default); ``blocked`` on CPU,
-    where the Pallas kernels only run interpreted, and for stacks whose per-device shards
-    (``shards``: (container, out, in) as each device holds them) the grouped kernels do not take.
+    """The expert kernel for ``platform`` (where the program will run, not necessarily
+    ``jax.default_backend()``): ``name`` if given and valid, else the platform's default (module
+    docstring). Quantized: a float kernel's name means the default, and ``grouped`` falls back to
+    ``blocked`` for stacks whose per-device ``shards`` ((container, out, in)) the kernels do not take.
     """
     if not quantized:
         name = name or ("blocked" if platform == "cpu" else "ragged")

@@ -1,23 +1,18 @@
 """Grouped matmul over quantized expert stacks, dequantizing one weight tile at a time in the kernel.
 
 The rows come in J blocks of ``rows`` rows, block j belonging to expert ``e_J[j]`` (the block table
-of ``models/moe.py``); the first ``used`` blocks hold rows, the rest are padding that the kernel
-skips (it writes zeros there and, as their weight indices repeat the last used block's, the
-pipeline fetches no weights for them). For block j and a tile of output features the kernel reads
-that expert's stored tile, as stored, dequantizes it in VMEM and multiplies:
+of ``kernels/experts.py``); the first ``used`` blocks hold rows, the rest are padding that the kernel
+skips (zeros, and their weight indices repeat the last used block's, so no weights are fetched).
 
-  * INT4 (``packed`` int32 [E, O, I/8], eight offset-binary nibbles a word, least significant
-    first; ``scale`` [E, O, I/group]): input column i is nibble i % 8 of word i // 8. Rather than
-    interleave the nibbles back into columns (a relayout of every word), the activations come split
-    into the same eight planes, ``x_planes[k, a, w] = x[a, 8 w + k]``, and the kernel sums
-    ``x_planes[k] @ ((word >> 4k & 15) - 8) * scale`` over k. The group scale of word w is expanded
-    to words by a 0/1 matmul (exact: each output is one scale).
+  * INT4 (``packed`` int32 [E, O, I/8], ``scale`` [E, O, I/group]): rather than interleave the
+    nibbles back into columns (a relayout of every word), the activations come split into the same
+    eight planes, ``x_planes[k, a, w] = x[a, 8 w + k]``, and the kernel sums
+    ``x_planes[k] @ ((word >> 4k & 15) - 8) * scale`` over k.
   * FP8 (``weight`` float8_e4m3fn [E, O, I], ``scale_inv`` float32 [E, O/bo, I/bi]): tiles of bo
     output rows and bi-column chunks, each chunk times its block's scale, read from SMEM.
 
 Each dequantized weight is rounded once to the activations' dtype, as ``models/quantized.py``'s
-reference dequantization does; products accumulate in float32. Nothing outside the kernel touches
-the stacks, so no copy or relayout of them exists in the program.
+reference does; products accumulate in float32.
 """
 
 from __future__ import annotations
@@ -97,11 +92,9 @@ def int4_gmm(x_planes, e_J, used, packed, scale, *, rows: int, out_dtype=jnp.flo
                           f"{rows}-row blocks; found packed {packed.shape}, scale {scale.shape}, {A} rows")
     tn = out_tile(O)
     J = A // rows
-    # The kernel reads the scales group-major, [E, G, O]. A stack's scale [E, O, G] has a narrow
-    # last dim (I/32: 64 or 224 at Kimi-K2.5's widths), for which the TPU's default HBM layout
-    # puts O innermost: physically it already is [E, G, O], so this swap is a free bitcast, where
-    # asking for [E, O, G] blocks made the compiler relayout every scale stack ahead of the decode
-    # loop (one copy per layer and projection, ~180 MiB per MoE layer per chip at Kimi-K2.5's width).
+    # The kernel reads the scales group-major, [E, G, O]: for a narrow last dim (G = I/32) the TPU's
+    # default HBM layout already puts O innermost, so this swap is free, where [E, O, G] blocks
+    # made the compiler relayout every scale stack ahead of the decode loop.
     scale_EGO = jnp.swapaxes(scale, 1, 2)
 
     def x_map(j, n, e_ref, used_ref):
@@ -219,10 +212,9 @@ def min_rows(platform: str) -> int:
 
 
 def supports(stack, out: int, cols: int, platform: str) -> bool:
-    """Whether the kernels for ``platform`` take the stack (``Int4Stack`` / ``Fp8Stack`` of
-    ``models/quantized.py``) of ``out`` x ``cols`` matrices: INT4 groups of whole words over whole
-    words; FP8 whole blocks; on GPU also power-of-two tiles of >= 16 (Triton's dot), on TPU
-    blocks of whole 128-lane tiles. A stack they do not take runs the ``blocked`` loop."""
+    """Whether the kernels for ``platform`` take the ``Int4Stack`` / ``Fp8Stack`` of ``out`` x ``cols``
+    matrices: INT4 groups of whole words; FP8 whole blocks, on GPU of powers of two (Triton's dot),
+    on TPU of whole 128-lane tiles."""
     from eagle3_jax.kernels import quant_gmm_gpu
 
     gpu = kernel_platform(platform) == "gpu"
@@ -232,8 +224,7 @@ def supports(stack, out: int, cols: int, platform: str) -> bool:
         return not gpu or quant_gmm_gpu.int4_tiles(out, cols // 8, cols // stack.group) is not None
     bo, bi = stack.block
     pow2 = not (bo & (bo - 1) or bi & (bi - 1))
-    # Mosaic tiles the last dim of every block by 128 lanes: the kernel's output tile is bo wide
-    # and it slices its input tile bi columns at a time (real FP8 checkpoints use 128x128 blocks).
+    # Mosaic tiles the last dim of every block by 128 lanes: output tiles are bo wide, input chunks bi.
     lanes = bo % 128 == 0 and bi % 128 == 0
     return cols % bi == 0 and out % bo == 0 and (pow2 or not gpu) and (lanes or kernel_platform(platform) != "tpu")
 
@@ -254,10 +245,8 @@ def matmul(x_AI: jax.Array, e_J, used, values, scales, stack, rows: int, platfor
 
 
 def expert_ffn(x_AD: jax.Array, e_J, used, gate, up, down, rows: int, platform: str = "tpu") -> jax.Array:
-    """SwiGLU experts over rows in expert blocks: ``down(silu(gate x) * up x)`` with each of
-    ``gate`` / ``up`` / ``down`` a (values, scales, container) triple in checkpoint orientation
-    [E, out, in], on ``platform``'s kernels. Returns [A, D] in x's dtype; rows of blocks past
-    ``used`` are 0."""
+    """SwiGLU experts ``down(silu(gate x) * up x)`` over rows in expert blocks, each weight a
+    (values, scales, container) triple [E, out, in]; [A, D] in x's dtype, rows past ``used`` 0."""
     g_AF = matmul(x_AD, e_J, used, *gate, rows, platform)
     u_AF = matmul(x_AD, e_J, used, *up, rows, platform)
     h_AF = (jax.nn.silu(g_AF) * u_AF).astype(x_AD.dtype)

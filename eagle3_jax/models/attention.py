@@ -51,8 +51,7 @@ def expand_values(out_lat_BTNC: jax.Array, kv_b, nope: int, tile: int = TILE_COL
 def attend_filled(q_lat_BTNC, q_rope_BTNP, cache: MLACache, layer: int, positions_BT, softmax_scale,
                   block: int | None = None) -> jax.Array:
     """Absorbed MLA attention over the *filled* slots of layer ``layer``: [B, T, N, C] out latents,
-    in the core's blockwise form (cost following the longest filled row, not the capacity: a
-    whole-capacity softmax reads the whole cache at every decode step, however short the rows)."""
+    in the core's blockwise form (cost following the longest filled row, not the capacity)."""
     latent_LBSC, rope_LBSP = cache.latent_LBSC, cache.rope_LBSP
     _, B, S, C = latent_LBSC.shape
     P = rope_LBSP.shape[-1]
@@ -106,9 +105,8 @@ class MLAttention(nnx.Module):
         self.o_proj = linear((N, cfg.v_head_dim, D), ("heads", "head_dim", "embed"), in_ndim=2)
 
     def __call__(self, x_BTD, positions_BT, cos_BTP, sin_BTP, cache: MLACache, layer: int, softmax_scale):
-        """Attends over layer ``layer`` of the stacked cache after writing this call's tokens into it;
-        returns (y, cache). Only the new slots are written, straight into the stacked buffer: slicing
-        the layer out and setting it back made XLA copy a whole layer of cache per call."""
+        """Attends over layer ``layer`` of the stacked cache after writing this call's tokens straight
+        into it (no copy of the layer); returns (y, cache)."""
         cfg = self.cfg
         nope, C = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank is None:

@@ -7,15 +7,13 @@ forms take them as functions of a key range:
     scores_fn(start, size)            -> [..., T, N, size] float32 scaled scores of keys [start, start + size)
     weighted_fn(p_BTNS, start, size)  -> [..., T, N, X] float32: p times those keys' values
 
-and return (out [..., T, N, X] float32, lse [..., T, N]). The log-sum-exp lets attentions over
-disjoint key sets become one softmax (``merge``), as the training-time test's diagonal keys need.
+and return (out [..., T, N, X] float32, lse [..., T, N]); the lse lets attentions over disjoint
+key sets become one softmax (``merge``).
 
-``dense`` scores every key at once under an explicit mask (any visibility rule; differentiable).
-``blockwise`` reads ``block`` keys a step, a query at position p seeing keys 0..p, and stops at the
-largest position of the batch: cost follows the longest filled row, not the capacity, and the
-scores in memory are one block's. ``causal_gqa`` is the blockwise form with its own gradient, a
-second pass over the blocks that recomputes probabilities from the saved lse, so training keeps
-memory linear in the row (flash attention's recurrence).
+``dense`` scores every key at once under an explicit mask. ``blockwise`` reads ``block`` keys a
+step up to the batch's largest position: cost follows the longest filled row, not the capacity.
+``causal_gqa`` is the blockwise form with a gradient that recomputes probabilities from the saved
+lse, so training memory stays linear in the row (flash attention's recurrence).
 """
 
 from __future__ import annotations
@@ -28,22 +26,15 @@ import jax.numpy as jnp
 from eagle3_jax.models.chunks import scan_chunks
 
 KEY_BLOCK = 128
-# The most scores one row's block step holds, T x N x kb. Decode blocks are far below it; it bounds
-# prefill chunks, whose T x N would otherwise ask for whole-capacity blocks (several score arrays of
-# rows x chunk x heads x capacity live at once).
+# The most scores one row's block step holds, T x N x kb: it bounds prefill chunks' blocks.
 MAX_BLOCK_SCORES = 1 << 22
 
 
 def key_block(capacity: int, tokens: int, heads: int, block: int | None = None) -> int:
-    """Slots per step of ``blockwise``: at least ``block`` (default ``KEY_BLOCK``) and at least
-    4 * T * N (a power of two), at most the whole cache (one step then, taken without a loop), and
-    no more than ``MAX_BLOCK_SCORES`` scores a row.
-
-    A step reads its keys, about 2 * kb * C bytes a row (bf16), and reads and writes the running
-    float32 sums, 8 * T * N * C bytes a row, which a compiled loop keeps in memory between steps:
-    blocks of 4 * T * N slots or more keep that traffic no larger than the keys'. Where the score
-    cap binds (prefill chunks, T in the hundreds), a step does 4 * T * N * kb * C flops against
-    those 8 * T * N * C bytes, kb / 2 flops a byte: compute-bound at blocks of 256 slots and more."""
+    """Slots per step of ``blockwise``: at least ``block`` (default ``KEY_BLOCK``) and 4 * T * N (a
+    power of two), at most the whole cache and ``MAX_BLOCK_SCORES`` scores a row. A step reads its
+    keys (2 * kb * C bytes a row in bf16) and the running float32 sums (8 * T * N * C bytes): blocks
+    of 4 * T * N slots or more keep the sums' traffic no larger than the keys'."""
     need = 1 << max(0, (4 * tokens * heads - 1).bit_length())
     cap = 1 << max(0, (MAX_BLOCK_SCORES // max(1, tokens * heads)).bit_length() - 1)
     return min(capacity, max(KEY_BLOCK if block is None else block, min(need, cap)))

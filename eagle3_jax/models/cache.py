@@ -19,11 +19,8 @@ from eagle3_jax.sharding import constrain
 @jax.tree_util.register_dataclass
 @dataclass
 class MLACache:
-    """Target cache: MLA's compressed latent and the shared rope key, per layer.
-
-    This is what makes a 61-layer, 128-head model fit: C + P = 576 numbers per token per layer
-    instead of N · (H + O) = 32768 for expanded keys and values.
-    """
+    """Target cache: MLA's compressed latent and the shared rope key, per layer (C + P numbers per
+    token per layer instead of N · (H + Y) for expanded keys and values)."""
 
     latent_LBSC: jax.Array
     rope_LBSP: jax.Array
@@ -61,12 +58,9 @@ class MLACache:
 class KVCache:
     """Draft cache: plain per-head keys and values of its one decoder layer, [B, S, G, H].
 
-    Slots before heads, as the K/V projections produce them ([B, T, G, H]): a call's write is a
-    scatter of whole [G, H] windows, one per (row, position), contiguous as stored. Heads before
-    slots made the TPU compiler give the scatter's result a slots-major layout and copy the whole
-    cache back to heads-major for attention, K and V, on every draft call. Attention reads the
-    cache a block of slots at a time (the core's blockwise form), so the heads-major copy its dot
-    wants is one block's (the whole cache only where it fits in one block).
+    Slots before heads, as the projections produce them: a write scatters whole contiguous [G, H]
+    windows. Heads before slots made the TPU compiler copy the whole cache between layouts on every
+    draft call; blockwise attention's heads-major copy is one block's.
     """
 
     k_BSGH: jax.Array

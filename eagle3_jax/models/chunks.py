@@ -1,9 +1,7 @@
 """Positions in chunks: one way to cut [B, T, ...] arrays along T and to scan a step over the cuts.
 
-Prefill, offline preparation, the TTT head and loss, and the blockwise attention's gradient all
-bound a temporary by running C positions at a time; they share this cut so the padding rule lives
-once: T is zero-padded at the end to whole chunks, and whatever a caller computes there is dropped
-when the chunks are joined back (padded positions lie past every real one).
+T is zero-padded at the end to whole chunks; whatever a caller computes there is dropped when the
+chunks are joined back (padded positions lie past every real one).
 """
 
 from __future__ import annotations

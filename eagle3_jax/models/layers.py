@@ -37,11 +37,8 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[np.ndarray, float]:
-    """Inverse frequencies [dim/2] and the cos/sin scale, for plain RoPE or YaRN.
-
-    YaRN blends interpolated and extrapolated frequencies with a linear ramp between the
-    correction dims given by beta_fast/beta_slow, as in the YaRN paper and DeepSeek-V3.
-    """
+    """Inverse frequencies [dim/2] and the cos/sin scale, for plain RoPE or YaRN (interpolated and
+    extrapolated frequencies blended by a ramp between beta_fast's and beta_slow's correction dims)."""
     base = rope.theta
     exponents = np.arange(0, dim, 2, dtype=np.float32) / dim
     pos_freqs = base ** exponents

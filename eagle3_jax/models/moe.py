@@ -5,19 +5,11 @@ for *choosing* experts only; experts are chosen within the ``topk_group`` best g
 scored by the sum of its two best biased scores); the weights are the unbiased scores of the chosen
 experts, normalized when ``norm_topk_prob``, times ``routed_scaling_factor``.
 
-Expert compute: the kernel a backend runs (``kernels/experts.py``, chosen there by ``pick`` from the
-``moe_kernel`` argument of ``Target``/``load_target`` and the platform).
-With a mesh, experts are sharded over the expert mesh axis and expert width over the tensor axis
-(the table in ``sharding.py``): inside ``jax.shard_map`` each device runs only its local experts on
-the tokens routed to them, and a psum combines the partial outputs.
-
-Routing statistics: ``capture_routes(fn)`` returns the expert ids every MoE layer chose during
-``fn(model, ...)`` (sown as ``nnx.Intermediate`` ``expert_ids`` while recording is on).
+Expert compute: the kernel ``kernels/experts.pick`` chooses. With a mesh, each device runs only its
+local experts (and its slice of their width) inside ``jax.shard_map``; a psum combines the outputs.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +26,8 @@ from eagle3_jax.sharding import mesh_axis
 
 def route(x_MD: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array, cfg: TargetConfig):
     """Returns (expert ids [M, K] int32, weights [M, K] float32)."""
-    # HIGHEST: float32 logits as the reference computes them; at the default precision the TPU
-    # compiler rounds the router weight to bf16, and hoists that rounding out of the decode loop
-    # as one bf16 copy of every layer's router weight.
+    # HIGHEST: float32 logits as the reference computes them (the default lets the TPU compiler
+    # round the router weight to bf16).
     logits_ME = jnp.einsum("md,de->me", x_MD.astype(jnp.float32), w_router_DE.astype(jnp.float32),
                            precision=jax.lax.Precision.HIGHEST)
     if cfg.scoring_func == "sigmoid":
@@ -60,11 +51,6 @@ def route(x_MD: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array, cfg: Targe
     return idx_MK.astype(jnp.int32), weights_MK * cfg.routed_scaling_factor
 
 
-def platform_of(mesh) -> str:
-    """The platform a model's programs run on: its mesh's devices', else the default backend's."""
-    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-
-
 class MoE(nnx.Module):
     def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs | None, mesh=None, kernel: str | None = None,
                  record_routes: bool = False, quant: QuantLayout | None = None, platform: str | None = None):
@@ -73,8 +59,8 @@ class MoE(nnx.Module):
         self.mesh = mesh
         self.quantized = quant is not None and quant.experts is not None
         # Where this layer's programs will run: a TPU program planned on a CPU host names "tpu".
-        self.platform = platform or platform_of(mesh)
-        self.record_routes = record_routes
+        self.platform = platform or (mesh.devices.flat[0].platform if mesh is not None else jax.default_backend())
+        self.record_routes = record_routes   # sow the chosen expert ids (tools/demo/routes.py)
         # The router stays float32 whatever the model dtype, as in the reference checkpoints.
         self.gate = param(rngs, (D, E), ("embed", None), jnp.float32)
         self.e_score_correction_bias = param(None, (E,), (None,), jnp.float32, init="zeros")
@@ -90,9 +76,8 @@ class MoE(nnx.Module):
         self.shared_experts = (
             SwiGLU(D, F * cfg.n_shared_experts, dtype, rngs, quant=quant) if cfg.n_shared_experts > 0 else None
         )
-        # Chosen at construction (an unknown name fails here, not at the first trace), on the
-        # shards each device holds: with the expert width split over ``tensor``, a device's gate/up
-        # have F / n outputs and its down F / n inputs.
+        # Chosen here (an unknown name fails now, not at the first trace), for the shards each
+        # device holds: with the width split over ``tensor``, F / n of it.
         shards = ()
         if self.quantized:
             n_ten = 1 if mesh is None else mesh.shape[mesh_axis("moe_mlp")]
@@ -156,10 +141,8 @@ class MoE(nnx.Module):
         ten = ten_ax if self._tensor_split(F, n_ten) else None
         rows = row_ax if x_MD.shape[0] % mesh.shape[row_ax] == 0 else None
         # Every expert shard needs every token of its data shard, so the rows come in split over data
-        # only (the compiler gathers data-parallel attention's rows over expert). Where attention
-        # splits them over data x expert (sharding.py), the expert shards' partial sums go back
-        # reduce-scattered over the rows, each keeping its own rows' sum: half the bytes of an
-        # all-reduce whose result attention would slice anyway.
+        # only. Where attention splits them over data x expert, the partial sums go back
+        # reduce-scattered over the rows: half the bytes of an all-reduce that attention would slice.
         scatter = (rows is not None and mesh_axis("attn_batch") == (row_ax, exp_ax)
                    and B % (mesh.shape[row_ax] * n_exp) == 0)
         local_experts = E // n_exp
@@ -185,32 +168,3 @@ class MoE(nnx.Module):
             check_vma=False,
         )
         return fn(x_MD, idx_MK, weights_MK, *ws)
-
-
-def set_route_recording(model: nnx.Module, on: bool = True) -> None:
-    """Makes every MoE layer of ``model`` sow (or stop sowing) its chosen expert ids per call."""
-    for _, module in nnx.iter_modules(model):
-        if isinstance(module, MoE):
-            module.record_routes = on
-
-
-def capture_routes(fn: Callable) -> Callable:
-    """Wraps ``fn(model, *args)`` to return ``(result, expert ids)`` of that call.
-
-    The expert ids are one [M, K] int32 array per MoE call, by ascending layer index (the order of
-    ``nnx.to_flat_state``). Recording is switched on only for the call, so a model used elsewhere
-    (serving) never sows.
-    """
-    captured = nnx.capture(fn, nnx.Intermediate)
-
-    def wrapped(model, *args, **kwargs):
-        set_route_recording(model, True)
-        try:
-            result, sown = captured(model, *args, **kwargs)
-        finally:
-            set_route_recording(model, False)
-        routes = [ids for path, var in nnx.to_flat_state(sown) if path[-1] == "expert_ids"
-                  for ids in var.get_value()]
-        return result, routes
-
-    return wrapped

@@ -1,8 +1,6 @@
-"""The quantized formats' facts the math needs, stated once: how INT4 words hold their values, the
-default group and block sizes, and which weights a target holds quantized (``QuantLayout``).
-
-The checkpoint readers (numpy, ``checkpoint/quant.py``) and the native weights (jnp,
-``models/quantized.py``) both build on them; the file formats themselves live in checkpoint/.
+"""The quantized formats' facts, stated once for the checkpoint readers (numpy) and the native weights
+(jnp): how INT4 words hold their values, the default group and block sizes, and which weights a
+target holds quantized (``QuantLayout``).
 """
 
 from __future__ import annotations
@@ -32,12 +30,8 @@ def int4_plane(words, k, xp=np):
 
 @dataclass(frozen=True)
 class QuantLayout:
-    """Which weights a target holds quantized, and how (read from the checkpoint's headers).
-
-    ``experts``: None | "int4" | "fp8" (the routed expert stacks); ``linears``: None | "fp8"
-    (attention projections, dense MLPs, shared experts). The dtypes are the checkpoint's, kept so
-    that an export writes the same bytes back.
-    """
+    """Which weights a target holds quantized, and how: ``experts`` None | "int4" | "fp8" (routed
+    expert stacks), ``linears`` None | "fp8" (the other projections); dtypes as the checkpoint's."""
 
     experts: str | None = None
     linears: str | None = None

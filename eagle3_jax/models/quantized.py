@@ -11,19 +11,11 @@ disk are the words held on the devices and the words written back, bit for bit):
     ``weight`` float8_e4m3fn ``[(E,) out, in]``, ``scale_inv`` float32
     ``[(E,) ceil(out/bo), ceil(in/bi)]``; ``w = weight * scale_inv[o // bo, i // bi]``.
 
-What a target holds quantized (``QuantLayout``) and the formats' facts (nibble order, offset,
-default group and block) are stated once, in ``quant_format.py``; this module computes with them.
-
-Values and scales carry the same logical axes (the grouped axis keeps its name), so
-``sharding.LOGICAL_AXIS_RULES`` shards both the same way. Nothing here dequantizes a whole matrix
-for a matmul: ``kernels/dequant.py``'s ``quantized_matmul`` dequantizes one expert's matrix one
-tile of input columns at a time inside the matmul (``tile_product``), and ``Fp8Linear.project`` /
-``fold_in_tiles`` do the same for a dense FP8 projection (tiles of output rows where the table
-splits the input axis).
-
-Why packed int32 words and not ``jnp.int4``: XLA:CPU allocates one byte per ``int4`` element,
-twice the packed size; int32 words are half a byte per value on every backend and are the
-checkpoint's own words.
+The formats' facts (nibble order, offset, default group and block) live in ``quant_format.py``.
+Values and scales carry the same logical axes, so the sharding table splits both the same way.
+Nothing here dequantizes a whole matrix for a matmul: ``tile_product`` (under
+``kernels/dequant.quantized_matmul``) and ``Fp8Linear.project`` / ``fold_in_tiles`` dequantize one
+tile at a time. Packed int32 words, not ``jnp.int4``: XLA:CPU allocates one byte per ``int4``.
 """
 
 from __future__ import annotations
@@ -44,14 +36,10 @@ from eagle3_jax.sharding import mesh_axis
 
 # ---------------------------------------------------------------------- dequantization (jnp)
 def dequant_int4(packed_OW: jax.Array, scale_OG: jax.Array, cols: int, group: int, dtype) -> jax.Array:
-    """int32 words [..., out, W] + scales [..., out, G] -> [..., out, cols] in ``dtype``.
-
-    ``cols`` may be less than 8 * W (zero-padded last word). Products are exact in float32
-    (q in [-8, 7] times a bf16 / f32 scale) and rounded once to ``dtype``.
-    """
-    # In the scales' own dtype when that is the result dtype (bf16 scales, bf16 model): q * s is
-    # then rounded once, as the float32 product cast to bf16 would be, and no float32 copy of the
-    # scales exists (XLA:CPU materializes such a convert for the whole stack, outside the loop).
+    """int32 words [..., out, W] + scales [..., out, G] -> [..., out, cols] in ``dtype``
+    (``cols`` may be less than 8 * W); each product rounded once to ``dtype``."""
+    # In the scales' own dtype when that is the result dtype: q * s is still rounded once, and no
+    # float32 copy of the scales exists (XLA:CPU would make one for the whole stack).
     compute = scale_OG.dtype if jnp.dtype(dtype) == scale_OG.dtype else jnp.float32
     nibbles = int4_nibbles(jax.lax.bitcast_convert_type(packed_OW, jnp.uint32), jnp)
     q = nibbles.reshape(*packed_OW.shape[:-1], -1)[..., :cols].astype(compute) - INT4_OFFSET
@@ -81,11 +69,7 @@ def dequant_fp8(w_OI: jax.Array, scale_RC: jax.Array, block: tuple[int, int], dt
 
 def dequant_fp8_slice(w_OI, scale_RC, block, start, size: int, axis: int, dtype) -> jax.Array:
     """Rows (axis -2) or columns (axis -1) [start, start + size) of a block-scaled FP8 matrix,
-    dequantized; start and size are multiples of the block along that axis.
-
-    The float8 values are sliced as bytes: a backend without float8 arithmetic (XLA:CPU) otherwise
-    widens the whole float8 array to 16 bits, ahead of the loop that slices it.
-    """
+    dequantized (start, size: whole blocks); sliced as bytes (``kernels/dequant.as_bytes``)."""
     unit = block[axis]
     raw = as_bytes(w_OI, start)
     w = jax.lax.bitcast_convert_type(jax.lax.dynamic_slice_in_dim(raw, start, size, axis=axis), w_OI.dtype)
@@ -132,16 +116,11 @@ class Int4Stack(nnx.Module):
         return math.lcm(8, self.group)
 
     def tile_product(self, x_bT, packed_OW, scale_OG, start, width: int) -> jax.Array:
-        """float32 ``x_bT @ W[:, start:start + width].T`` for one expert, by nibble plane.
-
-        Plane k of a word holds input column 8j + k, so ``(words >> 4k) & 0xF`` is a matrix in the
-        words' own [O, W] layout, matched against activation columns k::8. Interleaving the planes
-        back into column order (``dequant_int4``) is a minor-dimension reshape that the TPU compiler
-        answered by relaying out every packed expert stack ahead of the decode loop (one extra copy
-        of all experts); planes need no such layout.
-        Each weight is still ``(q - 8) * scale`` rounded once to the activation dtype, as
-        ``dequant_int4`` makes it, so only the float32 summation order differs.
-        """
+        """float32 ``x_bT @ W[:, start:start + width].T`` for one expert, by nibble plane: plane k,
+        ``(words >> 4k) & 0xF`` in the words' own [O, W] layout, meets activation columns k::8.
+        Interleaving the planes back into columns is a minor-dimension reshape that made the TPU
+        compiler relayout every packed stack ahead of the decode loop. Weights are rounded as in
+        ``dequant_int4``; only the float32 summation order differs."""
         g, W, dtype = self.group, width // INT4_PER_WORD, x_bT.dtype
         words_OW = jax.lax.dynamic_slice_in_dim(packed_OW, start // INT4_PER_WORD, W, axis=-1)
         s_OG = jax.lax.dynamic_slice_in_dim(scale_OG, start // g, width // g, axis=-1)
@@ -149,9 +128,7 @@ class Int4Stack(nnx.Module):
             w_OT = dequant_int4(words_OW, s_OG, width, g, dtype)
             return jnp.einsum("bt,ot->bo", x_bT, w_OT, preferred_element_type=jnp.float32)
         compute = s_OG.dtype if jnp.dtype(dtype) == s_OG.dtype else jnp.float32
-        # One scale per word (a group spans g / 8 words), spread by a 0/1 matmul rather than a
-        # reshape of the minor dimension (the layout change this form exists to avoid); exact, one
-        # nonzero term per output.
+        # One scale per word, spread by an exact 0/1 matmul rather than a minor-dimension reshape.
         spread_GW = (jnp.arange(W)[None, :] // (g // 8) == jnp.arange(s_OG.shape[-1])[:, None]).astype(s_OG.dtype)
         s_OW = jnp.einsum("og,gw->ow", s_OG, spread_GW, precision=jax.lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32).astype(compute)
@@ -189,12 +166,9 @@ class Fp8Stack(nnx.Module):
 
 class Fp8Linear(nnx.Module):
     """One dense ``[out, in]`` FP8 matrix standing in for a float parameter of shape ``ours_shape``
-    (our einsum-ready layout: the ``in_ndim`` leading dims are the input, the rest the output).
-
-    Call sites never see the whole matrix dequantized: ``project`` (the plain ``x @ W``) and
-    ``fold_in_tiles`` (anything else, e.g. MLA's absorbed ``kv_b``) dequantize one tile of
-    ``TILE_COLS`` columns or rows inside a ``fori_loop``. A whole dequantized matrix at each matmul
-    is what XLA hoisted out of the decode loop: a float copy of every layer's projections at once.
+    (the ``in_ndim`` leading dims are the input, the rest the output). ``project`` (the plain
+    ``x @ W``) and ``fold_in_tiles`` (anything else, e.g. MLA's absorbed ``kv_b``) dequantize a tile
+    at a time inside a ``fori_loop``: XLA hoists a whole dequantized matrix out of the decode loop.
     """
 
     def __init__(self, ours_shape: Sequence[int], in_ndim: int, axes: Sequence[str | None],
@@ -236,13 +210,9 @@ class Fp8Linear(nnx.Module):
         return jax.lax.fori_loop(0, I // width, step, init)
 
     def project(self, x: jax.Array, tile: int = TILE_COLS) -> jax.Array:
-        """``x [..., *in_shape] -> [..., *out_shape]``: the einsum a float parameter of our layout
-        would do, with float32 accumulation over tiles and the einsum's result dtype.
-
-        Tiles run over the input columns unless the sharding table splits the input axis and not
-        the output one (``o_proj``, ``down`` under tensor parallelism): slicing a split axis would
-        gather it, so those take tiles of output rows and leave the contraction split.
-        """
+        """``x [..., *in_shape] -> [..., *out_shape]``, accumulated in float32 over tiles of input
+        columns, or of output rows where the table splits only the input axis (``o_proj``, ``down``
+        under tensor parallelism: slicing a split axis would gather it)."""
         lead = x.shape[:x.ndim - self.in_ndim]
         x_LI = x.reshape(*lead, -1)
         O = math.prod(self.out_shape)

@@ -159,7 +159,7 @@ def step_functions(hf_config: dict, s: TrainSettings, graphdef):
     import optax
     from flax import nnx
 
-    from eagle3_jax.models import moe
+    from tools.demo.routes import capture_routes
 
     key = json.dumps([hf_config, s.grad_clip, s.peak_lr, s.b1, s.b2, s.weight_decay, s.bias_update_rate,
                       s.moe_kernel], sort_keys=True)
@@ -180,7 +180,7 @@ def step_functions(hf_config: dict, s: TrainSettings, graphdef):
         B, T = x_BT.shape
         positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         # The bias update needs the per-expert token counts of this same forward pass.
-        out, picked = moe.capture_routes(lambda m: m(x_BT, positions_BT, m.init_cache(B, T)))(m)
+        out, picked = capture_routes(lambda m: m(x_BT, positions_BT, m.init_cache(B, T)))(m)
         logits_BTV = m.logits(out.hidden_BTD)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, y_BT).mean()
         loads_LE = jnp.stack([jnp.bincount(idx.reshape(-1), length=E) for idx in picked])

@@ -21,7 +21,7 @@ from eagle3_jax.errors import ConfigError
 from eagle3_jax.sharding import sharding_for, state_shardings
 from eagle3_jax.speculative import generate as gen
 from eagle3_jax.speculative.generate import LOOP_STATE_AXES
-from eagle3_jax.tpu import CompiledStats, compile_stats
+from tools.tpu import CompiledStats, compile_stats
 
 # One compiled program's bytes per device, cost and times (the same record for CPU and TPU compiles).
 ProgramMemory = CompiledStats

@@ -38,8 +38,8 @@ def held(mem) -> int:
 def fit_peaks(model: str, topo: str, mesh: str, args, programs) -> dict[str, tuple[int, bool]]:
     """Per-chip (peak bytes, fits) of each program: the full compile's (the compiler's verdict), or
     with ``args.cut`` the estimate against the chip's HBM."""
-    from eagle3_jax import tpu
     from eagle3_jax.config import TargetConfig
+    from tools import tpu
     from tools.plan import serve
 
     cfg = TargetConfig.from_path(model)
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-    from eagle3_jax import tpu
+    from tools import tpu
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     programs = tuple(x for x in args.programs.split(",") if x)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from eagle3_jax.config import resolve_dtype
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.drafts.eagle3.config import DraftConfig
-from eagle3_jax import tpu
+from tools import tpu
 from tools.plan.serve import PROGRAM_DOC, Plan, compile_dtype
 
 

@@ -23,7 +23,7 @@ import jax
 from eagle3_jax.sharding import sharding_for
 from eagle3_jax.speculative import generate as gen
 from eagle3_jax.speculative.static_graph import merge_models
-from eagle3_jax.tpu import compile_stats
+from tools.tpu import compile_stats
 from tools.plan import uncounted
 from tools.plan.roofline import HloCosts, hlo_costs
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from eagle3_jax import drafts, tpu
+from eagle3_jax import drafts
 from eagle3_jax.checkpoint.quant_native import layout_from_config
 from eagle3_jax.config import MeshConfig, TargetConfig, resolve_dtype
 from eagle3_jax.contracts import check_pairing, resolve_aux_ids
@@ -44,6 +44,7 @@ from eagle3_jax.models.quantized import QuantLayout
 from eagle3_jax.models.target import Target
 from eagle3_jax.sharding import make_mesh
 from eagle3_jax.speculative import generate as gen
+from tools import tpu
 from tools.plan.common import (Leaf, PlanSettings, ProgramMemory, _abstract_model, _leaf, _leaves, _sds,
                                abstract_state, compile_program, itemsize, parse_bytes, sampling_args)
 from tools.plan.train import TrainMemory, plan_train

@@ -189,7 +189,7 @@ def _table(head: list[str], body: list[list[str]]) -> list[str]:
 def run(settings, grid: rounds.GridSettings, log, store: str | None = None, check: bool = False
         ) -> tuple[list[str], dict]:
     """Compiles and prices; returns (lines to print, JSON object)."""
-    from eagle3_jax import tpu
+    from tools import tpu
     from eagle3_jax.config import MeshConfig
 
     chip = chip_of(settings.platform, settings.topology)

@@ -21,6 +21,8 @@ import functools
 import math
 import os
 import re
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -37,15 +39,32 @@ _OOM = re.compile(r"required for .*?\(([0-9.]+)([KMGT])\) exceeds available HBM 
 _UNIT = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 
 
-def libtpu_available() -> bool:
-    """Whether the TPU compiler can be loaded (the ``tpu`` extra is installed)."""
-    return backends.libtpu_installed()
+@contextlib.contextmanager
+def held_stderr():
+    """Holds back what native code writes to stderr (fd 2) inside the block, and shows it if the
+    block raises: libtpu prints its failed start-up there when it loads on a host without a TPU."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    failed = False
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            if failed:
+                held.seek(0)
+                sys.stderr.write(held.read().decode(errors="replace"))
 
 
 @functools.lru_cache(maxsize=None)
 def topology_devices(topology: str) -> tuple:
     """The TPU devices (one per chip) of a slice such as ``v5p:2x2x2``, for compiling only."""
-    if not libtpu_available():
+    if not backends.libtpu_installed():
         raise ConfigError(f"compiling for TPU topology '{topology}' needs libtpu; install the tpu extra "
                           "(pip install -e '.[tpu]')")
     from jax.experimental import topologies
@@ -56,7 +75,7 @@ def topology_devices(topology: str) -> tuple:
     try:
         # Without a TPU, loading libtpu prints its failed start-up (no host bounds, no worker
         # hostnames), which compiling does not need: held back unless the load fails.
-        with contextlib.nullcontext() if backends.tpu_attached() else backends.held_stderr():
+        with contextlib.nullcontext() if backends.tpu_attached() else held_stderr():
             desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
     except Exception as e:  # libtpu raises a plain runtime error for unknown names
         raise ConfigError(f"TPU topology '{topology}' is not known to the installed libtpu ({e}); expected a "
