@@ -17,15 +17,13 @@ not depend on which process reads the row.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 from flax import nnx
 
 from eagle3_jax.drafts.dflash.objective import chunked_terms, sample_anchors_host, terms_loss
-from eagle3_jax.train.step import OptimizerSpec, accumulate, apply_update, micro_features
+from eagle3_jax.train.step import OptimizerSpec, optimizer_step
 
 
 @dataclass(frozen=True)
@@ -38,23 +36,16 @@ class DFlashSpec:
     target_chunk: int | None = None
 
     @classmethod
-    def from_config(cls, cfg, max_len: int) -> "DFlashSpec":
+    def from_config(cls, cfg) -> "DFlashSpec":
         s = cfg.dflash
         # a row of max_len tokens has at most max_len - 1 anchors: more would only add empty blocks
-        return cls(min(s.num_anchors, max_len - 1), s.loss_decay_gamma, s.objective_chunk_blocks, cfg.target_chunk)
+        return cls(min(s.num_anchors, cfg.max_len - 1), s.loss_decay_gamma, s.objective_chunk_blocks, cfg.target_chunk)
 
 
-def sample_blocks(loss_mask_ABT: np.ndarray, spec: DFlashSpec, seed: int, step: int, first_row: int) -> dict:
-    """{anchor, keep} [A, B, N] of one optimizer step's rows (``first_row``: the global index of this
-    process's first row of each batch)."""
-    A, B, _ = loss_mask_ABT.shape
-    out = {"anchor": np.zeros((A, B, spec.num_anchors), np.int32), "keep": np.zeros((A, B, spec.num_anchors), bool)}
-    for a in range(A):
-        for b in range(B):
-            rng = np.random.default_rng([seed, step, a, first_row + b])
-            out["anchor"][a, b], out["keep"][a, b] = sample_anchors_host(np.asarray(loss_mask_ABT[a, b]),
-                                                                         spec.num_anchors, rng)
-    return out
+def draw_blocks(loss_mask_T: np.ndarray, spec: DFlashSpec, rng: np.random.Generator) -> dict:
+    """{anchor, keep} [N] of a row's blocks (the trainer's ``draw_row``)."""
+    anchor, keep = sample_anchors_host(loss_mask_T, spec.num_anchors, rng)
+    return {"anchor": anchor, "keep": keep}
 
 
 def block_loss(draft, embed_VD, lm_head_DV, aux_BSX, mb, spec: DFlashSpec):
@@ -67,29 +58,12 @@ def block_loss(draft, embed_VD, lm_head_DV, aux_BSX, mb, spec: DFlashSpec):
 
 def dflash_train_step(params, opt_state, rest, embed_VD, lm_head_DV, tstate, batch, lr, *, graphdef, tgraph,
                       opt_spec: OptimizerSpec, aux_ids, spec: DFlashSpec):
-    """One optimizer step at learning rate ``lr`` over batch arrays shaped [grad_accum, rows, ...]
-    (the trainer's ids and loss mask, plus ``anchor`` / ``keep`` from sample_blocks)."""
+    """The DFlash optimizer step (step.optimizer_step); the batch carries ``anchor`` / ``keep`` from
+    draw_blocks."""
 
-    def micro(mb):
-        aux_BSX, _ = micro_features(mb, tgraph, tstate, aux_ids, spec.target_chunk)
+    def objective(p, mb, aux_BSX, _):
+        return block_loss(nnx.merge(graphdef, p, rest), embed_VD, lm_head_DV, aux_BSX, mb, spec)
 
-        def loss_fn(p):
-            return block_loss(nnx.merge(graphdef, p, rest), embed_VD, lm_head_DV, aux_BSX, mb, spec)
-
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        return loss, metrics, grads
-
-    loss, metrics, grads = accumulate(micro, batch)
-    params, opt_state, grad_norm = apply_update(params, opt_state, grads, lr, opt_spec)
+    params, opt_state, loss, metrics, grad_norm = optimizer_step(objective, params, opt_state, tstate, batch, lr,
+                                                                 tgraph, opt_spec, aux_ids, spec.target_chunk)
     return params, opt_state, {"loss": loss, **metrics, "grad_norm": grad_norm}
-
-
-@functools.lru_cache(maxsize=8)
-def compiled_dflash_step(graphdef, tgraph, opt_spec: OptimizerSpec, aux_ids: tuple, spec: DFlashSpec,
-                         sharding_leaves: tuple, sharding_tree):
-    """The jitted step, its outputs pinned to the shardings its params and moments came in with
-    (as step.compiled_step; cached, so a resume in the same process reuses it)."""
-    params_sh, opt_sh = jax.tree.unflatten(sharding_tree, sharding_leaves)
-    step = functools.partial(dflash_train_step, graphdef=graphdef, tgraph=tgraph, opt_spec=opt_spec,
-                             aux_ids=aux_ids, spec=spec)
-    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(params_sh, opt_sh, None))

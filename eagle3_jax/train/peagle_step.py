@@ -21,7 +21,6 @@ not depend on which process reads the row.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import jax
@@ -30,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from eagle3_jax.drafts.peagle.objective import CODSettings, cod_budget, cod_sample, pad_rollouts, peagle_loss
-from eagle3_jax.train.step import OptimizerSpec, accumulate, apply_update, micro_features
+from eagle3_jax.train.step import OptimizerSpec, optimizer_step
 from eagle3_jax.train.ttt import target_logits
 
 
@@ -73,50 +72,24 @@ def shifted_rows(mb, aux_BTX, hidden_BTD, lm_head_DV, convention: str) -> tuple:
             mb["anchor"], mb["depth"], mb["valid"])
 
 
-def sample_rollouts(loss_mask_ABT: np.ndarray, spec: PEagleSpec, seed: int, step: int, first_row: int) -> dict:
-    """{anchor, depth, valid} [A, B, P] of COD-sampled rollouts for one optimizer step's rows
-    (``first_row``: the global index of this process's first row of each batch)."""
-    A, B, T = loss_mask_ABT.shape
-    budget = cod_budget(T, spec.cod)
-    out = {"anchor": np.zeros((A, B, budget), np.int32), "depth": np.zeros((A, B, budget), np.int32),
-           "valid": np.zeros((A, B, budget), bool)}
-    for a in range(A):
-        mask_BT = shifted_loss_mask(np.asarray(loss_mask_ABT[a]), spec.convention)
-        for b in range(B):
-            rng = np.random.default_rng([seed, step, a, first_row + b])
-            anchor, depth, valid = pad_rollouts(*cod_sample(mask_BT[b], spec.cod, rng), budget)
-            out["anchor"][a, b], out["depth"][a, b], out["valid"][a, b] = anchor, depth, valid
-    return out
+def draw_rollouts(loss_mask_T: np.ndarray, spec: PEagleSpec, rng: np.random.Generator) -> dict:
+    """{anchor, depth, valid} [P] of a row's COD-sampled rollouts (the trainer's ``draw_row``)."""
+    mask_T = shifted_loss_mask(loss_mask_T[None], spec.convention)[0]
+    anchor, depth, valid = pad_rollouts(*cod_sample(mask_T, spec.cod, rng), cod_budget(len(mask_T), spec.cod))
+    return {"anchor": anchor.astype(np.int32), "depth": depth.astype(np.int32), "valid": valid}
 
 
 def peagle_train_step(params, opt_state, rest, lm_head_DV, tstate, batch, lr, *, graphdef, tgraph,
                       opt_spec: OptimizerSpec, aux_ids, spec: PEagleSpec):
-    """One optimizer step at learning rate ``lr`` over batch arrays shaped [grad_accum, rows, ...]
-    (the trainer's ids and loss mask, plus ``anchor`` / ``depth`` / ``valid`` from sample_rollouts)."""
+    """The P-EAGLE optimizer step (step.optimizer_step); the batch carries ``anchor`` / ``depth`` /
+    ``valid`` from draw_rollouts."""
 
-    def micro(mb):
-        aux_BTX, hidden_BTD = micro_features(mb, tgraph, tstate, aux_ids, spec.target_chunk)
+    def objective(p, mb, aux_BTX, hidden_BTD):
         rows = shifted_rows(mb, aux_BTX, hidden_BTD, lm_head_DV, spec.convention)
+        return peagle_loss(nnx.merge(graphdef, p, rest), *rows, num_depths=spec.cod.num_depths,
+                           row_means=spec.convention == "specforge")
 
-        def loss_fn(p):
-            return peagle_loss(nnx.merge(graphdef, p, rest), *rows, num_depths=spec.cod.num_depths,
-                               row_means=spec.convention == "specforge")
-
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        return loss, metrics, grads
-
-    loss, metrics, grads = accumulate(micro, batch)
-    params, opt_state, grad_norm = apply_update(params, opt_state, grads, lr, opt_spec)
+    params, opt_state, loss, metrics, grad_norm = optimizer_step(objective, params, opt_state, tstate, batch, lr,
+                                                                 tgraph, opt_spec, aux_ids, spec.target_chunk)
     return params, opt_state, {"loss": loss, "acc_sum": metrics["acc_sum"], "acc_total": metrics["acc_total"],
                                "grad_norm": grad_norm}
-
-
-@functools.lru_cache(maxsize=8)
-def compiled_peagle_step(graphdef, tgraph, opt_spec: OptimizerSpec, aux_ids: tuple, spec: PEagleSpec,
-                         sharding_leaves: tuple, sharding_tree):
-    """The jitted step, its outputs pinned to the shardings its params and moments came in with
-    (as step.compiled_step; cached, so a resume in the same process reuses it)."""
-    params_sh, opt_sh = jax.tree.unflatten(sharding_tree, sharding_leaves)
-    step = functools.partial(peagle_train_step, graphdef=graphdef, tgraph=tgraph, opt_spec=opt_spec,
-                             aux_ids=aux_ids, spec=spec)
-    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(params_sh, opt_sh, None))

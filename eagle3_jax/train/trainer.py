@@ -13,6 +13,7 @@ process 0 alone writes the metrics log, the vocab map and the exported draft.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ from eagle3_jax.sharding import DATA_AXIS, make_mesh, mesh_context, state_shardi
 from eagle3_jax.train import data as data_lib, offline as offline_lib, pipeline as pipeline_lib
 from eagle3_jax.train.config import TrainConfig, TrainPlan
 from eagle3_jax.train.progress import StepReport, info as _info
-from eagle3_jax.train.step import OptimizerSpec, init_optimizer, jitted_step, lr_schedule
+from eagle3_jax.train.step import OptimizerSpec, compiled_step, init_optimizer, loss_spec, lr_schedule, train_step
 from eagle3_jax.train.ttt import simulated_acc_len
 from eagle3_jax.train_serve import check_served_acceptance, tau_by_context
 from eagle3_jax.train.vocab import VocabMap, build_vocab_map, load_or_build, token_counts
@@ -143,12 +144,42 @@ class Trainer:
         model.t2d.value = jnp.asarray(self.vocab.t2d, jnp.bool_)
         return model
 
+    def mask_tokenizer(self):
+        """The tokenizer that names MASK token candidates: offline runs hold none, so the target directory's."""
+        return self.tokenizer if self.tokenizer is not None else data_lib.load_tokenizer(self.cfg.target)
+
     def _new_draft(self):
         return Draft(self.dcfg, len(self.aux_ids), resolve_dtype(self.cfg.dtype), nnx.Rngs(self.cfg.seed))
 
-    # From the settings alone (tools.plan too): the step's args between (params, opt_state, rest) and
-    # (tstate, batch, lr), the jitted step, the host's draws for a batch (none: TTT draws nothing).
-    STEP_HEAD, jitted_step, draws = ("embed_VD", "lm_head_DV"), staticmethod(jitted_step), staticmethod(lambda *a: {})
+    # What the draft kind decides from the settings alone (tools.plan too): its step, the step's args
+    # between (params, opt_state, rest) and (tstate, batch, lr), its static settings, and its host's
+    # draws for a row (``draw_row(loss mask [T], spec, rng) -> {name: array}``; none: TTT draws nothing).
+    train_step = staticmethod(train_step)
+    STEP_HEAD = ("embed_VD", "lm_head_DV")
+    step_spec = staticmethod(loss_spec)
+    draw_row = None
+
+    @functools.cached_property
+    def spec(self):
+        return self.step_spec(self.cfg)
+
+    @classmethod
+    def jitted_step(cls, cfg, graphdef, tgraph, opt_spec, aux_ids, sharding_leaves: tuple, sharding_tree):
+        return compiled_step(cls.train_step, graphdef, tgraph, opt_spec, aux_ids, cls.step_spec(cfg), sharding_leaves,
+                             sharding_tree)
+
+    @classmethod
+    def draws(cls, cfg, loss_mask_ABT, step: int = 0, first_row: int = 0) -> dict:
+        """The host's draws for one optimizer step's rows, stacked to [A, B, ...]: one generator per
+        (seed, step, micro-batch, global row; ``first_row``: this process's first), so a resumed run
+        draws what the uninterrupted one drew, whichever process reads the row."""
+        if cls.draw_row is None:
+            return {}
+        spec, (A, B, _) = cls.step_spec(cfg), loss_mask_ABT.shape
+        rows = [[cls.draw_row(np.asarray(loss_mask_ABT[a, b]), spec,
+                              np.random.default_rng([cfg.seed, step, a, first_row + b])) for b in range(B)]
+                for a in range(A)]
+        return {k: np.stack([np.stack([r[k] for r in row]) for row in rows]) for k in rows[0][0]}
 
     def _compile_step(self, leaves: tuple, tree):
         tgraph = self.target.graphdef if self.target else None
@@ -325,15 +356,19 @@ class Trainer:
         return path
 
     # ------------------------------------------------------------------ the loop
-    def run_step(self, batch: dict) -> dict:
+    def apply_step(self, batch: dict) -> tuple[dict, float]:
+        """One optimizer step on ``batch``: (its metrics, on the host; its learning rate)."""
         tstate = self.target.state if self.target is not None else None
         lr = self.schedule(self.step)
         with mesh_context(self.mesh):
-            self.params, self.opt_state, m = self._step(
-                self.params, self.opt_state, self.rest, self.embed_VD, self.lm_head_DV, tstate, batch,
-                jnp.asarray(lr, jnp.float32))
-        m = jax.tree.map(distributed.fetch, m)
+            self.params, self.opt_state, m = self._step(self.params, self.opt_state, self.rest,
+                                                        *(getattr(self, k) for k in self.STEP_HEAD), tstate, batch,
+                                                        jnp.asarray(lr, jnp.float32))
         self.step += 1
+        return jax.tree.map(distributed.fetch, m), lr
+
+    def run_step(self, batch: dict) -> dict:
+        m, lr = self.apply_step(batch)
         row = {"step": self.step, "loss": float(m["loss"]), "ploss": [float(x) for x in m["ploss"]],
                **{k: [float(x) for x in m[k]] for k in ("acc", "acc_all", "accept")},
                "count": [int(x) for x in m["count"]], "grad_norm": float(m["grad_norm"]), "lr": float(lr)}
