@@ -1,14 +1,5 @@
-"""Training records: JSONL lines -> validated records -> token ids + loss mask.
-
-Records (one JSON object a line):
-  {"messages": [{"role": ..., "content": ...}, ...]}   chat template applied; loss on assistant turns
-  {"text": "..."}                                       loss on every token
-  {"input_ids": [...], "loss_mask": [...]}              already tokenized (loss_mask optional: all 1)
-
-Rows are truncated to ``max_len``; the grain pipeline (pipeline.py) pads them. ``serve.py``'s plain
-output lines also carry a "text" (the answer without its prompt), so they are refused here rather
-than trained on: ``serve.py --emit training`` writes the {"messages": ...} form instead.
-"""
+"""Training records (config.DATA_FORMATS): JSONL lines -> validated records -> token ids + loss mask,
+truncated to ``max_len`` (pipeline.py pads them)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The jitted training step: the TTT loss of a batch (grad-accumulated), clipping, AdamW.
-
-Kept apart from the loop (trainer.py) so the planner (tools/plan/train.py) compiles exactly the
-program the Trainer runs, from the same ``compiled_step``.
-"""
+"""The jitted training step: a draft kind's loss over a batch (grad-accumulated), clipping, AdamW;
+apart from the loop (trainer.py), so the planner (tools/plan/train.py) compiles exactly the program
+the Trainer runs, from the same ``compiled_step``."""
 
 from __future__ import annotations
 
@@ -11,6 +9,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -149,3 +148,13 @@ def compiled_step(train_step, graphdef, tgraph, opt_spec: OptimizerSpec, aux_ids
     step = functools.partial(train_step, graphdef=graphdef, tgraph=tgraph, opt_spec=opt_spec, aux_ids=aux_ids,
                              spec=spec)
     return jax.jit(step, donate_argnums=(0, 1), out_shardings=(params_sh, opt_sh, None))
+
+
+def host_draws(draw_row, spec, loss_mask_ABT, seed: int, step: int, first_row: int) -> dict:
+    """``draw_row(loss mask [T], spec, rng)`` of one optimizer step's rows, stacked to [A, B, ...]: one
+    generator per (seed, step, micro-batch, global row; ``first_row``: this process's first), so a
+    resumed run draws what the uninterrupted one drew, whichever process reads the row."""
+    A, B, _ = loss_mask_ABT.shape
+    rows = [[draw_row(np.asarray(loss_mask_ABT[a, b]), spec, np.random.default_rng([seed, step, a, first_row + b]))
+             for b in range(B)] for a in range(A)]
+    return {k: np.stack([np.stack([r[k] for r in row]) for row in rows]) for k in rows[0][0]}
