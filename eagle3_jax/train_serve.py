@@ -12,8 +12,6 @@ import itertools
 import logging
 import math
 
-import numpy as np
-
 from eagle3_jax.errors import ConfigError, Eagle3Error
 
 log = logging.getLogger("eagle3_jax")
@@ -189,16 +187,12 @@ def check_served_acceptance(tau: float, simulated: float | None, num_draft_token
 def data_accuracies(target, draft, aux_ids, examples, steps: int, max_rows: int = 16) -> list[float]:
     """Per-step top-1 accuracy over the loss tokens (training's ``acc_all``) of a draft on data rows."""
     import jax
-    import jax.numpy as jnp
     from flax import nnx
 
-    from eagle3_jax.train import offline, ttt
+    from eagle3_jax.train import offline, pipeline, ttt
 
-    rows = examples[:max_rows]
-    T = max(len(e.ids) for e in rows)
-    ids, mask = np.zeros((len(rows), T), np.int32), np.zeros((len(rows), T), bool)
-    for b, e in enumerate(rows):
-        ids[b, :len(e.ids)], mask[b, :len(e.ids)] = e.ids, e.loss_mask
+    source = pipeline.TokenizedSource(examples[:max_rows], max(len(e.ids) for e in examples[:max_rows]))
+    batch = pipeline.device_batch([source[i] for i in range(len(source))], None, len(source))
     embed_VD, lm_head_DV = offline.target_head(target.model)
     graphdef, state = nnx.split(draft)
 
@@ -210,8 +204,7 @@ def data_accuracies(target, draft, aux_ids, examples, steps: int, max_rows: int 
                                                length_B=length_B)
         return ttt.ttt_loss(d, aux, ids_BT, signal, embed_VD, ttt.LossSpec(steps=steps))[1]["acc_all"]
 
-    lengths = jnp.asarray([len(e.ids) for e in rows], jnp.int32)
-    return [float(a) for a in accuracies(state, target.state, jnp.asarray(ids), jnp.asarray(mask), lengths)]
+    return [float(a) for a in accuracies(state, target.state, batch["ids"], batch["loss_mask"], batch["length"])]
 
 
 def answer_prompts(examples) -> list[list[int]]:
