@@ -1,18 +1,9 @@
-"""The gate between training and serving.
-
-A draft with high training accuracy and tau near 1 when served is the common failure when the two
-disagree: the chat template, the generation prompt, a thinking prefix, stop tokens, where the loss
-mask falls. The checks here:
-
-- before training (``check_rendering``, from train.py's setup, before any weight loads): the data's
-  rendering against what serve.py produces for the same conversation with the same tokenizer;
-- at each training eval (``check_served_acceptance``): the draft's tau through the decode loop
-  against what its per-step training accuracies imply (SpecForge's simulated acceptance);
-- tau per context-length bucket (``ContextBuckets``), in the trainer's eval and serve.py's metrics,
-  so a draft that falls off at long contexts shows.
-
-``python -m tools.doctor --target T --draft D --data DATA.jsonl`` runs the first two on a finished
-draft (``data_accuracies``: its per-step accuracies on the data, teacher-forced as in training).
+"""The gate between training and serving: a draft with high training accuracy and tau near 1 when
+served is the common failure when the two disagree (the chat template, the generation prompt, a
+thinking prefix, stop tokens, where the loss mask falls). ``check_rendering`` compares the data's
+rendering with serve.py's before any weight loads; ``check_served_acceptance`` the served tau with
+what the training accuracies imply, at each eval; ``ContextBuckets`` splits tau by context length.
+``python -m tools.doctor --target T --draft D --data DATA.jsonl`` runs the first two on a finished draft.
 """
 
 from __future__ import annotations
@@ -21,16 +12,13 @@ import itertools
 import logging
 import math
 
-import numpy as np
-
 from eagle3_jax.errors import ConfigError, Eagle3Error
 
 log = logging.getLogger("eagle3_jax")
 
 # A data file is rendered by one tool in one way: its first records say how.
 RECORDS_CHECKED = 256
-# The eval stops training when the served draft gets fewer than this share of the tokens its
-# training accuracies imply (config: eval_min_accept_share), once those imply at least MIN_SIMULATED.
+# The eval's floor (config: eval_min_accept_share), checked once the accuracies imply MIN_SIMULATED.
 MIN_ACCEPT_SHARE = 0.25
 MIN_SIMULATED = 0.5
 CONTEXT_BUCKETS = ((2048, "<2k"), (8192, "2k-8k"), (32768, "8k-32k"), (math.inf, ">=32k"))
@@ -65,10 +53,9 @@ def check_rendering(path: str, tok, records: int = RECORDS_CHECKED) -> int:
     """Checks the first ``records`` records of a training file; returns how many carried a chat.
 
     ``{"messages"}``: serve's prompt for each assistant turn must begin the conversation as training
-    renders it; with ``input_ids`` (and ``loss_mask``) too, those must be that rendering exactly.
-    ``{"input_ids", "loss_mask"}`` alone, holding this template's user-turn opening: every answer (a
-    loss span after position 0) must follow the generation prompt. Rows without it (a prompt and its
-    continuation, no chat) and ``{"text"}`` records have nothing to compare."""
+    renders it, and ``input_ids`` / ``loss_mask``, if given, must be that rendering exactly.
+    ``{"input_ids", "loss_mask"}`` holding this template's user-turn opening: every answer (a loss
+    span after position 0) must follow the generation prompt. Other records have nothing to compare."""
     from eagle3_jax.train import data as data_lib
 
     opening, gen = template_markers(tok)
@@ -198,19 +185,14 @@ def check_served_acceptance(tau: float, simulated: float | None, num_draft_token
 
 
 def data_accuracies(target, draft, aux_ids, examples, steps: int, max_rows: int = 16) -> list[float]:
-    """Per-step top-1 accuracy over the loss tokens (training's ``acc_all``) of a draft on data rows,
-    teacher-forced by the training-time test, as training measures it."""
+    """Per-step top-1 accuracy over the loss tokens (training's ``acc_all``) of a draft on data rows."""
     import jax
-    import jax.numpy as jnp
     from flax import nnx
 
-    from eagle3_jax.train import offline, ttt
+    from eagle3_jax.train import offline, pipeline, ttt
 
-    rows = examples[:max_rows]
-    T = max(len(e.ids) for e in rows)
-    ids, mask = np.zeros((len(rows), T), np.int32), np.zeros((len(rows), T), bool)
-    for b, e in enumerate(rows):
-        ids[b, :len(e.ids)], mask[b, :len(e.ids)] = e.ids, e.loss_mask
+    source = pipeline.TokenizedSource(examples[:max_rows], max(len(e.ids) for e in examples[:max_rows]))
+    batch = pipeline.device_batch([source[i] for i in range(len(source))], None, len(source))
     embed_VD, lm_head_DV = offline.target_head(target.model)
     graphdef, state = nnx.split(draft)
 
@@ -222,8 +204,7 @@ def data_accuracies(target, draft, aux_ids, examples, steps: int, max_rows: int 
                                                length_B=length_B)
         return ttt.ttt_loss(d, aux, ids_BT, signal, embed_VD, ttt.LossSpec(steps=steps))[1]["acc_all"]
 
-    lengths = jnp.asarray([len(e.ids) for e in rows], jnp.int32)
-    return [float(a) for a in accuracies(state, target.state, jnp.asarray(ids), jnp.asarray(mask), lengths)]
+    return [float(a) for a in accuracies(state, target.state, batch["ids"], batch["loss_mask"], batch["length"])]
 
 
 def answer_prompts(examples) -> list[list[int]]:
@@ -242,9 +223,8 @@ def context_bucket(tokens: float) -> str:
 
 
 class ContextBuckets:
-    """tau per context-length bucket (<2k, 2k-8k, 8k-32k, >=32k). A prompt counts in the bucket of
-    its mean context while it generates (its prompt plus half its new tokens), with its verify
-    rounds and the tokens they emitted; tau of a bucket = its tokens / its rounds."""
+    """tau per context-length bucket: a prompt counts, with its verify rounds and the tokens they
+    emitted, in the bucket of its mean context while it generates (its prompt plus half its new tokens)."""
 
     def __init__(self):
         self.totals = {label: [0, 0, 0] for _, label in CONTEXT_BUCKETS}   # prompts, rounds, round tokens

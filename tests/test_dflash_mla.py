@@ -271,8 +271,7 @@ def test_training_step_loss_and_gradients_equal_the_oracles(predictable_target_d
     """``train.py``'s DFlash step on an MLA draft file (full and sliding layers): its loss and every
     gradient equal the oracle's autograd under SpecForge's ``OnlineDFlashModel``; the step runs."""
     from tests.test_train_dflash import _config, _dflash_file, _online_specforge
-    from eagle3_jax.train.dflash_step import block_loss
-    from eagle3_jax.train.dflash_trainer import DFlashTrainer
+    from eagle3_jax.train.dflash_trainer import DFlashTrainer, block_loss
     from eagle3_jax.train.step import micro_features
 
     mla = {**MLA, "dflash_config": {"target_layer_ids": [0, 1, 2], "attention_mode": "mla",

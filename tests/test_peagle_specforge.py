@@ -21,7 +21,7 @@ from eagle3_jax.drafts.peagle.checkpoint import peagle_rules, read_peagle_state,
 from eagle3_jax.drafts.peagle.config import PEagleConfig
 from eagle3_jax.drafts.peagle.model import PEagleDraft
 from eagle3_jax.drafts.peagle.objective import pad_rollouts, peagle_loss
-from eagle3_jax.train.peagle_step import shifted_rows
+from eagle3_jax.train.peagle_trainer import shifted_rows
 from tests import specforge_modules as sf
 from tests.test_peagle import ANCHOR, DEPTH, MASK_ID, TH, V, W, _ours, random_draft, tiny_config
 

@@ -20,8 +20,7 @@ from eagle3_jax import drafts
 from eagle3_jax.drafts.dflash.checkpoint import iter_dflash_tensors
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.train import TrainConfig, run
-from eagle3_jax.train.dflash_step import block_loss
-from eagle3_jax.train.dflash_trainer import DFlashTrainer
+from eagle3_jax.train.dflash_trainer import DFlashTrainer, block_loss
 from eagle3_jax.train.step import micro_features
 from tests.test_train import predictable_target, predictable_target_dir  # noqa: F401  (a peaked tiny target)
 from tests.test_train_peagle import T, corpus, rows_file  # noqa: F401  (its target-written rows)

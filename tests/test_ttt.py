@@ -121,13 +121,18 @@ def test_block_mask_is_causal_then_diagonal():
     np.testing.assert_array_equal(mask, expected)
 
 
+def _unroll(draft, aux, ids, embed, steps: int) -> list:
+    """The draft's logits [B, T, W] at each simulated step."""
+    return [draft.head(out) for out in ttt.ttt_outputs(draft, aux, ids, embed, ttt.LossSpec(steps=steps))]
+
+
 def test_unrolled_steps_equal_the_serving_path_with_a_kv_cache(case):
     """Step i at index t sees step 0's keys 0..t and one key per simulated step: exactly the cache
     slots the serving loop has filled when it drafts its i-th token after position t."""
     draft, aux, ids, embed = case["draft"], case["aux"], case["ids"], case["embed"]
     graphdef, state = nnx.split(draft)
     steps = STEPS + 1
-    unrolled = jax.jit(lambda st: ttt.ttt_unroll(nnx.merge(graphdef, st), aux, ids, embed, steps))(state)
+    unrolled = jax.jit(lambda st: _unroll(nnx.merge(graphdef, st), aux, ids, embed, steps))(state)
     unrolled = [np.asarray(x) for x in unrolled]
 
     @jax.jit

@@ -1,8 +1,8 @@
 """Draft training: records (data.py), the grain pipeline (pipeline.py), the target's hidden states
-online or stored offline (offline.py), the training-time-test loss (ttt.py), the vocab map
-(vocab.py), the loop with checkpoints and export (trainer.py), and its config and plan (config.py);
-which draft trains (draft_kind.py, through the registry eagle3_jax.drafts), and the P-EAGLE and
-DFlash steps and loops (peagle_step.py, peagle_trainer.py, dflash_step.py, dflash_trainer.py)."""
+online or stored offline (offline.py), the training-time-test loss (ttt.py) and step (step.py), the
+vocab map (vocab.py), the loop with checkpoints and export (trainer.py), and its config and plan
+(config.py); which draft trains (draft_kind.py, through the registry eagle3_jax.drafts), and the
+P-EAGLE and DFlash loops (peagle_trainer.py, dflash_trainer.py)."""
 
 from eagle3_jax import preflight
 from eagle3_jax.train.config import DraftShape, TrainConfig, TrainPlan

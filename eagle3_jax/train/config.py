@@ -1,8 +1,5 @@
-"""The training configuration: YAML + ``key=value`` overrides -> a frozen, validated ``TrainConfig``.
-
-Everything that can be checked without running a model is checked here, so a typo or a wrong
-layer id fails in a second with a message that names the key, not an hour into a run.
-"""
+"""The training configuration: YAML + ``key=value`` overrides -> a frozen, validated ``TrainConfig``,
+checked without running a model, so a typo or a wrong layer id fails in a second, not an hour into a run."""
 
 from __future__ import annotations
 
@@ -41,9 +38,7 @@ class TrainConfig:
     target: str
     out_dir: str | None = None
     data: str | None = None
-    # Which kind of draft trains (a name in eagle3_jax.drafts.NAMES: the EAGLE-3 chain draft, TTT
-    # loss; P-EAGLE, SpecForge's parallel-drafting objective; DFlash, SpecForge's block objective);
-    # None = what draft_config_file's architecture says, else the registry's default kind (EAGLE-3).
+    # a name in eagle3_jax.drafts.NAMES; None: draft_config_file's architecture's, else the default (EAGLE-3)
     draft_kind: str | None = None
     draft_config_file: str | None = None   # a draft config.json whose architecture and sizes the run takes
     draft: DraftShape = field(default_factory=DraftShape)
@@ -56,15 +51,11 @@ class TrainConfig:
     grad_accum: int = 1
     ttt_steps: int = 7
     loss_decay: float = 0.8
-    # The loss (ttt.py's docstring): which positions count and what a step divides by ("ours" or
-    # "specforge"), SpecForge's acceptance-aware LK objective (None, "alpha" or "lambda") and its
-    # lambda weight kl_scale * exp(-kl_decay * acceptance), the attention core of the unroll
-    # ("blockwise" over attention_block keys a block: memory linear in the row; "efficient" scores
-    # whole rows) and the positions a chunk of the head and loss (None: whole rows). Rows no longer
-    # than a block or a chunk run as one.
-    # specforge_batch: with loss_convention=specforge, the rows SpecForge collates on one device (its
-    # training.batch_size, default 1): each group of that many rows is divided by its rows x its
-    # longest row, and the groups are averaged, as SpecForge averages its devices' losses.
+    # The loss (ttt.py's docstring): its convention, SpecForge's LK objective and its lambda weight
+    # kl_scale * exp(-kl_decay * acceptance), the unroll's attention core ("blockwise": attention_block
+    # keys a block, memory linear in the row; "efficient": whole rows) and positions per chunk of the
+    # head and loss (None: whole rows). specforge_batch: with loss_convention=specforge, the rows
+    # SpecForge collates on one device (its training.batch_size).
     loss_convention: str = "ours"
     specforge_batch: int = 1
     lk_loss_type: str | None = None
@@ -91,8 +82,7 @@ class TrainConfig:
     eval_prompts: str | None = None
     eval_new_tokens: int = 64
     eval_draft_tokens: int = 4
-    # the eval stops training when the served draft gets under this share of the tokens its training
-    # accuracies imply (train_serve.py: a train/serve mismatch); 0 turns the check off
+    # the eval stops training below this share of the tokens the accuracies imply (train_serve.py); 0: off
     eval_min_accept_share: float = 0.25
     mode: str = "train"
     hidden_source: str = "online"
@@ -143,8 +133,8 @@ class TrainConfig:
         return build_draft_config(self, tcfg, kind, file, self.resolved_aux_ids(tcfg, file))
 
     def to_dict(self, draft_kind: str | None = None) -> dict:
-        """The settings as a checkpoint records them, with ``draft_kind`` resolved (unset and the
-        default kind are one kind to a resumed run); ``draft_kind``: already resolved."""
+        """The settings as a checkpoint records them, ``draft_kind`` resolved (unset and the default
+        kind are one kind to a resumed run)."""
         d = json.loads(json.dumps(dataclasses.asdict(self)))
         d["draft_kind"] = draft_kind or self.resolved_draft_kind
         return d
@@ -170,7 +160,7 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> TargetConfig:
-        """Every check that needs no model (``resolve``); returns the target's config."""
+        """``resolve``'s checks; the target's config."""
         return self.resolve().target
 
     def resolve(self) -> "TrainPlan":
@@ -181,54 +171,45 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1, found {getattr(self, name)}")
-        if self.max_len < 3:
-            raise SettingsError(f"max_len must be >= 3 (a token, its successor and one to predict), found {self.max_len}")
-        if self.eval_every < 0:
-            raise SettingsError(f"eval_every must be >= 0 (0 turns evaluation off), found {self.eval_every}")
-        if not 0 <= self.eval_min_accept_share <= 1:
-            raise SettingsError(f"eval_min_accept_share must be in [0, 1] (0 turns the check off), found "
-                                f"{self.eval_min_accept_share}")
-        if self.mode not in MODES:
-            raise SettingsError(f"mode '{self.mode}' is not one of {MODES}")
-        if self.hidden_source not in HIDDEN_SOURCES:
-            raise SettingsError(f"hidden_source '{self.hidden_source}' is not one of {HIDDEN_SOURCES}")
+        from eagle3_jax.train.offline import STORAGE_DTYPES
+        from eagle3_jax.train.ttt import CONVENTIONS, LK_LOSS_TYPES
+
+        for name, allowed in (("mode", MODES), ("hidden_source", HIDDEN_SOURCES), ("loss_convention", CONVENTIONS),
+                              ("attention", ATTENTIONS)):
+            if getattr(self, name) not in allowed:
+                raise SettingsError(f"{name} '{getattr(self, name)}' is not one of {allowed}")
         for name in ("dtype", "target_dtype", "export_dtype"):
             v = getattr(self, name)
             if v is not None and v not in DTYPE_NAMES:
                 raise SettingsError(f"{name} '{v}' is not supported; use one of {DTYPE_NAMES}")
-        from eagle3_jax.train.offline import STORAGE_DTYPES
-
-        if self.offline_dtype is not None and self.offline_dtype not in STORAGE_DTYPES:
-            raise SettingsError(f"offline_dtype '{self.offline_dtype}' is not one of {STORAGE_DTYPES}")
-        if not self.lr > 0:
-            raise SettingsError(f"lr must be > 0, found {self.lr}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise SettingsError(f"warmup_ratio must lie in [0, 1), found {self.warmup_ratio}")
-        if self.grad_clip < 0 or self.weight_decay < 0:
-            raise SettingsError(f"grad_clip ({self.grad_clip}) and weight_decay ({self.weight_decay}) must be >= 0")
-        if not 0 < self.loss_decay <= 1:
-            raise SettingsError(f"loss_decay must lie in (0, 1], found {self.loss_decay}")
-        from eagle3_jax.train.ttt import CONVENTIONS, LK_LOSS_TYPES
-
-        if self.loss_convention not in CONVENTIONS:
-            raise SettingsError(f"loss_convention '{self.loss_convention}' is not one of {CONVENTIONS}")
-        if self.batch_size % self.specforge_batch:
-            raise SettingsError(f"specforge_batch={self.specforge_batch} (SpecForge's rows per device) must divide "
-                                f"batch_size={self.batch_size}")
-        if self.lk_loss_type is not None and self.lk_loss_type not in LK_LOSS_TYPES:
-            raise SettingsError(f"lk_loss_type '{self.lk_loss_type}' is not one of {LK_LOSS_TYPES} (or unset: "
-                                "the soft-label cross-entropy alone)")
-        if self.kl_scale < 0 or self.kl_decay < 0:
-            raise SettingsError(f"kl_scale ({self.kl_scale}) and kl_decay ({self.kl_decay}) must be >= 0")
-        if self.attention not in ATTENTIONS:
-            raise SettingsError(f"attention '{self.attention}' is not one of {ATTENTIONS}")
-        if self.target_chunk is not None and self.target_chunk < 1:
-            raise SettingsError(f"target_chunk must be >= 1 (or unset: whole rows), found {self.target_chunk}")
-        if self.attention_block < 1 or (self.loss_chunk is not None and self.loss_chunk < 1):
-            raise SettingsError(f"attention_block ({self.attention_block}) and loss_chunk ({self.loss_chunk}) "
-                                "must be >= 1 (loss_chunk may be unset: whole rows)")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise SettingsError(f"betas must be two numbers in [0, 1), found {list(self.betas)}")
+        for ok, problem in (
+                (self.max_len >= 3, f"max_len must be >= 3 (a token, its successor and one to predict), found "
+                                    f"{self.max_len}"),
+                (self.eval_every >= 0, f"eval_every must be >= 0 (0 turns evaluation off), found {self.eval_every}"),
+                (0 <= self.eval_min_accept_share <= 1, "eval_min_accept_share must be in [0, 1] (0 turns the check "
+                                                       f"off), found {self.eval_min_accept_share}"),
+                (self.offline_dtype in (None,) + STORAGE_DTYPES,
+                 f"offline_dtype '{self.offline_dtype}' is not one of {STORAGE_DTYPES}"),
+                (self.lr > 0, f"lr must be > 0, found {self.lr}"),
+                (0 <= self.warmup_ratio < 1, f"warmup_ratio must lie in [0, 1), found {self.warmup_ratio}"),
+                (self.grad_clip >= 0 and self.weight_decay >= 0,
+                 f"grad_clip ({self.grad_clip}) and weight_decay ({self.weight_decay}) must be >= 0"),
+                (0 < self.loss_decay <= 1, f"loss_decay must lie in (0, 1], found {self.loss_decay}"),
+                (self.batch_size % self.specforge_batch == 0, f"specforge_batch={self.specforge_batch} "
+                 f"(SpecForge's rows per device) must divide batch_size={self.batch_size}"),
+                (self.lk_loss_type in (None,) + LK_LOSS_TYPES, f"lk_loss_type '{self.lk_loss_type}' is not one of "
+                 f"{LK_LOSS_TYPES} (or unset: the soft-label cross-entropy alone)"),
+                (self.kl_scale >= 0 and self.kl_decay >= 0,
+                 f"kl_scale ({self.kl_scale}) and kl_decay ({self.kl_decay}) must be >= 0"),
+                (self.target_chunk is None or self.target_chunk >= 1,
+                 f"target_chunk must be >= 1 (or unset: whole rows), found {self.target_chunk}"),
+                (self.attention_block >= 1 and (self.loss_chunk is None or self.loss_chunk >= 1),
+                 f"attention_block ({self.attention_block}) and loss_chunk ({self.loss_chunk}) must be >= 1 "
+                 "(loss_chunk may be unset: whole rows)"),
+                (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+                 f"betas must be two numbers in [0, 1), found {list(self.betas)}")):
+            if not ok:
+                raise SettingsError(problem)
 
         needs_data = self.mode == "prepare" or self.hidden_source == "online"
         if needs_data and self.data is None:
@@ -304,9 +285,8 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class TrainPlan:
-    """A training run resolved once, at its start (``TrainConfig.resolve``): the settings, the
-    target's config, the draft's kind, the config it trains and exports, and the aux layer ids.
-    Everything downstream reads these instead of reading the config files again."""
+    """A training run resolved once, at its start (``TrainConfig.resolve``): everything downstream
+    reads these instead of reading the config files again."""
 
     settings: TrainConfig
     target: TargetConfig

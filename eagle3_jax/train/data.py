@@ -1,14 +1,5 @@
-"""Training records: JSONL lines -> validated records -> token ids + loss mask.
-
-Records (one JSON object a line):
-  {"messages": [{"role": ..., "content": ...}, ...]}   chat template applied; loss on assistant turns
-  {"text": "..."}                                       loss on every token
-  {"input_ids": [...], "loss_mask": [...]}              already tokenized (loss_mask optional: all 1)
-
-Rows are truncated to ``max_len``; the grain pipeline (pipeline.py) pads them. ``serve.py``'s plain
-output lines also carry a "text" (the answer without its prompt), so they are refused here rather
-than trained on: ``serve.py --emit training`` writes the {"messages": ...} form instead.
-"""
+"""Training records (config.DATA_FORMATS): JSONL lines -> validated records -> token ids + loss mask,
+truncated to ``max_len`` (pipeline.py pads them)."""
 
 from __future__ import annotations
 
@@ -42,11 +33,7 @@ def load_tokenizer(target_dir: str):
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def encode_chat(tok, messages: list[dict]) -> Example:

@@ -1,72 +1,101 @@
-"""The training loop for ``draft_kind: dflash``: the EAGLE-3 Trainer (data, target states online or
-offline, AdamW and its schedule, checkpoints and resume, export) with a DFlash draft, blocks drawn
-for each batch, and SpecForge's DFlash loss (dflash_step.py).
+"""The training loop for ``draft_kind: dflash``: the Trainer with a DFlash draft, blocks drawn for
+each batch, and SpecForge's DFlash loss (drafts/dflash/objective.py).
 
 The draft reads the target's token embedding and head, frozen, as SpecForge's trainer does; its own
 weights start random. It guesses over the target's whole vocab, so no vocab map is built. The
 export is SpecForge's ``DFlashDraftModel`` layout with the target layers and the MASK token id it
-was trained with (save_draft finds the draft's kind in the registry).
+was trained with.
+
+Pairing. The trainer's rows are what SpecForge's DFlash capture stores: token x_t and the target's
+states at t, unshifted. A block anchored at a holds x_a and MASK tokens at a+1.., reads the context
+before a, and offset j is scored against the row's own x_{a+j} (hard labels: the target's final
+states and logits are not read). Which blocks count: anchors where x_a and x_{a+1} are both loss
+tokens, up to ``dflash.num_anchors`` a row. The loss is SpecForge's over one device's batch: the
+weighted mean over every scored token of the micro-batch's rows; micro-batches are averaged, as
+its gradient accumulation does. Anchors are drawn on the host (step.host_draws).
 """
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax import distributed
 from eagle3_jax.config import resolve_dtype
 from eagle3_jax.contracts import check_pairing
 from eagle3_jax.drafts.dflash.checkpoint import LoadedDFlash
 from eagle3_jax.drafts.dflash.model import DFlashDraft
+from eagle3_jax.drafts.dflash.objective import chunked_terms, sample_anchors_host, terms_loss
 from eagle3_jax.drafts.dflash.training import for_export
 from eagle3_jax.drafts.peagle.training import resolve_mask_token_id
-from eagle3_jax.sharding import mesh_context
-from eagle3_jax.train import data as data_lib
-from eagle3_jax.train.dflash_step import DFlashSpec, compiled_dflash_step, sample_blocks
 from eagle3_jax.train.progress import info as _info
+from eagle3_jax.train.step import OptimizerSpec, optimizer_step
 from eagle3_jax.train.trainer import Trainer
 
 
+@dataclass(frozen=True)
+class DFlashSpec:
+    """What one DFlash step computes; hashable (the compiled step depends on it)."""
+
+    num_anchors: int
+    decay_gamma: float | None = None
+    chunk_blocks: int | None = None
+    target_chunk: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> "DFlashSpec":
+        s = cfg.dflash
+        # a row of max_len tokens has at most max_len - 1 anchors: more would only add empty blocks
+        return cls(min(s.num_anchors, cfg.max_len - 1), s.loss_decay_gamma, s.objective_chunk_blocks, cfg.target_chunk)
+
+
+def draw_blocks(loss_mask_T: np.ndarray, spec: DFlashSpec, rng: np.random.Generator) -> dict:
+    """{anchor, keep} [N] of a row's blocks (the trainer's ``draw_row``)."""
+    anchor, keep = sample_anchors_host(loss_mask_T, spec.num_anchors, rng)
+    return {"anchor": anchor, "keep": keep}
+
+
+def block_loss(draft, embed_VD, lm_head_DV, aux_BSX, mb, spec: DFlashSpec):
+    """(loss, {hits_K, scored_K}) of one micro-batch's blocks: what the step differentiates."""
+    out_BTD = draft.forward_blocks(aux_BSX, embed_VD, mb["ids"], mb["anchor"], mb["keep"])
+    t = chunked_terms(out_BTD, lm_head_DV, mb["ids"], mb["loss_mask"], mb["anchor"], mb["keep"], draft.cfg.block_size,
+                      spec.decay_gamma, spec.chunk_blocks)
+    return terms_loss(t), {"hits_K": t["hits_K"], "scored_K": t["scored_K"]}
+
+
+def dflash_train_step(params, opt_state, rest, embed_VD, lm_head_DV, tstate, batch, lr, *, graphdef, tgraph,
+                      opt_spec: OptimizerSpec, aux_ids, spec: DFlashSpec):
+    """The DFlash optimizer step (step.optimizer_step); the batch carries ``anchor`` / ``keep`` from
+    draw_blocks."""
+
+    def objective(p, mb, aux_BSX, _):
+        return block_loss(nnx.merge(graphdef, p, rest), embed_VD, lm_head_DV, aux_BSX, mb, spec)
+
+    params, opt_state, loss, metrics, grad_norm = optimizer_step(objective, params, opt_state, tstate, batch, lr,
+                                                                 tgraph, opt_spec, aux_ids, spec.target_chunk)
+    return params, opt_state, {"loss": loss, **metrics, "grad_norm": grad_norm}
+
+
 class DFlashTrainer(Trainer):
-    @functools.cached_property
-    def spec(self) -> DFlashSpec:
-        return DFlashSpec.from_config(self.cfg, self.cfg.max_len)
+    train_step = staticmethod(dflash_train_step)
+    step_spec = staticmethod(DFlashSpec.from_config)
+    draw_row = staticmethod(draw_blocks)
 
     def _wired_draft(self) -> DFlashDraft:
         cfg, n_aux = self.cfg, len(self.aux_ids)
-        # Offline runs hold no tokenizer; the target directory's one names the MASK candidates.
-        tokenizer = self.tokenizer if self.tokenizer is not None else data_lib.load_tokenizer(cfg.target)
-        mask_id, source = resolve_mask_token_id(self.dcfg, tokenizer, setting="dflash.mask_token_id")
+        mask_id, source = resolve_mask_token_id(self.dcfg, self.mask_tokenizer(), setting="dflash.mask_token_id")
         self.dcfg = for_export(self.dcfg, mask_id, self.tcfg.num_hidden_layers)
         _info("DFlash draft: %d layers, block %d, target layers %s, MASK token id %d (%s)",
               self.dcfg.num_hidden_layers, self.dcfg.block_size, list(self.aux_ids), mask_id, source)
         check_pairing(self.dcfg, self.tcfg, n_aux * self.tcfg.hidden_size, n_aux, None, None)
         return DFlashDraft(self.dcfg, n_aux, resolve_dtype(cfg.dtype), nnx.Rngs(cfg.seed))
 
-    @classmethod
-    def jitted_step(cls, cfg, graphdef, tgraph, opt_spec, aux_ids, sharding_leaves: tuple, sharding_tree):
-        return compiled_dflash_step(graphdef, tgraph, opt_spec, aux_ids, DFlashSpec.from_config(cfg, cfg.max_len),
-                                    sharding_leaves, sharding_tree)
-
-    @classmethod
-    def draws(cls, cfg, loss_mask_ABT, step: int = 0, first_row: int = 0) -> dict:
-        return sample_blocks(loss_mask_ABT, DFlashSpec.from_config(cfg, cfg.max_len), cfg.seed, step, first_row)
-
     def loaded_draft(self) -> LoadedDFlash:
         return LoadedDFlash(self.draft_model(), self.target, self.aux_ids)
 
     def run_step(self, batch: dict) -> dict:
-        tstate = self.target.state if self.target is not None else None
-        lr = self.schedule(self.step)
-        with mesh_context(self.mesh):
-            self.params, self.opt_state, m = self._step(self.params, self.opt_state, self.rest, self.embed_VD,
-                                                        self.lm_head_DV, tstate, batch, jnp.asarray(lr, jnp.float32))
-        m = jax.tree.map(distributed.fetch, m)
-        self.step += 1
+        m, lr = self.apply_step(batch)
         hits, scored = (np.asarray(m[k], np.int64)[1:] for k in ("hits_K", "scored_K"))
         # acc[j - 1]: top-1 agreement with the row's token at block offset j; count[j - 1]: how many
         return {"step": self.step, "loss": float(m["loss"]), "accuracy": float(hits.sum() / max(scored.sum(), 1)),

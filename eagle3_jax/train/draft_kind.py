@@ -1,13 +1,8 @@
-"""Which draft a run trains, and the config.json it trains and exports.
-
-``draft_kind`` names a registered kind (``eagle3_jax.drafts``: ``eagle3``, SpecForge's
-``LlamaForCausalLMEagle3`` chain draft trained by training-time test; ``peagle``, parallel drafting,
-SpecForge's ``PEagleDraftModel``, trained on COD-sampled rollouts; ``dflash``, block drafting,
-SpecForge's ``DFlashDraftModel``, trained on blocks at sampled anchors). A ``draft_config_file`` (a draft
-config.json, e.g. SpecForge's ``configs/qwen3-8b-peagle.json``) gives the draft's sizes and, by its
-architecture, the kind; a ``draft_kind`` that disagrees with it is refused, so neither is silently
-ignored. Without a file the sizes come from the ``draft:`` keys (an unset one: the target's) and
-the kind's own settings (``peagle.*``, ``dflash.*``).
+"""Which draft a run trains (``draft_kind``: a kind registered in ``eagle3_jax.drafts``), and the
+config.json it trains and exports. A ``draft_config_file`` (a draft config.json, e.g. SpecForge's
+``configs/qwen3-8b-peagle.json``) gives the draft's sizes and, by its architecture, the kind; a
+``draft_kind`` that disagrees with it is refused, so neither is silently ignored. Without a file the
+sizes come from the ``draft:`` keys (an unset one: the target's) and the kind's own settings.
 """
 
 from __future__ import annotations

@@ -3,15 +3,12 @@ into tensorstore zarr3 arrays (``offline``): the aux states and the target's fin
 states, plus its embedding and head, so that training needs no target weights and computes the
 same loss (the head is applied to the stored states exactly as online).
 
-Storage (``offline_dtype``): the target's dtype, or narrower. At Kimi-K2.5's width the aux states
-alone are 3 x 7168 values a token (43 KB in bf16: ~7 TB for 83k rows of 2k tokens); float8_e4m3fn
-with one float32 scale per position (its largest magnitude maps to e4m3's 448) halves that again.
-Rows are read back dequantized to float32.
+Storage (``offline_dtype``): the target's dtype, or narrower: float8_e4m3fn with one float32 scale
+per position (its largest magnitude maps to e4m3's 448); rows are read back as float32.
 
-``mode=prepare`` writes into ``OFFLINE_DIR.prepare`` and records the rows written after each batch
-(``progress.json``, replaced atomically once the batch's writes have completed), so a run killed at
-any point resumes from the last recorded batch and ends with the same store; the directory is
-renamed to ``offline_dir`` when complete.
+``mode=prepare`` writes into ``OFFLINE_DIR.prepare``, records the rows written after each batch's
+writes complete (``progress.json``), so a killed run resumes from the last recorded batch, and
+renames the directory to ``offline_dir`` when complete.
 """
 
 from __future__ import annotations
@@ -61,7 +58,7 @@ def target_features(tgraph, tstate, ids_BT, aux_ids: tuple[int, ...], chunk: int
 
 
 def target_head(target_model) -> tuple[jax.Array, jax.Array]:
-    """(embedding [V, D], head [D, V]) of a target; a tied head is the embedding transposed."""
+    """(embedding [V, D], head [D, V]) of a target (a tied head: the embedding transposed)."""
     embed_VD = target_model.embed_tokens[...]
     lm_head_DV = target_model.lm_head[...] if target_model.lm_head is not None else embed_VD.T
     return embed_VD, lm_head_DV
@@ -255,14 +252,11 @@ def prepare_offline(cfg, progress: bool = True, plan=None) -> str:
         shutil.rmtree(work)
     os.makedirs(work, exist_ok=True)
     resume = done > 0
-    arrays = {
-        "ids": _create(work, "ids", (N, T), np.int32, (1, T), resume),
-        "loss_mask": _create(work, "loss_mask", (N, T), np.bool_, (1, T), resume),
-        "aux": _create(work, "aux", (N, T, X), store, (1, T, X), resume),
-        "hidden": _create(work, "hidden", (N, T, D), store, (1, T, D), resume),
-    }
+    layout = {"ids": ((N, T), np.int32), "loss_mask": ((N, T), np.bool_), "aux": ((N, T, X), store),
+              "hidden": ((N, T, D), store)}
     if store.name == "float8_e4m3fn":
-        arrays.update({k + "_scale": _create(work, k + "_scale", (N, T), np.float32, (1, T), resume) for k in SCALED})
+        layout.update({k + "_scale": ((N, T), np.float32) for k in SCALED})
+    arrays = {k: _create(work, k, shape, dtype, (1,) + shape[1:], resume) for k, (shape, dtype) in layout.items()}
     # known before the target runs: written whole on every (re)start
     _create(work, "length", (N,), np.int32, (N,)).write(np.asarray([len(ex.ids) for ex in examples], np.int32)).result()
     if not resume:

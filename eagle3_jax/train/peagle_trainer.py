@@ -1,44 +1,116 @@
-"""The training loop for ``draft_kind: peagle``: the EAGLE-3 Trainer (data, target states online or
-offline, vocab map, AdamW and its schedule, checkpoints and resume, export) with a P-EAGLE draft,
-COD-sampled rollouts added to each batch, and SpecForge's P-EAGLE loss (peagle_step.py).
+"""The training loop for ``draft_kind: peagle``: the Trainer with a P-EAGLE draft, COD-sampled
+rollouts added to each batch, and SpecForge's P-EAGLE loss.
 
-The draft starts from the target's token embedding and trains it, as SpecForge does (its P-EAGLE
-draft loads the target's embedding and leaves it trainable); the other weights start random. The
-export is SpecForge's ``PEagleDraftModel`` layout with the aux ids and the MASK token id it was
-trained with (save_draft finds the draft's kind in the registry).
+The draft starts from the target's token embedding and trains it, as SpecForge does; the other
+weights start random. The export is SpecForge's ``PEagleDraftModel`` layout with the aux ids and the
+MASK token id it was trained with.
+
+Pairing. The trainer's rows are the target's view: token x_t, its aux states aux[t] and final
+hidden state at t (logits[t] guess x_{t+1}). drafts/peagle/objective.py reads rows in SpecForge's shifted
+capture: position t carries ids[t] = x_{t+1}, aux[t], target[t] = logits[t+1]. The shift keeps T
+positions, the last one filled as SpecForge's padding does (id 0, zero logits: a uniform label).
+Which positions count (``loss_convention``, as for EAGLE-3):
+  ours       position t predicts x_{t+2}: it counts when x_{t+2} is a loss token (loss_mask[t+2]);
+             the batch's loss is the weighted mean over all its rows' sampled tokens;
+  specforge  loss_mask[t] as SpecForge passes it, unshifted beside the shifted ids and logits, the
+             row's last position labelled by the zero row its shift appends (a padded row's next
+             position holds the padding's logits, replaced here); each row's weighted mean, the
+             rows averaged (SpecForge trains one row a device and averages the devices' losses).
+The same mask decides which positions COD sampling (on the host: step.host_draws) may extend
+rollouts into.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax import distributed
 from eagle3_jax.config import resolve_dtype
 from eagle3_jax.drafts.peagle.model import PEagleDraft
+from eagle3_jax.drafts.peagle.objective import CODSettings, cod_budget, cod_sample, pad_rollouts, peagle_loss
 from eagle3_jax.drafts.peagle.training import resolve_mask_token_id
-from eagle3_jax.sharding import mesh_context
-from eagle3_jax.train import data as data_lib
-from eagle3_jax.train.peagle_step import PEagleSpec, compiled_peagle_step, sample_rollouts
 from eagle3_jax.train.progress import info as _info
+from eagle3_jax.train.step import OptimizerSpec, optimizer_step
 from eagle3_jax.train.trainer import Trainer
+from eagle3_jax.train.ttt import target_logits
+
+
+@dataclass(frozen=True)
+class PEagleSpec:
+    """What one P-EAGLE step computes; hashable (the compiled step depends on it)."""
+
+    cod: CODSettings
+    convention: str = "ours"
+    target_chunk: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> "PEagleSpec":
+        s = cfg.peagle
+        return cls(CODSettings(s.num_depths, s.down_sample_ratio, s.down_sample_ratio_min), cfg.loss_convention,
+                   cfg.target_chunk)
+
+
+def shifted_loss_mask(loss_mask_BT, convention: str):
+    """The loss mask of the shifted rows (module docstring); numpy or jax arrays alike."""
+    if convention == "specforge":
+        return loss_mask_BT
+    xp = jnp if isinstance(loss_mask_BT, jax.Array) else np
+    return xp.concatenate([loss_mask_BT[:, 2:], xp.zeros_like(loss_mask_BT[:, :2])], axis=1)
+
+
+def _shift_left(x_BT_):
+    """x[:, t] <- x[:, t + 1]; zeros at the last position."""
+    return jnp.concatenate([x_BT_[:, 1:], jnp.zeros_like(x_BT_[:, :1])], axis=1)
+
+
+def shifted_rows(mb, aux_BTX, hidden_BTD, lm_head_DV, convention: str) -> tuple:
+    """peagle_loss's row arguments (ids, aux, target logits, loss mask, anchor, depth, valid) of a
+    micro-batch in SpecForge's shifted pairing (module docstring)."""
+    target_BTV = _shift_left(target_logits(hidden_BTD, lm_head_DV))
+    if convention == "specforge":   # SpecForge's row ends at its length: its zero row, then nothing
+        past_BT = jnp.arange(target_BTV.shape[1])[None, :] >= mb["length"][:, None] - 1
+        target_BTV = jnp.where(past_BT[..., None], 0.0, target_BTV)
+    return (_shift_left(mb["ids"]), aux_BTX, target_BTV, shifted_loss_mask(mb["loss_mask"], convention),
+            mb["anchor"], mb["depth"], mb["valid"])
+
+
+def draw_rollouts(loss_mask_T: np.ndarray, spec: PEagleSpec, rng: np.random.Generator) -> dict:
+    """{anchor, depth, valid} [P] of a row's COD-sampled rollouts (the trainer's ``draw_row``)."""
+    mask_T = shifted_loss_mask(loss_mask_T[None], spec.convention)[0]
+    anchor, depth, valid = pad_rollouts(*cod_sample(mask_T, spec.cod, rng), cod_budget(len(mask_T), spec.cod))
+    return {"anchor": anchor.astype(np.int32), "depth": depth.astype(np.int32), "valid": valid}
+
+
+def peagle_train_step(params, opt_state, rest, lm_head_DV, tstate, batch, lr, *, graphdef, tgraph,
+                      opt_spec: OptimizerSpec, aux_ids, spec: PEagleSpec):
+    """The P-EAGLE optimizer step (step.optimizer_step); the batch carries ``anchor`` / ``depth`` /
+    ``valid`` from draw_rollouts."""
+
+    def objective(p, mb, aux_BTX, hidden_BTD):
+        rows = shifted_rows(mb, aux_BTX, hidden_BTD, lm_head_DV, spec.convention)
+        return peagle_loss(nnx.merge(graphdef, p, rest), *rows, num_depths=spec.cod.num_depths,
+                           row_means=spec.convention == "specforge")
+
+    params, opt_state, loss, metrics, grad_norm = optimizer_step(objective, params, opt_state, tstate, batch, lr,
+                                                                 tgraph, opt_spec, aux_ids, spec.target_chunk)
+    return params, opt_state, {"loss": loss, "acc_sum": metrics["acc_sum"], "acc_total": metrics["acc_total"],
+                               "grad_norm": grad_norm}
 
 
 class PEagleTrainer(Trainer):
-    @functools.cached_property
-    def spec(self) -> PEagleSpec:
-        return PEagleSpec.from_config(self.cfg)
+    train_step = staticmethod(peagle_train_step)
+    STEP_HEAD = ("lm_head_DV",)   # the draft holds its own copy of the embedding
+    step_spec = staticmethod(PEagleSpec.from_config)
+    draw_row = staticmethod(draw_rollouts)
 
     def _new_draft(self) -> PEagleDraft:
         cfg = self.cfg
-        # Offline runs hold no tokenizer; the target directory's one names the MASK candidates.
-        tokenizer = self.tokenizer if self.tokenizer is not None else data_lib.load_tokenizer(cfg.target)
-        mask_id, source = resolve_mask_token_id(self.dcfg, tokenizer)
+        mask_id, source = resolve_mask_token_id(self.dcfg, self.mask_tokenizer())
         self.dcfg = dataclasses.replace(self.dcfg, mask_token_id=mask_id)
         _info("P-EAGLE draft: %d layers, MASK token id %d (%s)", self.dcfg.num_hidden_layers, mask_id, source)
         model = PEagleDraft(self.dcfg, len(self.aux_ids), resolve_dtype(cfg.dtype), nnx.Rngs(cfg.seed))
@@ -46,25 +118,8 @@ class PEagleTrainer(Trainer):
         model.embed_tokens[...] = jnp.array(self.embed_VD, model.dtype, copy=True)
         return model
 
-    STEP_HEAD = ("lm_head_DV",)   # the draft holds its own copy of the embedding
-
-    @classmethod
-    def jitted_step(cls, cfg, graphdef, tgraph, opt_spec, aux_ids, sharding_leaves: tuple, sharding_tree):
-        return compiled_peagle_step(graphdef, tgraph, opt_spec, aux_ids, PEagleSpec.from_config(cfg),
-                                    sharding_leaves, sharding_tree)
-
-    @classmethod
-    def draws(cls, cfg, loss_mask_ABT, step: int = 0, first_row: int = 0) -> dict:
-        return sample_rollouts(loss_mask_ABT, PEagleSpec.from_config(cfg), cfg.seed, step, first_row)
-
     def run_step(self, batch: dict) -> dict:
-        tstate = self.target.state if self.target is not None else None
-        lr = self.schedule(self.step)
-        with mesh_context(self.mesh):
-            self.params, self.opt_state, m = self._step(self.params, self.opt_state, self.rest, self.lm_head_DV,
-                                                        tstate, batch, jnp.asarray(lr, jnp.float32))
-        m = jax.tree.map(distributed.fetch, m)
-        self.step += 1
+        m, lr = self.apply_step(batch)
         total = np.asarray(m["acc_total"], np.int64)
         # acc[d]: top-1 agreement with the target at depth d of the sampled rollouts; count[d]: how many
         return {"step": self.step, "loss": float(m["loss"]),

@@ -1,9 +1,8 @@
-"""The grain input pipeline: padded rows -> ``shuffle(seed) -> repeat -> batch``.
+"""The grain input pipeline: padded rows -> ``shuffle(seed) -> repeat -> batch`` -> arrays on the mesh.
 
 One conversation a row, right-padded (id 0, mask 0), with its length. Rows are not packed: the
 target's attention has no document boundaries, so a packed row would let one conversation's tokens
-shape another's hidden states. Shuffling is per epoch and deterministic, and the iterator's state (a position) is
-saved with each checkpoint.
+shape another's hidden states. The iterator's state (a position) is saved with each checkpoint.
 """
 
 from __future__ import annotations
@@ -12,9 +11,13 @@ import functools
 from typing import Sequence
 
 import grain
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from eagle3_jax.errors import ConfigError
+from eagle3_jax.sharding import DATA_AXIS
 from eagle3_jax.train.data import Example
 
 
@@ -43,12 +46,8 @@ class TokenizedSource:
 
 
 def make_dataset(source, batch_size: int, seed: int, rows: tuple[int, int] | None = None) -> grain.MapDataset:
-    """Deterministic per-epoch shuffle, endless epochs, fixed-size batches.
-
-    The shuffle and batching run over row indices, so every process of a multi-process run walks the
-    same global batches; ``rows=(lo, hi)`` then reads only rows ``lo:hi`` of each (this process's
-    share of the ``data`` axis). The default reads whole batches.
-    """
+    """Deterministic per-epoch shuffle, endless epochs, fixed-size batches, over row indices: every
+    process walks the same global batches and reads only its ``rows=(lo, hi)`` of each (default: all)."""
     if len(source) == 0:
         raise ConfigError("the training data is empty")
     lo, hi = rows if rows is not None else (0, batch_size)
@@ -65,10 +64,57 @@ def _read_rows(source, lo: int, hi: int, indices: np.ndarray) -> dict:
 
 
 def make_iterator(dataset: grain.MapDataset, prefetch: int = 4):
-    """An iterator with ``get_state()`` / ``set_state()`` (saved with checkpoints).
-
-    A few batches are read ahead on a few threads (grain's default, 500 elements on 16 threads, would
-    hold hundreds of batches of aux states in memory when they come from disk).
-    """
+    """An iterator with ``get_state()`` / ``set_state()``, reading a few batches ahead (grain's
+    default would hold hundreds of batches of aux states in memory when they come from disk)."""
     options = grain.ReadOptions(num_threads=min(4, prefetch), prefetch_buffer_size=prefetch)
     return iter(dataset.to_iter_dataset(options))
+
+
+# ---------------------------------------------------------------------- batches on the mesh
+def check_process_mesh(mesh) -> None:
+    if jax.process_count() == 1:
+        return
+    n = jax.device_count()
+    if mesh is None or mesh.devices.size != n:
+        found = "no mesh" if mesh is None else f"mesh {dict(mesh.shape)} ({mesh.devices.size} devices)"
+        raise ConfigError(
+            f"a {jax.process_count()}-process run trains on one mesh over all {n} devices, found {found}; set "
+            f"mesh: data=D,expert=E,tensor=T with D*E*T = {n}")
+
+
+def local_rows(mesh, batch_size: int, grad_accum: int) -> tuple[int, int]:
+    """The rows [lo, hi) of each batch that this process's devices hold (all of them in one process)."""
+    B = batch_size
+    if mesh is None or jax.process_count() == 1:
+        return 0, B
+    rows = set()
+    for index in NamedSharding(mesh, P(None, DATA_AXIS)).addressable_devices_indices_map((grad_accum, B)).values():
+        rows.update(range(*index[1].indices(B)))
+    lo, hi = min(rows), max(rows) + 1
+    if len(rows) != hi - lo:
+        raise ConfigError(f"process {jax.process_index()}'s devices hold rows {sorted(rows)} of each batch, not "
+                          "one contiguous block; order the mesh's devices by process (make_mesh does)")
+    return lo, hi
+
+
+def replicated(x, mesh):
+    if mesh is None:
+        return x
+    sharding = NamedSharding(mesh, P())
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def device_batch(rows: list[dict], mesh, batch_size: int) -> dict:
+    """[grad_accum, this process's rows, ...] arrays -> the global [grad_accum, batch_size, ...] ones,
+    rows on the mesh's ``data`` axis."""
+    batch = {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "index"}
+    if mesh is None:
+        return {k: jnp.asarray(v) for k, v in batch.items()}
+    sharding = NamedSharding(mesh, P(None, DATA_AXIS))
+    if jax.process_count() == 1:
+        return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+    return {k: jax.make_array_from_process_local_data(sharding, v, (v.shape[0], batch_size) + v.shape[2:])
+            for k, v in batch.items()}

@@ -1,5 +1,4 @@
-"""The draft's sizes as a training config gives them: ``DraftShape`` (an EAGLE-3 draft's layer)
-and ``PEagleShape`` (a P-EAGLE draft's depth, MASK token and COD sampling). A leaf, so that
+"""The draft's sizes and each kind's settings as a training config gives them; a leaf, so that
 ``config.py`` and ``draft_kind.py`` both read them without importing each other."""
 
 from __future__ import annotations

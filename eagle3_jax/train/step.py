@@ -1,8 +1,6 @@
-"""The jitted training step: the TTT loss of a batch (grad-accumulated), clipping, AdamW.
-
-Kept apart from the loop (trainer.py) so the planner (tools/plan/train.py) compiles exactly the
-program the Trainer runs, from the same ``compiled_step``.
-"""
+"""The jitted training step: a draft kind's loss over a batch (grad-accumulated), clipping, AdamW;
+apart from the loop (trainer.py), so the planner (tools/plan/train.py) compiles exactly the program
+the Trainer runs, from the same ``compiled_step``."""
 
 from __future__ import annotations
 
@@ -11,6 +9,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -75,22 +74,35 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 def train_step(params, opt_state, rest, embed_VD, lm_head_DV, tstate, batch, lr, *, graphdef, tgraph,
                opt_spec: OptimizerSpec, aux_ids, spec: LossSpec):
-    """One optimizer step at learning rate ``lr`` over batch arrays shaped [grad_accum, rows, ...]."""
+    """The EAGLE-3 (training-time test) optimizer step (``optimizer_step``)."""
 
-    def micro(mb):
-        aux_BTX, hidden_BTD = micro_features(mb, tgraph, tstate, aux_ids, spec.target_chunk)
-        (loss, metrics), grads = jax.value_and_grad(batch_loss, has_aux=True)(
-            params, rest, embed_VD, lm_head_DV, aux_BTX, hidden_BTD, mb, graphdef=graphdef, spec=spec)
-        return loss, metrics, grads
+    def objective(p, mb, aux_BTX, hidden_BTD):
+        return batch_loss(p, rest, embed_VD, lm_head_DV, aux_BTX, hidden_BTD, mb, graphdef=graphdef, spec=spec)
 
-    loss, metrics, grads = accumulate(micro, batch)
+    params, opt_state, loss, metrics, grad_norm = optimizer_step(objective, params, opt_state, tstate, batch, lr,
+                                                                 tgraph, opt_spec, aux_ids, spec.target_chunk)
     A = batch["ids"].shape[0]
     if A > 1:
         metrics = {k: v if k == "count" else v / A for k, v in metrics.items()}
-    params, opt_state, grad_norm = apply_update(params, opt_state, grads, lr, opt_spec)
     return params, opt_state, {"loss": loss, "ploss": metrics["loss"], "acc": metrics["acc"],
                                "acc_all": metrics["acc_all"], "accept": metrics["accept"],
                                "count": metrics["count"], "grad_norm": grad_norm}
+
+
+def optimizer_step(objective, params, opt_state, tstate, batch, lr, tgraph, opt_spec: OptimizerSpec, aux_ids,
+                   target_chunk):
+    """One optimizer step at learning rate ``lr`` over batch arrays shaped [grad_accum, rows, ...]:
+    ``objective(params, micro-batch, aux states, last hidden states) -> (loss, metrics)`` differentiated
+    on each micro-batch. Returns (params, opt_state, loss, summed metrics, grad_norm)."""
+
+    def micro(mb):
+        features = micro_features(mb, tgraph, tstate, aux_ids, target_chunk)
+        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params, mb, *features)
+        return loss, metrics, grads
+
+    loss, metrics, grads = accumulate(micro, batch)
+    updates, opt_state = opt_spec.build(lr).update(grads, opt_state, params)   # clipped AdamW
+    return optax.apply_updates(params, updates), opt_state, loss, metrics, optax.global_norm(grads)
 
 
 def batch_loss(params, rest, embed_VD, lm_head_DV, aux_BTX, hidden_BTD, mb, *, graphdef, spec: LossSpec):
@@ -125,26 +137,24 @@ def accumulate(micro, batch):
     return loss / A, metrics, jax.tree.map(lambda g: g / A, grads)
 
 
-def apply_update(params, opt_state, grads, lr, opt_spec: OptimizerSpec):
-    """(params, opt_state, grad_norm) after one AdamW step (clipped) at learning rate ``lr``."""
-    grad_norm = optax.global_norm(grads)
-    updates, opt_state = opt_spec.build(lr).update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, grad_norm
-
-
 @functools.lru_cache(maxsize=8)
-def compiled_step(graphdef, tgraph, opt_spec: OptimizerSpec, aux_ids: tuple, spec: LossSpec,
+def compiled_step(train_step, graphdef, tgraph, opt_spec: OptimizerSpec, aux_ids: tuple, spec,
                   sharding_leaves: tuple, sharding_tree):
-    """The jitted step for these static settings, its new params and optimizer state pinned to the
-    shardings they came in with (else XLA may pick others, and the next call would recompile).
-    Cached, so runs with identical settings in one process (a resume, the tests) share it."""
+    """A draft kind's jitted ``train_step`` for these static settings (``spec``: its loss's), its new
+    params and optimizer state pinned to the shardings they came in with (else XLA may pick others,
+    and the next call would recompile). Cached, so runs with identical settings in one process (a
+    resume, the tests) share it."""
     params_sh, opt_sh = jax.tree.unflatten(sharding_tree, sharding_leaves)
     step = functools.partial(train_step, graphdef=graphdef, tgraph=tgraph, opt_spec=opt_spec, aux_ids=aux_ids,
                              spec=spec)
     return jax.jit(step, donate_argnums=(0, 1), out_shardings=(params_sh, opt_sh, None))
 
 
-def jitted_step(cfg: TrainConfig, graphdef, tgraph, opt_spec: OptimizerSpec, aux_ids: tuple, sharding_leaves: tuple,
-                sharding_tree):
-    """The EAGLE-3 (training-time test) step a run of ``cfg`` compiles."""
-    return compiled_step(graphdef, tgraph, opt_spec, aux_ids, loss_spec(cfg), sharding_leaves, sharding_tree)
+def host_draws(draw_row, spec, loss_mask_ABT, seed: int, step: int, first_row: int) -> dict:
+    """``draw_row(loss mask [T], spec, rng)`` of one optimizer step's rows, stacked to [A, B, ...]: one
+    generator per (seed, step, micro-batch, global row; ``first_row``: this process's first), so a
+    resumed run draws what the uninterrupted one drew, whichever process reads the row."""
+    A, B, _ = loss_mask_ABT.shape
+    rows = [[draw_row(np.asarray(loss_mask_ABT[a, b]), spec, np.random.default_rng([seed, step, a, first_row + b]))
+             for b in range(B)] for a in range(A)]
+    return {k: np.stack([np.stack([r[k] for r in row]) for row in rows]) for k in rows[0][0]}

@@ -1,18 +1,17 @@
-"""The training loop: AdamW + warmup-cosine + clipping, a jitted TTT step on the mesh, orbax checkpoints
-that a restart resumes from, metrics, periodic acceptance eval, SpecForge export.
+"""The training loop: the kind's jitted step on the mesh (AdamW, warmup-cosine, clipping), orbax
+checkpoints that a restart resumes from, metrics, periodic acceptance eval, SpecForge export.
 
-One optimizer step consumes ``grad_accum`` batches of ``batch_size`` rows; their gradients are averaged
-inside the jitted step (a ``lax.scan``), so the step counter, the schedule and the checkpoints count
-optimizer steps. Rows are sharded over the mesh's ``data`` axis. With several processes
-(``eagle3_jax.distributed``) the mesh spans every process's devices; each process reads only the rows
-of each global batch that its devices hold (``jax.make_array_from_process_local_data`` assembles it).
-All processes save and restore the orbax checkpoints together (``out_dir`` on a shared filesystem);
-process 0 alone writes the metrics log, the vocab map and the exported draft.
+One optimizer step consumes ``grad_accum`` batches of ``batch_size`` rows, their gradients averaged
+inside the step, so the step counter, the schedule and the checkpoints count optimizer steps. Rows
+are sharded over the mesh's ``data`` axis; with several processes each reads only the rows its
+devices hold, all save and restore the checkpoints together (``out_dir`` on a shared filesystem),
+and process 0 alone writes the metrics log, the vocab map and the exported draft.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -24,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from eagle3_jax import distributed, drafts
 from eagle3_jax.checkpoint.staging import atomic_file
@@ -34,11 +32,12 @@ from eagle3_jax.drafts.loaded import LoadedDraft, placed
 from eagle3_jax.errors import ConfigError, SettingsError
 from eagle3_jax.loading import load_target, save_draft
 from eagle3_jax.drafts.eagle3.model import Draft
-from eagle3_jax.sharding import DATA_AXIS, make_mesh, mesh_context, state_shardings, train_param_sharding
+from eagle3_jax.sharding import make_mesh, mesh_context, state_shardings, train_param_sharding
 from eagle3_jax.train import data as data_lib, offline as offline_lib, pipeline as pipeline_lib
 from eagle3_jax.train.config import TrainConfig, TrainPlan
 from eagle3_jax.train.progress import StepReport, info as _info
-from eagle3_jax.train.step import OptimizerSpec, init_optimizer, jitted_step, lr_schedule
+from eagle3_jax.train.step import (OptimizerSpec, compiled_step, host_draws, init_optimizer, loss_spec, lr_schedule,
+                                   train_step)
 from eagle3_jax.train.ttt import simulated_acc_len
 from eagle3_jax.train_serve import check_served_acceptance, tau_by_context
 from eagle3_jax.train.vocab import VocabMap, build_vocab_map, load_or_build, token_counts
@@ -79,7 +78,8 @@ class Trainer:
         self.aux_ids = plan.aux_ids
         self.dcfg = plan.draft
         self.mesh = make_mesh(cfg.mesh) if cfg.mesh is not None else None
-        self._check_process_mesh()
+        pipeline_lib.check_process_mesh(self.mesh)
+        self.rows = pipeline_lib.local_rows(self.mesh, cfg.batch_size, cfg.grad_accum)   # [lo, hi) of each batch
         os.makedirs(cfg.out_dir, exist_ok=True)
         self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
 
@@ -99,7 +99,8 @@ class Trainer:
         else:
             self.source = offline_lib.OfflineSource(cfg.offline_dir)
             offline_lib.check_offline_meta(self.source.meta, plan, cfg.offline_dir)
-            self.embed_VD, self.lm_head_DV = (self._replicated(jnp.asarray(a)) for a in self.source.head())
+            self.embed_VD, self.lm_head_DV = (pipeline_lib.replicated(jnp.asarray(a), self.mesh)
+                                             for a in self.source.head())
 
         self.graphdef, params, rest = nnx.split(placed(self._wired_draft(), self.mesh), nnx.Param, ...)
         if self.mesh is not None:   # trainable weights split over the mesh, not replicated (sharding.py)
@@ -116,7 +117,7 @@ class Trainer:
         self.params, self.opt_state = jax.device_put((self.params, self.opt_state), self._shardings)
 
         # ---- data, checkpoints, resume
-        self.dataset = pipeline_lib.make_dataset(self.source, cfg.batch_size, cfg.seed, rows=self._local_rows())
+        self.dataset = pipeline_lib.make_dataset(self.source, cfg.batch_size, cfg.seed, rows=self.rows)
         self.data_iter = pipeline_lib.make_iterator(self.dataset, prefetch=2 * cfg.grad_accum)
         self.step = 0
         self.ckpt = ocp.CheckpointManager(
@@ -130,7 +131,8 @@ class Trainer:
             self.eval_prompts = data_lib.read_prompts(cfg.eval_prompts, self.tokenizer)
 
         leaves, tree = jax.tree.flatten(self._shardings)
-        self._step = self._compile_step(tuple(leaves), tree)
+        tgraph = self.target.graphdef if self.target else None
+        self._step = self.jitted_step(cfg, self.graphdef, tgraph, self.opt_spec, self.aux_ids, tuple(leaves), tree)
 
     # ------------------------------------------------------------------ what the draft kind decides
     def _wired_draft(self):
@@ -143,47 +145,39 @@ class Trainer:
         model.t2d.value = jnp.asarray(self.vocab.t2d, jnp.bool_)
         return model
 
+    def mask_tokenizer(self):
+        """The tokenizer that names MASK token candidates: offline runs hold none, so the target directory's."""
+        return self.tokenizer if self.tokenizer is not None else data_lib.load_tokenizer(self.cfg.target)
+
     def _new_draft(self):
         return Draft(self.dcfg, len(self.aux_ids), resolve_dtype(self.cfg.dtype), nnx.Rngs(self.cfg.seed))
 
-    # From the settings alone (tools.plan too): the step's args between (params, opt_state, rest) and
-    # (tstate, batch, lr), the jitted step, the host's draws for a batch (none: TTT draws nothing).
-    STEP_HEAD, jitted_step, draws = ("embed_VD", "lm_head_DV"), staticmethod(jitted_step), staticmethod(lambda *a: {})
+    # What the draft kind decides from the settings alone (tools.plan too): its step, the step's args
+    # between (params, opt_state, rest) and (tstate, batch, lr), its static settings, and its host's
+    # draws for a row (``draw_row(loss mask [T], spec, rng) -> {name: array}``; none: TTT draws nothing).
+    train_step = staticmethod(train_step)
+    STEP_HEAD = ("embed_VD", "lm_head_DV")
+    step_spec = staticmethod(loss_spec)
+    draw_row = None
 
-    def _compile_step(self, leaves: tuple, tree):
-        tgraph = self.target.graphdef if self.target else None
-        return self.jitted_step(self.cfg, self.graphdef, tgraph, self.opt_spec, self.aux_ids, leaves, tree)
+    @functools.cached_property
+    def spec(self):
+        return self.step_spec(self.cfg)
+
+    @classmethod
+    def jitted_step(cls, cfg, graphdef, tgraph, opt_spec, aux_ids, sharding_leaves: tuple, sharding_tree):
+        return compiled_step(cls.train_step, graphdef, tgraph, opt_spec, aux_ids, cls.step_spec(cfg), sharding_leaves,
+                             sharding_tree)
+
+    @classmethod
+    def draws(cls, cfg, loss_mask_ABT, step: int = 0, first_row: int = 0) -> dict:
+        return {} if cls.draw_row is None else host_draws(cls.draw_row, cls.step_spec(cfg), loss_mask_ABT, cfg.seed,
+                                                          step, first_row)
 
     # ------------------------------------------------------------------ setup helpers
     def _load_target(self):
         return load_target(self.cfg.target, dtype=self.cfg.resolved_target_dtype, mesh=self.mesh,
                            config=self.plan.target)
-
-    def _check_process_mesh(self):
-        if jax.process_count() == 1:
-            return
-        n = jax.device_count()
-        if self.mesh is None or self.mesh.devices.size != n:
-            found = ("no mesh" if self.mesh is None
-                     else f"mesh {dict(self.mesh.shape)} ({self.mesh.devices.size} devices)")
-            raise ConfigError(
-                f"a {jax.process_count()}-process run trains on one mesh over all {n} devices, found {found}; set "
-                f"mesh: data=D,expert=E,tensor=T with D*E*T = {n}")
-
-    def _local_rows(self) -> tuple[int, int]:
-        """The rows [lo, hi) of each batch that this process's devices hold (all of them in one process)."""
-        B = self.cfg.batch_size
-        if self.mesh is None or jax.process_count() == 1:
-            return 0, B
-        shape = (self.cfg.grad_accum, B)
-        rows = set()
-        for index in NamedSharding(self.mesh, P(None, DATA_AXIS)).addressable_devices_indices_map(shape).values():
-            rows.update(range(*index[1].indices(B)))
-        lo, hi = min(rows), max(rows) + 1
-        if len(rows) != hi - lo:
-            raise ConfigError(f"process {jax.process_index()}'s devices hold rows {sorted(rows)} of each batch, not "
-                              "one contiguous block; order the mesh's devices by process (make_mesh does)")
-        return lo, hi
 
     def _vocab_map(self, V: int, W: int) -> VocabMap:
         path = os.path.join(self.cfg.out_dir, "vocab.npz")
@@ -193,31 +187,11 @@ class Trainer:
         # The others build the same map from the same data (or read process 0's file, written atomically).
         return build_vocab_map(counts(), W)
 
-    def _replicated(self, x):
-        if self.mesh is None:
-            return x
-        sharding = NamedSharding(self.mesh, P())
-        if jax.process_count() == 1:
-            return jax.device_put(x, sharding)
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-    def _device_batch(self, rows: list[dict]) -> dict:
-        batch = {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "index"}
-        if self.mesh is None:
-            return {k: jnp.asarray(v) for k, v in batch.items()}
-        sharding = NamedSharding(self.mesh, P(None, DATA_AXIS))
-        if jax.process_count() == 1:
-            return {k: jax.device_put(v, sharding) for k, v in batch.items()}
-        # [grad_accum, this process's rows, ...] -> the global [grad_accum, batch_size, ...] array
-        B = self.cfg.batch_size
-        return {k: jax.make_array_from_process_local_data(sharding, v, (v.shape[0], B) + v.shape[2:])
-                for k, v in batch.items()}
-
     def next_batch(self) -> dict:   # one optimizer step's rows, with the kind's host draws for each
         rows = [next(self.data_iter) for _ in range(self.cfg.grad_accum)]
-        draws = self.draws(self.cfg, np.stack([r["loss_mask"] for r in rows]), self.step, self._local_rows()[0])
-        return self._device_batch([{**r, **{k: v[a] for k, v in draws.items()}} for a, r in enumerate(rows)])
+        draws = self.draws(self.cfg, np.stack([r["loss_mask"] for r in rows]), self.step, self.rows[0])
+        return pipeline_lib.device_batch([{**r, **{k: v[a] for k, v in draws.items()}} for a, r in enumerate(rows)],
+                                         self.mesh, self.cfg.batch_size)
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self):
@@ -325,15 +299,19 @@ class Trainer:
         return path
 
     # ------------------------------------------------------------------ the loop
-    def run_step(self, batch: dict) -> dict:
+    def apply_step(self, batch: dict) -> tuple[dict, float]:
+        """One optimizer step on ``batch``: (its metrics, on the host; its learning rate)."""
         tstate = self.target.state if self.target is not None else None
         lr = self.schedule(self.step)
         with mesh_context(self.mesh):
-            self.params, self.opt_state, m = self._step(
-                self.params, self.opt_state, self.rest, self.embed_VD, self.lm_head_DV, tstate, batch,
-                jnp.asarray(lr, jnp.float32))
-        m = jax.tree.map(distributed.fetch, m)
+            self.params, self.opt_state, m = self._step(self.params, self.opt_state, self.rest,
+                                                        *(getattr(self, k) for k in self.STEP_HEAD), tstate, batch,
+                                                        jnp.asarray(lr, jnp.float32))
         self.step += 1
+        return jax.tree.map(distributed.fetch, m), lr
+
+    def run_step(self, batch: dict) -> dict:
+        m, lr = self.apply_step(batch)
         row = {"step": self.step, "loss": float(m["loss"]), "ploss": [float(x) for x in m["ploss"]],
                **{k: [float(x) for x in m[k]] for k in ("acc", "acc_all", "accept")},
                "count": [int(x) for x in m["count"]], "grad_norm": float(m["grad_norm"]), "lr": float(lr)}

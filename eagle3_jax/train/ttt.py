@@ -7,30 +7,25 @@ Indexing. The target read tokens x_0..x_{T-1}; ``aux[t]`` is its state at positi
   position t + i (what the serving loop uses for the i-th draft token after position t)
   predicts x_{t+2+i}; label = softmax of logits[t+1+i] restricted to the draft vocab
 
-Attention at step i, query t, sees step 0's keys at 0..t (computed from the target's states)
-plus, for every simulated step j = 1..i, only its key at index t (the paper's diagonal mask):
-each earlier guess on the path to t, never another position's guesses. The causal part and the
-diagonals are scored separately (O(T^2 + iT) per step) and merged into one softmax through their
-log-sum-exps; ``efficient`` scores the causal part densely, ``blockwise`` over key blocks with an
-online softmax (memory O(T)); both are the attention core's forms (models/attention_core.py).
+Attention at step i, query t, sees step 0's keys at 0..t plus, for every simulated step j = 1..i,
+only its key at index t (the paper's diagonal mask). The causal part (``efficient``: dense;
+``blockwise``: key blocks, memory O(T)) and the diagonals are scored separately and merged into one
+softmax through their log-sum-exps.
 
-Loss: step i's cross-entropy against the soft label where the label is usable (the position
-counts as a loss token and the target's top token has a draft id); total sum_i decay^i loss_i.
-Two conventions (``LossSpec.convention``) say which positions count and what a step divides by:
-  ours       the prediction of x_{t+2+i} counts when x_{t+2+i} is a loss token
-             (loss_mask[t+i+2]); a step's loss is the mean over its usable positions.
-  specforge  SpecForge's offline trainer step (published drafts were trained with it): loss_mask[t+i]
+Loss: step i's cross-entropy against the soft label where the label is usable (a loss token whose
+target top token has a draft id); total sum_i decay^i loss_i. ``LossSpec.convention``:
+  ours       the prediction of x_{t+2+i} counts when loss_mask[t+i+2]; a step's loss is the mean
+             over its usable positions.
+  specforge  SpecForge's offline trainer (published drafts were trained with it): loss_mask[t+i]
              (its head shifts ids and logits, not the mask), each row's last token out of the mask;
              a step's summed cross-entropy over rows x the longest row of each group of
              ``specforge_batch`` rows (a device's padded batch), the groups averaged. docs/train.md.
-Optionally (``lk_loss_type``) SpecForge's acceptance-aware "LK" objective replaces a step's
-cross-entropy: with a = sum_w min(p_target(w), q_draft(w)), the chance the draft's sample is
-accepted, ``alpha`` is -mean(log a) and ``lambda`` mixes w*KL + (1-w)*(1 - mean a) with
-w = kl_scale*exp(-kl_decay*mean a) (held constant in the gradient).
+``lk_loss_type``: SpecForge's acceptance-aware "LK" objective, with a = sum_w min(p_target(w),
+q_draft(w)) the chance the draft's sample is accepted: ``alpha`` is -mean(log a), ``lambda``
+w*KL + (1-w)*(1 - mean a) with w = kl_scale*exp(-kl_decay*mean a) (constant in the gradient).
 
-``loss_chunk`` computes the draft head, softmaxes and sums over row chunks, recomputed in the
-backward pass (jax.checkpoint), so no [B, T, draft vocab] array lives across steps; the target's
-signal is likewise built a chunk of positions at a time from its final hidden states.
+``loss_chunk``: the draft head, softmaxes and sums run over row chunks, recomputed in the backward
+pass, so no [B, T, draft vocab] array lives across steps; the target's signal is built likewise.
 """
 
 from __future__ import annotations
@@ -96,45 +91,39 @@ def _signal_fields(logits_BTV, d2t_W, t2d_V):
     return jax.nn.softmax(draft_BTW, axis=-1), on_draft_BTW, t2d_V[jnp.argmax(logits_BTV, axis=-1)]
 
 
-def _masks(in_draft_BT, loss_mask_BT, convention, length_B):
-    B, T = loss_mask_BT.shape
-    none = jnp.zeros((B, 1), bool)
-    if convention == "specforge":   # position p counts when loss_mask[p-1], a row's last token never
-        last_BT = jnp.arange(T)[None, :] >= length_B[:, None] - 1
-        loss_BT = jnp.concatenate([none, (loss_mask_BT & ~last_BT)[:, :-1]], axis=1)
-    else:                           # ... when x_{p+1} is a loss token
-        loss_BT = jnp.concatenate([loss_mask_BT[:, 1:], none], axis=1)
-    return in_draft_BT & loss_BT, loss_BT
-
-
 def target_signal(logits_BTV: jax.Array, loss_mask_BT: jax.Array, d2t_W: jax.Array, t2d_V: jax.Array,
                   convention: str = "ours", length_B: jax.Array | None = None) -> TargetSignal:
     """``length_B``: each row's tokens before its right padding (None: every row fills T)."""
-    _check_convention(convention)
-    B, T = loss_mask_BT.shape
-    length_B = jnp.full((B,), T, jnp.int32) if length_B is None else length_B
-    probs, on_draft, in_draft = _signal_fields(logits_BTV, d2t_W, t2d_V)
-    usable, loss = _masks(in_draft, loss_mask_BT.astype(bool), convention, length_B)
-    return TargetSignal(probs, on_draft, usable, loss, length_B)
+    return _signal(_signal_fields(logits_BTV, d2t_W, t2d_V), loss_mask_BT, convention, length_B)
 
 
 def target_signal_from_hidden(hidden_BTD: jax.Array, lm_head_DV: jax.Array, loss_mask_BT: jax.Array,
                               d2t_W: jax.Array, t2d_V: jax.Array, convention: str = "ours",
                               chunk: int | None = None, length_B: jax.Array | None = None) -> TargetSignal:
     """``target_signal`` of the target's head on its final hidden states, ``chunk`` positions at a
-    time: the full-vocab logits [B, T, V] never exist at once (Kimi-K2.5: 5.4 GB a 8k-token row)."""
-    _check_convention(convention)
+    time: the full-vocab logits [B, T, V] never exist at once."""
     B, T, D = hidden_BTD.shape
-    length_B = jnp.full((B,), T, jnp.int32) if length_B is None else length_B
     S, n, C = _seq_chunks(T, chunk)
     # chunk c of every shard's positions at once: [n, B*S, C, D]
     h_NRCD = jnp.moveaxis(_seq_rows(hidden_BTD, S, n * C).reshape(B, S, n, C, D), 2, 0).reshape(n, B * S, C, D)
     fields = jax.lax.map(lambda h: _signal_fields(target_logits(h, lm_head_DV), d2t_W, t2d_V), h_NRCD)
-    probs, on_draft, in_draft = (
-        _seq_join(jnp.moveaxis(x.reshape((n, B, S, C) + x.shape[3:]), 0, 2).reshape((B, S, n * C) + x.shape[3:]), T)
-        for x in fields)
-    usable, loss = _masks(in_draft, loss_mask_BT.astype(bool), convention, length_B)
-    return TargetSignal(probs, on_draft, usable, loss, length_B)
+    return _signal([_seq_join(jnp.moveaxis(x.reshape((n, B, S, C) + x.shape[3:]), 0, 2).reshape(
+        (B, S, n * C) + x.shape[3:]), T) for x in fields], loss_mask_BT, convention, length_B)
+
+
+def _signal(fields, loss_mask_BT, convention: str, length_B) -> TargetSignal:
+    """The signal from ``_signal_fields``' (probs, on_draft, in_draft) and the loss mask."""
+    _check_convention(convention)
+    probs, on_draft, in_draft_BT = fields
+    B, T = loss_mask_BT.shape
+    length_B = jnp.full((B,), T, jnp.int32) if length_B is None else length_B
+    loss_mask_BT, none = loss_mask_BT.astype(bool), jnp.zeros((B, 1), bool)
+    if convention == "specforge":   # position p counts when loss_mask[p-1], a row's last token never
+        last_BT = jnp.arange(T)[None, :] >= length_B[:, None] - 1
+        loss_BT = jnp.concatenate([none, (loss_mask_BT & ~last_BT)[:, :-1]], axis=1)
+    else:                           # ... when x_{p+1} is a loss token
+        loss_BT = jnp.concatenate([loss_mask_BT[:, 1:], none], axis=1)
+    return TargetSignal(probs, on_draft, in_draft_BT & loss_BT, loss_BT, length_B)
 
 
 # ---------------------------------------------------------------------- sequence parallelism
@@ -226,12 +215,6 @@ def ttt_outputs(draft: Draft, aux_BTX: jax.Array, ids_BT: jax.Array, embed_VD: j
     for i in range(spec.steps):
         hidden_BTD, state = layer(i, hidden_BTD, state)
         yield hidden_BTD
-
-
-def ttt_unroll(draft: Draft, aux_BTX, ids_BT, embed_VD, steps: int, attention: str = "efficient") -> list:
-    """The draft's logits [B, T, W] at each simulated step (see the module docstring for indexing)."""
-    spec = LossSpec(steps=steps, attention=attention)
-    return [draft.head(out) for out in ttt_outputs(draft, aux_BTX, ids_BT, embed_VD, spec)]
 
 
 SUMS = ("ce", "hits", "count", "loss_count", "accept", "log_accept")

@@ -24,18 +24,6 @@ class VocabMap:
     t2d: np.ndarray         # bool [V]
     counts: np.ndarray      # int64 [V]: the frequencies it was built from
 
-    @property
-    def target_ids(self) -> np.ndarray:
-        return np.arange(len(self.d2t), dtype=np.int64) + self.d2t
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return len(self.d2t)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.t2d)
-
 
 def token_counts(examples: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size: int) -> np.ndarray:
     """How often each target token occurs where the loss is taken, over (ids, loss_mask) pairs."""
@@ -67,28 +55,19 @@ def build_vocab_map(counts: np.ndarray, draft_vocab_size: int) -> VocabMap:
     return VocabMap(d2t=d2t, t2d=t2d, counts=counts)
 
 
-def save_vocab(path: str | os.PathLike, vocab: VocabMap) -> None:
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with atomic_file(path, "wb") as f:
-        np.savez(f, d2t=vocab.d2t, t2d=vocab.t2d, counts=vocab.counts)
-
-
-def load_vocab(path: str | os.PathLike) -> VocabMap:
-    with np.load(os.fspath(path)) as z:
-        return VocabMap(d2t=z["d2t"].astype(np.int32), t2d=z["t2d"].astype(bool), counts=z["counts"])
-
-
 def load_or_build(path: str | os.PathLike, counts_fn, vocab_size: int, draft_vocab_size: int) -> VocabMap:
     """Reuses the map saved at ``path`` (a resumed run must keep its vocabulary), else builds and saves it."""
     path = os.fspath(path)
     if os.path.exists(path):
-        vocab = load_vocab(path)
-        if vocab.vocab_size != vocab_size or vocab.draft_vocab_size != draft_vocab_size:
+        with np.load(path) as z:
+            vocab = VocabMap(d2t=z["d2t"].astype(np.int32), t2d=z["t2d"].astype(bool), counts=z["counts"])
+        if len(vocab.t2d) != vocab_size or len(vocab.d2t) != draft_vocab_size:
             raise ConfigError(
-                f"{path} maps a {vocab.vocab_size}-token vocab onto {vocab.draft_vocab_size} draft ids, but this run "
+                f"{path} maps a {len(vocab.t2d)}-token vocab onto {len(vocab.d2t)} draft ids, but this run "
                 f"has vocab {vocab_size} and draft_vocab_size {draft_vocab_size}; use another out_dir or delete it")
         return vocab
     vocab = build_vocab_map(counts_fn(), draft_vocab_size)
-    save_vocab(path, vocab)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with atomic_file(path, "wb") as f:
+        np.savez(f, d2t=vocab.d2t, t2d=vocab.t2d, counts=vocab.counts)
     return vocab
