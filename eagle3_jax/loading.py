@@ -63,11 +63,6 @@ class LoadedTarget:
         """``param_bytes`` split by kind of weight and storage, e.g. ``"routed experts (int4)"``."""
         return weight_bytes_by_kind(self.model)
 
-    def _aux_ids(self, aux_layer_ids) -> tuple[int, ...]:
-        if aux_layer_ids is None:
-            return ()
-        return self.config.check_aux_layer_ids(aux_layer_ids)
-
     def init_cache(self, batch: int, capacity: int) -> MLACache:
         with mesh_context(self.mesh):
             return self.model.init_cache(batch, capacity)
@@ -84,7 +79,7 @@ class LoadedTarget:
 
     def extend_at(self, ids_BT, positions_BT, cache: MLACache, aux_layer_ids=None):
         """Runs tokens at explicit absolute positions; returns (logits, aux, cache). The cache is donated."""
-        aux_ids = self._aux_ids(aux_layer_ids)
+        aux_ids = () if aux_layer_ids is None else self.config.check_aux_layer_ids(aux_layer_ids)
         with mesh_context(self.mesh):
             return self._call(self.graphdef, self.state, jnp.asarray(ids_BT, jnp.int32),
                               jnp.asarray(positions_BT, jnp.int32), cache, aux_ids)
