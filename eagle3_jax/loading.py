@@ -73,8 +73,7 @@ class LoadedTarget:
         if ids_BT.ndim != 2:
             raise ConfigError(f"forward expects token ids of shape [batch, tokens], found shape {ids_BT.shape}")
         B, T = ids_BT.shape
-        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        logits, aux, _ = self.extend_at(ids_BT, positions_BT, self.init_cache(B, T), aux_layer_ids)
+        logits, aux, _, _ = self.extend(ids_BT, jnp.zeros((B,), jnp.int32), self.init_cache(B, T), aux_layer_ids)
         return ForwardOutput(logits=logits, aux_hidden=aux)
 
     def extend_at(self, ids_BT, positions_BT, cache: MLACache, aux_layer_ids=None):
@@ -91,9 +90,7 @@ class LoadedTarget:
         the cache slots they wrote are masked until overwritten by later tokens.
         """
         ids_BT = jnp.asarray(ids_BT, jnp.int32)
-        B, T = ids_BT.shape
-        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        logits, aux, cache = self.extend_at(ids_BT, positions_BT, cache, aux_layer_ids)
+        logits, aux, cache, _ = self.extend(ids_BT, jnp.zeros((ids_BT.shape[0],), jnp.int32), cache, aux_layer_ids)
         return logits, aux, cache, jnp.asarray(lengths_B, jnp.int32)
 
     def extend(self, ids_BT, lengths_B, cache: MLACache, aux_layer_ids=None):
@@ -185,13 +182,9 @@ def load_draft(path: str | os.PathLike, target: LoadedTarget, dtype=None,
 
 def save_draft(draft: LoadedDraft, path: str | os.PathLike, config_overrides: dict | None = None,
                dtype: str | None = None) -> None:
-    """Writes the draft in its kind's SpecForge / SGLang layout (config.json + model.safetensors).
-
-    ``dtype`` ("bfloat16", "float16", "float32") casts the floating-point weights on the way out and
-    is recorded as the config's ``torch_dtype``; None keeps the draft's own dtype.
-
-    The config records the aux layer ids actually used, so the wiring travels with the weights.
-    Staged beside ``path`` and renamed when complete, so a crash never leaves a complete-looking draft.
-    """
+    """Writes the draft in its kind's SpecForge / SGLang layout (config.json, with the aux layer ids
+    used, + model.safetensors), staged beside ``path`` and renamed when complete. ``dtype``
+    ("bfloat16", "float16", "float32") casts the float weights and is recorded as ``torch_dtype``;
+    None keeps the draft's own dtype."""
     drafts.of_module(draft.model).save(draft, path, resolve_dtype(dtype) if dtype is not None else None, dtype,
                                        config_overrides)

@@ -29,9 +29,6 @@ class _Tensors:
     """The header queries one file and a checkpoint directory share: ``_names`` holds every tensor
     name, ``_where`` is named in errors, ``_info(name)`` gives a tensor's TensorInfo."""
 
-    _names: Dict[str, Any]
-    _metadata: Dict[str, Any]
-
     @property
     def metadata(self) -> Dict[str, Any]:
         return dict(self._metadata)
@@ -86,7 +83,7 @@ class SafetensorsFile(_Tensors):
                 st = os.fstat(fh.fileno())
                 self._file_size = st.st_size
                 self._mtime_ns = st.st_mtime_ns
-                header = read_header(fh, self._file_size, self.path)
+                self._data_start, self._metadata, self._names = read_header(fh, self._file_size, self.path)
         except FileNotFoundError:
             raise CheckpointError(
                 f"{self.path}: no such safetensors file; check the path"
@@ -96,9 +93,6 @@ class SafetensorsFile(_Tensors):
                 f"{self.path}: is a directory, expected a .safetensors file; "
                 "use CheckpointReader for checkpoint directories"
             ) from None
-        self._data_start = header.data_start
-        self._metadata: Dict[str, str] = header.metadata
-        self._names: Dict[str, TensorInfo] = header.tensors
         self._where = self.path
 
     def _err(self, msg: str) -> CheckpointError:

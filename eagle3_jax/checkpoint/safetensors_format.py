@@ -91,14 +91,12 @@ def parse_size(size: Union[str, int]) -> int:
     TiB = 1024**k) are accepted, case-insensitively, as is ``B`` or a bare
     number of bytes.  The result must be a whole, non-negative number of bytes.
     """
-    if isinstance(size, bool):
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
         raise ValueError(f"expected a byte size like '5GB' or an int, got {size!r}")
     if isinstance(size, int):
         if size < 0:
             raise ValueError(f"a byte size must be >= 0, got {size}")
         return size
-    if not isinstance(size, str):
-        raise ValueError(f"expected a byte size like '5GB' or an int, got {size!r}")
     units = {
         "": 1, "b": 1,
         "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -142,15 +140,10 @@ class TensorInfo(NamedTuple):
         return self.end - self.begin
 
 
-class Header(NamedTuple):
-    data_start: int               # 8 + N: file offset of the data buffer
-    metadata: Dict[str, str]      # ``__metadata__`` ({} when absent)
-    tensors: Dict[str, TensorInfo]  # in data-offset order
-
-
-def read_header(fh, file_size: int, where: Path) -> Header:
+def read_header(fh, file_size: int, where: Path) -> Tuple[int, Dict[str, str], Dict[str, TensorInfo]]:
     """Reads and validates the length prefix and JSON header at the start of ``fh`` (a raw binary
-    file of ``file_size`` bytes); ``where`` names the file in errors."""
+    file of ``file_size`` bytes; ``where`` names it in errors). Returns the data buffer's file
+    offset, ``__metadata__`` ({} when absent) and the tensors in data-offset order."""
 
     def _err(msg: str) -> CheckpointError:
         return CheckpointError(f"{where}: {msg}")
@@ -244,7 +237,7 @@ def read_header(fh, file_size: int, where: Path) -> Header:
             f"the tensors cover {pos} bytes of data but the file holds {buffer_len} bytes "
             f"after its header ({buffer_len - pos} unexplained trailing bytes); {FIX}"
         )
-    return Header(8 + n, meta, {t.name: t for t in infos})
+    return 8 + n, meta, {t.name: t for t in infos}
 
 
 def _parse_entry(name: str, entry: Any, _err) -> TensorInfo:

@@ -198,10 +198,7 @@ class CheckpointWriter:
             self._data_fh.close()
             self._data_fh = None
         for p in list(self.directory.glob(f"{self._tag}*")):
-            try:
-                p.unlink()
-            except FileNotFoundError:
-                pass
+            p.unlink(missing_ok=True)
         self._done = []
         self._cur = []
 

@@ -61,10 +61,6 @@ def param_name(path) -> str:
     return ".".join(str(p) for p in path)
 
 
-def dtype_name(dtype) -> str:
-    return jnp.dtype(dtype).name
-
-
 def dtype_from_name(name: str) -> np.dtype:
     try:
         return np.dtype(jnp.dtype(name))
@@ -139,7 +135,7 @@ class StoreWriter:
         nbytes = int(np.prod(array.shape)) * jnp.dtype(array.dtype).itemsize
         if self._pending and self._pending_bytes + nbytes > self.part_bytes:
             self.flush()
-        self.params[name] = {"path": list(path), "shape": list(array.shape), "dtype": dtype_name(array.dtype),
+        self.params[name] = {"path": list(path), "shape": list(array.shape), "dtype": jnp.dtype(array.dtype).name,
                              "part": self._part_name()}
         self._pending[name] = array
         self._pending_bytes += nbytes
@@ -235,10 +231,8 @@ def restore_arrays(directory, names) -> dict[str, np.ndarray]:
 
 def restore_state(directory, abstract_state: nnx.State, mesh: jax.sharding.Mesh | None = None,
                   kind: str | None = None, fill: Mapping | None = None) -> nnx.State:
-    """Fills ``abstract_state`` (from ``nnx.eval_shape``) from our checkpoint, each array restored by
-    orbax straight into its sharding on ``mesh`` and cast to the model's dtype (without a mesh: one
-    part at a time through host memory onto the default device).
-    ``fill`` gives values (path -> array) for parameters the checkpoint may omit."""
+    """Fills ``abstract_state`` (from ``nnx.eval_shape``) from our checkpoint, in the model's dtypes
+    (how: the module docstring). ``fill``: values (path -> array) for parameters it may omit."""
     directory = Path(directory)
     meta = read_meta(directory)
     if kind is not None and meta.get("kind") != kind:
@@ -271,10 +265,8 @@ def restore_state(directory, abstract_state: nnx.State, mesh: jax.sharding.Mesh 
             for n in part_names:
                 flat[names[n]].value = jnp.asarray(values.pop(n))
             continue
-        abstract = {}
-        for n in part_names:
-            var = flat[names[n]]
-            abstract[n] = jax.ShapeDtypeStruct(var.value.shape, var.value.dtype, sharding=shardings[names[n]])
+        abstract = {n: jax.ShapeDtypeStruct(flat[names[n]].value.shape, flat[names[n]].value.dtype,
+                                            sharding=shardings[names[n]]) for n in part_names}
         values = _restore_part(directory, part, abstract, ocp.checkpoint_utils.construct_restore_args(abstract))
         for n in part_names:
             flat[names[n]].value = values[n]
