@@ -16,7 +16,7 @@ from flax import nnx
 from eagle3_jax import drafts, preflight
 from eagle3_jax.checkpoint.hf_loader import load_state
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
-from eagle3_jax.checkpoint.target_map import is_ignored_key, target_rules
+from eagle3_jax.checkpoint.target_map import is_ignored_key
 from eagle3_jax.config import TargetConfig, resolve_dtype
 from eagle3_jax.drafts import LoadedDraft
 from eagle3_jax.errors import ConfigError
@@ -125,7 +125,7 @@ def load_target(path: str | os.PathLike, dtype="float32", mesh=None, moe_kernel:
     ``weights="bfloat16"`` dequantizes every weight into ``dtype`` while loading. ``config``: the
     config the caller already read from ``path`` (not read again).
     """
-    from eagle3_jax.checkpoint import quant, quant_native, store
+    from eagle3_jax.checkpoint import quant_native, store
 
     if weights not in quant_native.WEIGHTS_CHOICES:
         raise ConfigError(f"weights='{weights}' is not supported; use one of {quant_native.WEIGHTS_CHOICES}")
@@ -149,12 +149,8 @@ def load_target(path: str | os.PathLike, dtype="float32", mesh=None, moe_kernel:
     if jax_ckpt:
         state = store.restore_state(path, abstract_state, mesh, kind="target")
         return LoadedTarget(nnx.merge(graphdef, state), mesh)
-    if layout is None:
-        rules = target_rules(cfg)
-        read = quant.dequantizing_reader(cfg.hf_config, dtype, where=path)
-    else:
-        rules = quant_native.native_rules(cfg, layout)
-        read = quant_native.native_reader(cfg, rules, dtype, where=path)
+    rules = quant_native.native_rules(cfg, layout)  # target_rules when nothing is held quantized
+    read = quant_native.native_reader(cfg, rules, dtype, where=path)
     state = load_state(reader, rules, abstract_state, prefix=cfg.weight_prefix,
                        ignore=lambda k: is_ignored_key(cfg, k), mesh=mesh, where=path, read=read)
     return LoadedTarget(nnx.merge(graphdef, state), mesh)
