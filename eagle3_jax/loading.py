@@ -16,7 +16,7 @@ from flax import nnx
 from eagle3_jax import drafts, preflight
 from eagle3_jax.checkpoint.hf_loader import load_state
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
-from eagle3_jax.checkpoint.target_map import is_ignored_key, target_rules
+from eagle3_jax.checkpoint.target_map import is_ignored_key
 from eagle3_jax.config import TargetConfig, resolve_dtype
 from eagle3_jax.drafts import LoadedDraft
 from eagle3_jax.errors import ConfigError
@@ -63,11 +63,6 @@ class LoadedTarget:
         """``param_bytes`` split by kind of weight and storage, e.g. ``"routed experts (int4)"``."""
         return weight_bytes_by_kind(self.model)
 
-    def _aux_ids(self, aux_layer_ids) -> tuple[int, ...]:
-        if aux_layer_ids is None:
-            return ()
-        return self.config.check_aux_layer_ids(aux_layer_ids)
-
     def init_cache(self, batch: int, capacity: int) -> MLACache:
         with mesh_context(self.mesh):
             return self.model.init_cache(batch, capacity)
@@ -78,13 +73,12 @@ class LoadedTarget:
         if ids_BT.ndim != 2:
             raise ConfigError(f"forward expects token ids of shape [batch, tokens], found shape {ids_BT.shape}")
         B, T = ids_BT.shape
-        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        logits, aux, _ = self.extend_at(ids_BT, positions_BT, self.init_cache(B, T), aux_layer_ids)
+        logits, aux, _, _ = self.extend(ids_BT, jnp.zeros((B,), jnp.int32), self.init_cache(B, T), aux_layer_ids)
         return ForwardOutput(logits=logits, aux_hidden=aux)
 
     def extend_at(self, ids_BT, positions_BT, cache: MLACache, aux_layer_ids=None):
         """Runs tokens at explicit absolute positions; returns (logits, aux, cache). The cache is donated."""
-        aux_ids = self._aux_ids(aux_layer_ids)
+        aux_ids = () if aux_layer_ids is None else self.config.check_aux_layer_ids(aux_layer_ids)
         with mesh_context(self.mesh):
             return self._call(self.graphdef, self.state, jnp.asarray(ids_BT, jnp.int32),
                               jnp.asarray(positions_BT, jnp.int32), cache, aux_ids)
@@ -96,9 +90,7 @@ class LoadedTarget:
         the cache slots they wrote are masked until overwritten by later tokens.
         """
         ids_BT = jnp.asarray(ids_BT, jnp.int32)
-        B, T = ids_BT.shape
-        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        logits, aux, cache = self.extend_at(ids_BT, positions_BT, cache, aux_layer_ids)
+        logits, aux, cache, _ = self.extend(ids_BT, jnp.zeros((ids_BT.shape[0],), jnp.int32), cache, aux_layer_ids)
         return logits, aux, cache, jnp.asarray(lengths_B, jnp.int32)
 
     def extend(self, ids_BT, lengths_B, cache: MLACache, aux_layer_ids=None):
@@ -133,7 +125,7 @@ def load_target(path: str | os.PathLike, dtype="float32", mesh=None, moe_kernel:
     ``weights="bfloat16"`` dequantizes every weight into ``dtype`` while loading. ``config``: the
     config the caller already read from ``path`` (not read again).
     """
-    from eagle3_jax.checkpoint import quant, quant_native, store
+    from eagle3_jax.checkpoint import quant_native, store
 
     if weights not in quant_native.WEIGHTS_CHOICES:
         raise ConfigError(f"weights='{weights}' is not supported; use one of {quant_native.WEIGHTS_CHOICES}")
@@ -157,12 +149,8 @@ def load_target(path: str | os.PathLike, dtype="float32", mesh=None, moe_kernel:
     if jax_ckpt:
         state = store.restore_state(path, abstract_state, mesh, kind="target")
         return LoadedTarget(nnx.merge(graphdef, state), mesh)
-    if layout is None:
-        rules = target_rules(cfg)
-        read = quant.dequantizing_reader(cfg.hf_config, dtype, where=path)
-    else:
-        rules = quant_native.native_rules(cfg, layout)
-        read = quant_native.native_reader(cfg, rules, dtype, where=path)
+    rules = quant_native.native_rules(cfg, layout)  # target_rules when nothing is held quantized
+    read = quant_native.native_reader(cfg, rules, dtype, where=path)
     state = load_state(reader, rules, abstract_state, prefix=cfg.weight_prefix,
                        ignore=lambda k: is_ignored_key(cfg, k), mesh=mesh, where=path, read=read)
     return LoadedTarget(nnx.merge(graphdef, state), mesh)
@@ -190,13 +178,9 @@ def load_draft(path: str | os.PathLike, target: LoadedTarget, dtype=None,
 
 def save_draft(draft: LoadedDraft, path: str | os.PathLike, config_overrides: dict | None = None,
                dtype: str | None = None) -> None:
-    """Writes the draft in its kind's SpecForge / SGLang layout (config.json + model.safetensors).
-
-    ``dtype`` ("bfloat16", "float16", "float32") casts the floating-point weights on the way out and
-    is recorded as the config's ``torch_dtype``; None keeps the draft's own dtype.
-
-    The config records the aux layer ids actually used, so the wiring travels with the weights.
-    Staged beside ``path`` and renamed when complete, so a crash never leaves a complete-looking draft.
-    """
+    """Writes the draft in its kind's SpecForge / SGLang layout (config.json, with the aux layer ids
+    used, + model.safetensors), staged beside ``path`` and renamed when complete. ``dtype``
+    ("bfloat16", "float16", "float32") casts the float weights and is recorded as ``torch_dtype``;
+    None keeps the draft's own dtype."""
     drafts.of_module(draft.model).save(draft, path, resolve_dtype(dtype) if dtype is not None else None, dtype,
                                        config_overrides)

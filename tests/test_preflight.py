@@ -10,7 +10,7 @@ import pytest
 
 import eagle3_jax as e3
 from eagle3_jax import preflight
-from eagle3_jax.checkpoint.safetensors_reader import SafetensorsFile
+from eagle3_jax.checkpoint.checkpoint_reader import SafetensorsFile
 from eagle3_jax.serve import cli
 from eagle3_jax.tokenizer import TokenizerError
 

@@ -1,4 +1,4 @@
-"""Tests for the streaming safetensors reader/writer (eagle3_jax.checkpoint.safetensors_{format,reader,writer}, checkpoint_reader)."""
+"""Tests for the streaming safetensors reader/writer (eagle3_jax.checkpoint.safetensors_{format,writer}, checkpoint_reader)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import pytest
 import safetensors
 import safetensors.numpy as st_np
 
-from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
+from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader, SafetensorsFile
 from eagle3_jax.checkpoint.safetensors_format import DTYPES, INDEX_FILE_NAME, SINGLE_FILE_NAME, dtype_code, parse_size
-from eagle3_jax.checkpoint.safetensors_reader import SafetensorsFile
 from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
 from eagle3_jax.errors import CheckpointError
 

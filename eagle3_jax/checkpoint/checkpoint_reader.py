@@ -1,10 +1,18 @@
-"""A Hugging Face checkpoint directory: one ``model.safetensors``, or shards plus
-``model.safetensors.index.json``, read one tensor at a time through a small pool of open files."""
+"""Reading safetensors a tensor at a time: one file (:class:`SafetensorsFile`) or a Hugging Face
+checkpoint directory of them (:class:`CheckpointReader`).
+
+Targets reach about 1T parameters (2 TB in hundreds of shards), so nothing reads a whole file: only
+the headers are read up front (and validated, see :mod:`safetensors_format`); each tensor is read
+with ``seek`` + ``readinto`` into a fresh array that owns its memory (no memory map behind it).
+The ``safetensors`` package is not used: its numpy loader cannot return the F8 dtypes FP8
+checkpoints store.
+"""
 
 from __future__ import annotations
 
 import difflib
 import json
+import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -12,32 +20,156 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from eagle3_jax.checkpoint.safetensors_format import INDEX_FILE_NAME, SINGLE_FILE_NAME, PathLike
-from eagle3_jax.checkpoint.safetensors_reader import SafetensorsFile
+from eagle3_jax.checkpoint.safetensors_format import (FIX, INDEX_FILE_NAME, SINGLE_FILE_NAME, PathLike, TensorInfo,
+                                                      read_header, readinto_exact)
 from eagle3_jax.errors import CheckpointError
 
 
-class CheckpointReader:
+class _Tensors:
+    """The header queries one file and a checkpoint directory share: ``_names`` holds every tensor
+    name, ``_where`` is named in errors, ``_info(name)`` gives a tensor's TensorInfo."""
+
+    @property
+    def metadata(self) -> Dict[str, Any]:
+        return dict(self._metadata)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def _check(self, name: str) -> None:
+        if name not in self._names:
+            close = difflib.get_close_matches(str(name), list(self._names), n=3)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise KeyError(f"{self._where}: no tensor named {name!r}{hint}")
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return self._info(name).shape
+
+    def dtype(self, name: str) -> np.dtype:
+        """numpy dtype of a tensor (ml_dtypes types for BF16 and F8)."""
+        return self._info(name).dtype
+
+    def dtype_code(self, name: str) -> str:
+        """safetensors dtype code of a tensor, e.g. ``"BF16"``."""
+        return self._info(name).code
+
+    def nbytes(self, name: str) -> int:
+        return self._info(name).nbytes
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class SafetensorsFile(_Tensors):
+    """One ``.safetensors`` file: the header is validated in the constructor; the first :meth:`read`
+    opens the file and keeps the handle until :meth:`close`. Reading is thread-safe.
+    :meth:`keys` lists tensor names in file (data offset) order."""
+
+    def __init__(self, path: PathLike):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._fh = None  # raw (unbuffered) file object, opened lazily
+        try:
+            with open(self.path, "rb", buffering=0) as fh:
+                st = os.fstat(fh.fileno())
+                self._file_size = st.st_size
+                self._mtime_ns = st.st_mtime_ns
+                self._data_start, self._metadata, self._names = read_header(fh, self._file_size, self.path)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{self.path}: no such safetensors file; check the path"
+            ) from None
+        except IsADirectoryError:
+            raise CheckpointError(
+                f"{self.path}: is a directory, expected a .safetensors file; "
+                "use CheckpointReader for checkpoint directories"
+            ) from None
+        self._where = self.path
+
+    def _err(self, msg: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: {msg}")
+
+    def keys(self) -> List[str]:
+        """Tensor names in file order (by data offset)."""
+        return list(self._names)
+
+    def _info(self, name: str) -> TensorInfo:
+        self._check(name)
+        return self._names[name]
+
+    @property
+    def is_open(self) -> bool:
+        """Whether a file handle is currently held."""
+        return self._fh is not None
+
+    def read(self, name: str) -> np.ndarray:
+        """Read one tensor from disk into a new array that owns its memory."""
+        t = self._info(name)
+        buf = np.empty(t.nbytes, dtype=np.uint8)
+        with self._lock:
+            fh = self._open()
+            fh.seek(self._data_start + t.begin)
+            got = readinto_exact(fh, memoryview(buf))
+        if got != t.nbytes:
+            raise self._err(
+                f"tensor {t.name!r}: expected {t.nbytes} bytes at offset "
+                f"{self._data_start + t.begin}, could read only {got}; the file shrank "
+                f"after it was opened or {FIX}"
+            )
+        return buf.view(t.dtype).reshape(t.shape)
+
+    def _open(self):
+        if self._fh is None:
+            fh = open(self.path, "rb", buffering=0)
+            st = os.fstat(fh.fileno())
+            if st.st_size != self._file_size or st.st_mtime_ns != self._mtime_ns:
+                fh.close()
+                raise self._err(
+                    f"the file changed on disk since its header was read (size "
+                    f"{self._file_size} -> {st.st_size}); open it again"
+                )
+            self._fh = fh
+        return self._fh
+
+    def close(self) -> None:
+        """Release the file handle (the header stays available; read() reopens)."""
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+
+    def __del__(self) -> None:
+        fh = getattr(self, "_fh", None)
+        if fh is not None:
+            try:
+                fh.close()
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return f"SafetensorsFile({str(self.path)!r}, {len(self)} tensors)"
+
+
+class CheckpointReader(_Tensors):
     """A Hugging Face checkpoint directory of safetensors files.
 
-    Accepted layouts, in order of preference:
+    Accepted layouts, in order of preference: ``model.safetensors.index.json`` (or exactly one
+    other ``*.safetensors.index.json``) plus the shards it names; a single ``model.safetensors``;
+    exactly one ``*.safetensors`` of any name. Several ``.safetensors`` without an index are
+    rejected: nothing says they belong together.
 
-    1. ``model.safetensors.index.json`` (``{"metadata": {...}, "weight_map":
-       {name: file}}``) plus the shard files it names; or exactly one other
-       ``*.safetensors.index.json``;
-    2. a single ``model.safetensors``;
-    3. exactly one ``*.safetensors`` file of any name.
-
-    Several ``.safetensors`` files without an index are rejected, since there
-    is no way to know they belong together.
-
-    All headers are parsed and validated up front (headers are small), and
-    every weight_map entry is checked against its shard.  Tensor data is read
-    on demand; at most ``max_open_files`` files hold an open handle at a time
-    (least recently used are closed first).
-
-    ``metadata`` is the index's ``"metadata"`` for sharded checkpoints and the
-    file's ``__metadata__`` for single-file ones.
+    All headers are validated up front, and every weight_map entry against its shard. At most
+    ``max_open_files`` files hold an open handle at a time (least recently used closed first).
+    ``metadata`` is the index's ``"metadata"``, or a single file's ``__metadata__``.
     """
 
     def __init__(self, directory: PathLike, max_open_files: int = 4):
@@ -53,14 +185,12 @@ class CheckpointReader:
                 + ("found a file" if self.directory.exists() else "it does not exist")
                 + "; pass the directory holding model.safetensors or model.safetensors.index.json"
             )
-        index = self._find_index()
+        self._where = self.directory
         self._files: Dict[str, SafetensorsFile] = {}
-        self._weight_map: Dict[str, str] = {}
-        if index is not None:
-            self.index_path: Optional[Path] = index
-            self._load_index(index)
+        self.index_path: Optional[Path] = self._find_index()
+        if self.index_path is not None:
+            self._load_index(self.index_path)
         else:
-            self.index_path = None
             self._load_single()
 
     def _find_index(self) -> Optional[Path]:
@@ -99,7 +229,7 @@ class CheckpointReader:
             path = found[0]
         f = SafetensorsFile(path)
         self._files[path.name] = f
-        self._weight_map = {k: path.name for k in f.keys()}
+        self._names = {k: path.name for k in f.keys()}
         self._metadata = f.metadata
 
     def _load_index(self, index: Path) -> None:
@@ -137,66 +267,35 @@ class CheckpointReader:
             )
         for n in names:
             self._files[n] = SafetensorsFile(self.directory / n)
-        absent: List[str] = []
-        for key, fname in wm.items():
-            if key not in self._files[fname]:
-                absent.append(f"{key!r} (in {fname})")
+        absent = [f"{key!r} (in {fname})" for key, fname in wm.items() if key not in self._files[fname]]
         if absent:
             raise CheckpointError(
                 f"{index}: {len(absent)} tensor(s) in the weight_map are not in the file it "
                 f"names: {', '.join(absent[:10])}" + (" ..." if len(absent) > 10 else "")
                 + "; the index and shards do not belong together: re-download or re-convert"
             )
-        self._weight_map = dict(wm)
+        self._names = dict(wm)
 
-    # ------------------------------------------------------------------ queries
     @property
     def files(self) -> List[Path]:
         """Paths of the safetensors files in this checkpoint (sorted by name)."""
         return [f.path for _, f in sorted(self._files.items())]
 
-    @property
-    def metadata(self) -> Dict[str, Any]:
-        return dict(self._metadata)
-
     def keys(self) -> List[str]:
         """All tensor names, sorted."""
-        return sorted(self._weight_map)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.keys())
-
-    def __len__(self) -> int:
-        return len(self._weight_map)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._weight_map
+        return sorted(self._names)
 
     def _file(self, name: str) -> SafetensorsFile:
-        try:
-            return self._files[self._weight_map[name]]
-        except KeyError:
-            close = difflib.get_close_matches(str(name), list(self._weight_map), n=3)
-            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise KeyError(f"{self.directory}: no tensor named {name!r}{hint}") from None
+        self._check(name)
+        return self._files[self._names[name]]
 
-    def shape(self, name: str) -> Tuple[int, ...]:
-        return self._file(name).shape(name)
-
-    def dtype(self, name: str) -> np.dtype:
-        return self._file(name).dtype(name)
-
-    def dtype_code(self, name: str) -> str:
-        return self._file(name).dtype_code(name)
-
-    def nbytes(self, name: str) -> int:
-        return self._file(name).nbytes(name)
+    def _info(self, name: str) -> TensorInfo:
+        return self._file(name)._info(name)
 
     def total_bytes(self) -> int:
         """Total tensor data bytes in the checkpoint."""
-        return sum(self.nbytes(k) for k in self._weight_map)
+        return sum(self.nbytes(k) for k in self._names)
 
-    # ------------------------------------------------------------------ reading
     def read(self, name: str) -> np.ndarray:
         """Read one tensor into a new, owned array."""
         f = self._file(name)
@@ -209,21 +308,13 @@ class CheckpointReader:
         return f.read(name)
 
     def iter_tensors(self, names: Optional[Iterable[str]] = None) -> Iterator[Tuple[str, np.ndarray]]:
-        """Yield ``(name, array)`` one at a time, in disk order (file, then offset).
-
-        Reading in disk order keeps access sequential; only one tensor is held
-        by this generator at a time.
-        """
+        """Yield ``(name, array)`` one at a time in disk order (file, then offset): sequential
+        reads, one tensor held at a time."""
         wanted = self.keys() if names is None else list(names)
         for n in wanted:
-            self._file(n)  # KeyError early for unknown names
+            self._check(n)  # KeyError early for unknown names
         order = {fname: i for i, fname in enumerate(sorted(self._files))}
-
-        def pos(n: str) -> Tuple[int, int]:
-            f = self._file(n)
-            return order[f.path.name], f.data_offsets(n)[0]
-
-        for n in sorted(wanted, key=pos):
+        for n in sorted(wanted, key=lambda n: (order[self._names[n]], self._info(n).begin)):
             yield n, self.read(n)
 
     def close(self) -> None:
@@ -232,12 +323,5 @@ class CheckpointReader:
                 f.close()
             self._open_lru.clear()
 
-    def __enter__(self) -> "CheckpointReader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"CheckpointReader({str(self.directory)!r}, {len(self)} tensors in {len(self._files)} files)"
-

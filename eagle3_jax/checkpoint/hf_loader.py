@@ -1,7 +1,6 @@
-"""Apply a rule table (target_map, or a draft kind's name table) to a safetensors checkpoint, producing an nnx State
-placed on a mesh. Reads one parameter's tensors at a time, so host memory stays bounded by the
-largest parameter (one layer's expert stack), not by the model.
-"""
+"""Apply a rule table (target_map, or a draft kind's name table) to a safetensors checkpoint, producing
+an nnx State placed on a mesh, one parameter's tensors at a time (host memory: about the largest
+parameter, one layer's expert stack)."""
 
 from __future__ import annotations
 
@@ -18,10 +17,6 @@ from eagle3_jax.errors import CheckpointError
 from eagle3_jax.sharding import sharding_for
 
 log = logging.getLogger(__name__)
-
-
-def _flat(state: nnx.State) -> dict:
-    return {tuple(path): var for path, var in nnx.to_flat_state(state)}
 
 
 def load_state(
@@ -44,7 +39,7 @@ def load_state(
     """
     read = read or (lambda r, key: r.read(key))
     rules = list(rules)
-    flat = _flat(abstract_state)
+    flat = {tuple(path): var for path, var in nnx.to_flat_state(abstract_state)}
     bad_shape = []
     skipped = check_keys(reader.keys(), rules, prefix=prefix, ignore=ignore, where=where)
     if skipped:
@@ -97,27 +92,25 @@ def check_keys(on_disk: Iterable[str], rules: Iterable, *, prefix: str = "",
     for rule in rules:
         keys = [prefix + k for k in rule.hf_keys]
         used.update(keys)
-        absent = [k for k in keys if k not in on_disk and not _has_quantized(on_disk, k)]
-        if absent:
-            missing.extend(absent)
+        missing += [k for k in keys if k not in on_disk and k + "_packed" not in on_disk]
     # A quantized weight is stored as several tensors (weight + scales); those count as used.
     for k in list(on_disk):
         base = _quantized_base(k)
         if base is not None and base in used:
             used.add(k)
     unexpected = sorted(k for k in on_disk - used if not ignore(k))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing tensor(s), e.g. {missing[:5]}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected tensor(s), e.g. {unexpected[:5]}")
-        raise CheckpointError(
-            f"{where or 'checkpoint'}: " + "; ".join(parts) +
-            ". The tensors do not match config.json: check that the config belongs to these weights "
-            "(layer count, q_lora_rank, expert count, first_k_dense_replace)"
-        )
+    raise_mismatch(where or "checkpoint", "tensor", missing, unexpected, [],
+                   ". The tensors do not match config.json: check that the config belongs to these weights "
+                   "(layer count, q_lora_rank, expert count, first_k_dense_replace)")
     return sorted(on_disk - used)
+
+
+def raise_mismatch(where, noun: str, missing: list, unexpected: list, more: list[str], fix: str) -> None:
+    """Raises one CheckpointError listing every missing and unexpected ``noun`` (then ``more``), if any."""
+    parts = [f"{len(names)} {what} {noun}(s), e.g. {names[:5]}"
+             for what, names in (("missing", missing), ("unexpected", unexpected)) if names] + more
+    if parts:
+        raise CheckpointError(f"{where}: " + "; ".join(parts) + fix)
 
 
 QUANT_SUFFIXES = ("_scale_inv", "_packed", "_scale", "_shape", "_zero_point")
@@ -128,7 +121,3 @@ def _quantized_base(key: str) -> str | None:
         if key.endswith("weight" + suffix):
             return key[: -len(suffix)]
     return None
-
-
-def _has_quantized(on_disk: set, key: str) -> bool:
-    return key + "_packed" in on_disk

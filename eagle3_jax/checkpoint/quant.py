@@ -1,41 +1,23 @@
-"""Dequantizing the quantized weights of published targets while they are read.
-
-Two on-disk schemes, both dequantized to a float dtype on load (nothing here requantizes; a
-converted checkpoint exported back to Hugging Face layout holds bf16 weights, not FP8 / INT4):
+"""Dequantizing the quantized weights of published targets while they are read (never requantizing:
+a converted checkpoint exported back to Hugging Face layout holds bf16 weights).
 
 FP8 block scaling (DeepSeek-V3/R1, Kimi-K2; ``quant_method: fp8``)
     ``X.weight`` float8_e4m3fn ``[out, in]`` and ``X.weight_scale_inv`` float32
-    ``[ceil(out/bo), ceil(in/bi)]`` with ``(bo, bi) = weight_block_size`` (128 x 128). Each
-    ``bo x bi`` tile of the weight is multiplied by its one scale; the last tile of a row or
-    column may be partial. ``w = fp8 * scale_inv``, computed in float32.
+    ``[ceil(out/bo), ceil(in/bi)]``, ``(bo, bi) = weight_block_size``: each tile (the last of a
+    row or column may be partial) times its one scale, in float32.
 
 INT4 pack-quantized (Kimi-K2.5's routed experts; ``quant_method: compressed-tensors``,
-``format: pack-quantized``, symmetric, ``strategy: group``, ``group_size: 32``)
-    ``X.weight_packed`` int32 ``[out, ceil(in/8)]``, ``X.weight_scale`` ``[out, ceil(in/32)]``
+``format: pack-quantized``, symmetric, ``strategy: group``)
+    ``X.weight_packed`` int32 ``[out, ceil(in/8)]``, ``X.weight_scale`` ``[out, ceil(in/group)]``
     (bf16 in Kimi-K2.5; f16 / f32 accepted), ``X.weight_shape`` ``[out, in]`` (any int dtype).
-    How the words are laid out, from the compressed-tensors description of ``pack_to_int32`` /
-    ``unpack_from_int32`` (checked against its source, not assumed):
+    As compressed-tensors' ``pack_to_int32`` lays them out (checked against its source): values
+    offset-binary (q in [-8, 7] stored as q + 8), eight per word along the input dimension, least
+    significant nibble first, the last word of a row zero-padded; the word's sign means nothing
+    (unpacking works on the uint32 bit pattern); ``w[r, c] = q[r, c] * scale[r, c // group]``.
+    The word facts are stated once, for numpy and jax.numpy, in ``models/quant_format.py``.
 
-    * values are stored **offset-binary**, not two's complement: the signed value q in
-      [-8, 7] is stored as the unsigned nibble q + 8 in [0, 15] (so 0 is stored as 8);
-    * packing runs along the input (column) dimension, eight values per 32-bit word,
-      **least-significant nibble first**: column c lives in word c // 8 at bits 4 * (c % 8);
-    * a row whose length is not a multiple of 8 is zero-padded (nibble 0) in its last word,
-      and ``weight_shape`` says how many columns are real;
-    * the word is the uint32 bit pattern viewed as int32, so a word whose top nibble is >= 8
-      is negative on disk; unpacking works on the bit pattern, the sign of the word means nothing;
-    * symmetric: no zero point; ``w[r, c] = q[r, c] * scale[r, c // group_size]``.
-
-The same facts serve the weights held natively (``models/quantized.py``) and are stated once, in
-``models/quant_format.py``: ``QuantScheme`` is what a config.json promises, ``QuantLayout`` what a
-target holds quantized (``QuantScheme.native_layout``), and ``int4_nibbles`` / ``int4_plane``
-unpack words for numpy and jax.numpy alike.
-
-``read_dequantized(reader, key, dtype)`` reads the logical weight ``key`` (e.g.
-``model.layers.3.mlp.experts.7.up_proj.weight``) in whichever of the three forms it is stored
-(plain float, FP8 + scale, INT4 packed + scale) and is the ``read=`` hook of
-``hf_loader.load_state``. ``classify`` looks at headers only, so a whole checkpoint can be
-checked for unsupported dtypes before any data is read.
+``read_dequantized`` reads a logical weight in whichever form it is stored; ``classify`` looks at
+headers only, so a whole checkpoint can be checked for unsupported dtypes before any data is read.
 """
 
 from __future__ import annotations
@@ -48,13 +30,14 @@ import ml_dtypes
 import numpy as np
 
 from eagle3_jax.errors import CheckpointError
-from eagle3_jax.models.quant_format import DEFAULT_FP8_BLOCK, DEFAULT_INT4_GROUP, INT4_OFFSET, QuantLayout, int4_nibbles
+from eagle3_jax.models.quant_format import DEFAULT_FP8_BLOCK, DEFAULT_INT4_GROUP, INT4_OFFSET, int4_nibbles
 
 FLOAT_CODES = ("F32", "BF16", "F16")
 SCALE_CODES = ("F32", "BF16", "F16")
 INT_CODES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8")
 
 PLAIN, FP8, INT4 = "plain", "fp8", "int4"
+
 
 @dataclass(frozen=True)
 class QuantScheme:
@@ -63,18 +46,12 @@ class QuantScheme:
     method: str | None = None                    # None | "fp8" | "compressed-tensors"
     fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK   # (rows, cols) of one FP8 scale tile
     int4_group: int = DEFAULT_INT4_GROUP             # input columns per INT4 scale
-    int4_bits: int = 4
 
     @classmethod
     def from_hf_config(cls, d: Mapping[str, Any] | None, where: str = "config.json") -> "QuantScheme":
-        """Reads ``quantization_config`` (top level, or under Kimi-K2.5's ``text_config``).
-
-        Schemes we cannot dequantize exactly are refused here, before any tensor is read.
-        """
-        d = d or {}
-        q = d.get("quantization_config")
-        if q is None and isinstance(d.get("text_config"), Mapping):
-            q = d["text_config"].get("quantization_config")
+        """Reads ``quantization_config``, refusing schemes we cannot dequantize exactly before any
+        tensor is read."""
+        q = quantization_config(d)
         if not q:
             return cls()
         method = q.get("quant_method")
@@ -125,15 +102,14 @@ class QuantScheme:
             "(block-scaled, DeepSeek-V3 / Kimi-K2) or 'compressed-tensors' pack-quantized INT4 "
             "(Kimi-K2.5), or a checkpoint without quantization_config")
 
-    def native_layout(self, **held) -> QuantLayout:
-        """The layout a target holds natively under this scheme: INT4 experts for
-        compressed-tensors, FP8 experts and linears for block FP8 (``held``: which / dtypes)."""
-        if self.method == "compressed-tensors":
-            return QuantLayout(**{"experts": "int4", "int4_group": self.int4_group, **held})
-        if self.method == "fp8":
-            return QuantLayout(**{"experts": "fp8", "linears": "fp8", "fp8_block": tuple(self.fp8_block), **held})
-        raise ValueError(f"no native layout for quantization method {self.method!r}")
 
+def quantization_config(hf_config: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """config.json's ``quantization_config``: top level, or under Kimi-K2.5's ``text_config``."""
+    d = hf_config or {}
+    q = d.get("quantization_config")
+    if q is None and isinstance(d.get("text_config"), Mapping):
+        q = d["text_config"].get("quantization_config")
+    return q
 
 # ---------------------------------------------------------------------- the math
 def dequant_fp8_block(w_fp8: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = DEFAULT_FP8_BLOCK,

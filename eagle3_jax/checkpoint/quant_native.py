@@ -39,9 +39,7 @@ def check_native_config(hf_config: Mapping[str, Any] | None, where: str) -> None
     ``quant.QuantScheme`` has already refused what cannot be dequantized at all (other bit
     widths, asymmetric); what is left here is what dequantizes fine but has no native kernel.
     """
-    q = (hf_config or {}).get("quantization_config")
-    if q is None and isinstance((hf_config or {}).get("text_config"), Mapping):
-        q = hf_config["text_config"].get("quantization_config")
+    q = quant.quantization_config(hf_config)
     if not q or q.get("quant_method") != "compressed-tensors":
         return
     for name, g in (q.get("config_groups") or {}).items():
@@ -97,10 +95,6 @@ class NativeRule(Rule):
     """A rule whose on-disk tensors are read and written as stored (quantized values or scales)."""
 
 
-def _stack(arrays):
-    return np.stack(arrays)
-
-
 def _int4_rules(rule: Rule, out: int, cols: int, shape_dtype: str) -> list[Rule]:
     keys = rule.hf_keys
     E = len(keys)
@@ -114,7 +108,7 @@ def _int4_rules(rule: Rule, out: int, cols: int, shape_dtype: str) -> list[Rule]
     def scale_to_hf(w):
         return list(w) + [np.array([out, cols], np.dtype(shape_dtype)) for _ in range(E)]
 
-    return [NativeRule(rule.path + ("packed",), tuple(k + "_packed" for k in keys), _stack, list),
+    return [NativeRule(rule.path + ("packed",), tuple(k + "_packed" for k in keys), np.stack, list),
             NativeRule(rule.path + ("scale",), tuple(k + "_scale" for k in keys) + tuple(k + "_shape" for k in keys),
                  scale_to_ours, scale_to_hf)]
 
@@ -122,7 +116,7 @@ def _int4_rules(rule: Rule, out: int, cols: int, shape_dtype: str) -> list[Rule]
 def _fp8_rules(rule: Rule, stacked: bool) -> list[Rule]:
     keys = rule.hf_keys
     if stacked:
-        to_ours, to_hf = _stack, list
+        to_ours, to_hf = np.stack, list
     else:
         to_ours, to_hf = (lambda a: a[0]), (lambda w: [w])
     return [NativeRule(rule.path + ("weight",), keys, to_ours, to_hf),
@@ -162,7 +156,6 @@ def native_reader(cfg: TargetConfig, rules, dtype=None, where: str = "") -> Call
     return read
 
 
-
 def layout_from_config(cfg: TargetConfig) -> QuantLayout | None:
     """The layout ``load_target`` will hold for a checkpoint of this config.json, without its
     tensors (for planning): compressed-tensors INT4 -> INT4 routed experts with bf16 scales (as
@@ -170,4 +163,7 @@ def layout_from_config(cfg: TargetConfig) -> QuantLayout | None:
     scheme = quant.QuantScheme.from_hf_config(cfg.hf_config)
     if scheme.method == "compressed-tensors":
         check_native_config(cfg.hf_config, "config.json")
-    return scheme.native_layout() if scheme.method else None
+        return QuantLayout(experts="int4", int4_group=scheme.int4_group)
+    if scheme.method == "fp8":
+        return QuantLayout(experts="fp8", linears="fp8", fp8_block=tuple(scheme.fp8_block))
+    return None

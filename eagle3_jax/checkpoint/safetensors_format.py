@@ -15,9 +15,6 @@ little-endian and C-contiguous.  As the format specification requires, the
 buffer must be entirely covered by the tensors: no holes, no overlaps, nothing
 after the last tensor.  :func:`read_header` enforces all of that, so a file our
 readers accept is a file the official implementation accepts too.
-
-The readers (:mod:`safetensors_reader`, :mod:`checkpoint_reader`) and the writer
-(:mod:`safetensors_writer`) share these definitions.
 """
 
 from __future__ import annotations
@@ -27,10 +24,9 @@ import math
 import os
 import re
 import struct
-from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Tuple, Union
 
 import ml_dtypes
 import numpy as np
@@ -95,14 +91,12 @@ def parse_size(size: Union[str, int]) -> int:
     TiB = 1024**k) are accepted, case-insensitively, as is ``B`` or a bare
     number of bytes.  The result must be a whole, non-negative number of bytes.
     """
-    if isinstance(size, bool):
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
         raise ValueError(f"expected a byte size like '5GB' or an int, got {size!r}")
     if isinstance(size, int):
         if size < 0:
             raise ValueError(f"a byte size must be >= 0, got {size}")
         return size
-    if not isinstance(size, str):
-        raise ValueError(f"expected a byte size like '5GB' or an int, got {size!r}")
     units = {
         "": 1, "b": 1,
         "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -127,55 +121,40 @@ def shard_file_name(index: int, total: int) -> str:
     return f"model-{index:05d}-of-{total:05d}.safetensors"
 
 
-def _reject_duplicate_keys(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
-    return out
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-class TensorInfo:
-    """Where one tensor lives in a file's data buffer, and what it is."""
+class TensorInfo(NamedTuple):
+    """Where one tensor lives in a file's data buffer (``[begin, end)``), and what it is."""
 
-    __slots__ = ("name", "code", "dtype", "shape", "begin", "end")
-
-    def __init__(self, name: str, code: str, dtype: np.dtype, shape: Tuple[int, ...], begin: int, end: int):
-        self.name = name
-        self.code = code
-        self.dtype = dtype
-        self.shape = shape
-        self.begin = begin
-        self.end = end
+    name: str
+    code: str
+    dtype: np.dtype
+    shape: Tuple[int, ...]
+    begin: int
+    end: int
 
     @property
     def nbytes(self) -> int:
         return self.end - self.begin
 
 
-@dataclass
-class Header:
-    header_len: int               # N, the JSON header's length in bytes
-    data_start: int               # 8 + N: file offset of the data buffer
-    metadata: Dict[str, str]      # ``__metadata__`` ({} when absent)
-    tensors: Dict[str, TensorInfo]  # in data-offset order
-
-
-def read_header(fh, file_size: int, where: Path) -> Header:
+def read_header(fh, file_size: int, where: Path) -> Tuple[int, Dict[str, str], Dict[str, TensorInfo]]:
     """Reads and validates the length prefix and JSON header at the start of ``fh`` (a raw binary
-    file of ``file_size`` bytes); ``where`` names the file in errors."""
+    file of ``file_size`` bytes; ``where`` names it in errors). Returns the data buffer's file
+    offset, ``__metadata__`` ({} when absent) and the tensors in data-offset order."""
 
     def _err(msg: str) -> CheckpointError:
         return CheckpointError(f"{where}: {msg}")
+
+    def unique(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
+        seen: set = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _err(f"the header lists the key {k!r} more than once; {FIX}")
+            seen.add(k)
+        return dict(pairs)
 
     size = file_size
     if size < 8:
@@ -207,9 +186,7 @@ def read_header(fh, file_size: int, where: Path) -> Header:
             f"{text[:40]!r}; this is not a safetensors file or {FIX}"
         )
     try:
-        header = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
-    except _DuplicateKey as e:
-        raise _err(f"the header lists the key {e.args[0]!r} more than once; {FIX}") from None
+        header = json.loads(text, object_pairs_hook=unique)
     except json.JSONDecodeError as e:
         raise _err(f"the {n}-byte header is not valid JSON ({e}); {FIX}") from None
     if not isinstance(header, dict):
@@ -225,9 +202,7 @@ def read_header(fh, file_size: int, where: Path) -> Header:
             f"expected '__metadata__' to be an object of string values, found {meta!r}; {FIX}"
         )
 
-    infos: List[TensorInfo] = []
-    for name, entry in header.items():
-        infos.append(_parse_entry(name, entry, _err))
+    infos = [_parse_entry(name, entry, _err) for name, entry in header.items()]
 
     # Offsets must tile the buffer exactly: sorted by position, each tensor
     # starts where the previous one ended, and the last ends at EOF.
@@ -262,7 +237,8 @@ def read_header(fh, file_size: int, where: Path) -> Header:
             f"the tensors cover {pos} bytes of data but the file holds {buffer_len} bytes "
             f"after its header ({buffer_len - pos} unexplained trailing bytes); {FIX}"
         )
-    return Header(n, 8 + n, meta, {t.name: t for t in infos})
+    return 8 + n, meta, {t.name: t for t in infos}
+
 
 def _parse_entry(name: str, entry: Any, _err) -> TensorInfo:
     if not isinstance(entry, dict):

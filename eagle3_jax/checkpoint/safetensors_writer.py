@@ -1,12 +1,9 @@
 """Streams tensors into a Hugging Face safetensors checkpoint directory (:class:`CheckpointWriter`).
 
-Why not the ``safetensors`` package's writer: it does write our BF16 and F8 arrays (ml_dtypes
-bfloat16 / float8_e4m3fn) with the right codes, but ``safetensors.numpy.save_file`` takes every
-tensor of a file in one dict, so a shard needs all its tensors in host memory at once (5 GB by
-default, on top of the parameters the converter has in flight), and it reorders tensors by dtype
-size and name. This writer appends each tensor to disk as it arrives and rolls over to a new shard
-at a size limit. Its files are byte-identical to the package's for the same tensors added in the
-package's order (tests/test_safetensors_io.py checks this, BF16 and F8 included).
+Not the ``safetensors`` package's writer: ``save_file`` takes a whole shard's tensors in one dict
+(all in host memory at once) and reorders them. This one appends each tensor to disk as it arrives
+and rolls over to a new shard at a size limit; its files are byte-identical to the package's for
+the same tensors added in the package's order (tests/test_safetensors_io.py checks this).
 """
 
 from __future__ import annotations
@@ -32,39 +29,22 @@ _COPY_CHUNK = 64 * 2**20
 class CheckpointWriter:
     """Stream tensors into a Hugging Face safetensors checkpoint directory.
 
-    ``add(name, array)`` appends the tensor's bytes to a temporary data file for
-    the current shard right away, so peak memory is about one tensor (plus one
-    contiguous little-endian copy if the input is not already one).  When the
-    next tensor would push the shard's data past ``max_shard_bytes``, the shard
-    is finished: its header is written to a temporary shard file followed by the
-    data, copied in 64 MiB chunks, and the data file is deleted.  A tensor
-    larger than the limit gets a shard of its own.  Disk overhead is therefore
-    one shard's worth of temporary space.
+    ``add(name, array)`` appends the tensor's bytes to the current shard's temporary data file
+    at once (peak memory: about one tensor). When the next tensor would push the shard past
+    ``max_shard_bytes`` the shard is finished (header, then the data copied after it); a tensor
+    larger than the limit gets a shard of its own.
 
     ``close()`` renames the shards to ``model-00001-of-0000N.safetensors`` (or
-    ``model.safetensors`` when there is only one) and, when sharded, writes
-    ``model.safetensors.index.json`` with ``{"metadata": {"total_size": ...},
-    "weight_map": {...}}`` last, so an index on disk means the shards are
-    complete.  Leaving a ``with`` block by an exception deletes the temporary
-    files and writes nothing.
+    ``model.safetensors`` when there is only one) and, when sharded, writes the index last, so an
+    index on disk means the shards are complete. Leaving a ``with`` block by an exception deletes
+    the temporary files and writes nothing.
 
-    Layout of each file, matching the official ``safetensors`` writer:
+    Files match the official writer's: compact header JSON with ``"__metadata__"`` first,
+    space-padded to a multiple of 8 bytes; tensors back to back in the order added (the official
+    writer sorts by dtype size, then name: add them in that order to reproduce its files).
 
-    * header JSON is compact (``","`` and ``":"`` separators, non-ASCII kept as
-      UTF-8), ``"__metadata__"`` first, then tensors in data order, each as
-      ``{"dtype", "shape", "data_offsets"}``;
-    * the header is right-padded with spaces to a multiple of 8 bytes, so the
-      data buffer starts 8-byte aligned;
-    * tensors are stored back to back (no padding, as the format requires) in
-      the order they were added.  The official writer instead sorts tensors by
-      dtype size (largest first), then by name, which keeps every tensor
-      naturally aligned; this writer cannot reorder a stream, so add large-dtype
-      tensors first if alignment matters.  Adding tensors in the official order
-      with the same metadata reproduces an officially written file byte for byte.
-
-    ``metadata``: ``None`` (default) writes ``{"format": "pt"}`` (what
-    transformers expects); ``{}`` writes no ``__metadata__``; any other dict of
-    str -> str is written as given to every shard's header.
+    ``metadata``: ``None`` writes ``{"format": "pt"}`` (what transformers expects); ``{}`` writes
+    no ``__metadata__``; any other dict of str -> str is written to every shard's header.
     """
 
     def __init__(
@@ -109,13 +89,9 @@ class CheckpointWriter:
 
     def _existing_checkpoint_files(self) -> List[Path]:
         pat = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-        out = []
-        for p in sorted(self.directory.iterdir()):
-            if p.name in (SINGLE_FILE_NAME, INDEX_FILE_NAME) or pat.fullmatch(p.name):
-                out.append(p)
-        return out
+        return [p for p in sorted(self.directory.iterdir())
+                if p.name in (SINGLE_FILE_NAME, INDEX_FILE_NAME) or pat.fullmatch(p.name)]
 
-    # ------------------------------------------------------------------ adding
     def add(self, name: str, array: Any) -> None:
         """Write one tensor now.  ``array`` is anything ``np.asarray`` accepts."""
         if self._closed:
@@ -134,32 +110,25 @@ class CheckpointWriter:
             code = dtype_code(arr.dtype)
         except CheckpointError as e:
             raise CheckpointError(f"tensor {name!r}: {e}") from None
-        dt = DTYPES[code]
         shape = tuple(int(d) for d in arr.shape)
-        if arr.dtype != dt:  # big-endian input
-            arr = arr.astype(dt)
-        if not arr.flags.c_contiguous:
-            arr = np.ascontiguousarray(arr)
+        arr = np.ascontiguousarray(arr, dtype=DTYPES[code])  # little-endian, C order
         nbytes = arr.nbytes
         if self._cur and self._cur_bytes + nbytes > self.max_shard_bytes:
             self._finish_shard()
-        if self._data_fh is None:
-            self._data_path = self.directory / f"{self._tag}-{len(self._done) + 1:05d}.data"
-            self._data_fh = open(self._data_path, "wb")
         if nbytes:
-            self._data_fh.write(memoryview(arr.reshape(-1).view(np.uint8)))
+            self._data().write(memoryview(arr.reshape(-1).view(np.uint8)))
         begin = self._cur_bytes
         self._cur_bytes += nbytes
         self._cur.append((name, code, shape, begin, self._cur_bytes))
         self._names.add(name)
 
-    def __len__(self) -> int:
-        return len(self._names)
+    def _data(self):
+        """The current shard's temporary data file, opened on first use."""
+        if self._data_fh is None:
+            self._data_path = self.directory / f"{self._tag}-{len(self._done) + 1:05d}.data"
+            self._data_fh = open(self._data_path, "wb")
+        return self._data_fh
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    # ------------------------------------------------------------------ shards
     def _header_bytes(self) -> bytes:
         header: Dict[str, Any] = {}
         if self.metadata:
@@ -170,12 +139,8 @@ class CheckpointWriter:
         return raw + b" " * (-len(raw) % 8)
 
     def _finish_shard(self) -> None:
-        if self._data_fh is None:
-            self._data_path = self.directory / f"{self._tag}-{len(self._done) + 1:05d}.data"
-            open(self._data_path, "wb").close()
-        else:
-            self._data_fh.close()
-            self._data_fh = None
+        self._data().close()
+        self._data_fh = None
         header = self._header_bytes()
         shard_path = self.directory / f"{self._tag}-{len(self._done) + 1:05d}.safetensors"
         with open(shard_path, "wb") as out, open(self._data_path, "rb") as src:
@@ -233,10 +198,7 @@ class CheckpointWriter:
             self._data_fh.close()
             self._data_fh = None
         for p in list(self.directory.glob(f"{self._tag}*")):
-            try:
-                p.unlink()
-            except FileNotFoundError:
-                pass
+            p.unlink(missing_ok=True)
         self._done = []
         self._cur = []
 
@@ -250,4 +212,4 @@ class CheckpointWriter:
             self.close()
 
     def __repr__(self) -> str:
-        return f"CheckpointWriter({str(self.directory)!r}, {len(self)} tensors)"
+        return f"CheckpointWriter({str(self.directory)!r}, {len(self._names)} tensors)"

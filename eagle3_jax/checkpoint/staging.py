@@ -6,10 +6,8 @@
 * :func:`atomic_file` / :func:`write_json_atomic` do the same for one file (``PATH.tmp-PID`` then
   ``os.replace``), so readers see either the old file or the new one, never a prefix.
 
-Everything created here gets the permissions an ordinary ``mkdir`` / ``open`` would give
-(directories ``0o777 & ~umask``, files ``0o666 & ~umask``): a staging name made with
-``tempfile.mkdtemp`` is private (0700), which is right while it is being written and wrong for the
-checkpoint a user shares afterwards.
+The staged directory gets an ordinary ``mkdir``'s permissions (``0o777 & ~umask``), not
+``tempfile.mkdtemp``'s private 0700: the finished checkpoint is meant to be shared.
 """
 
 from __future__ import annotations
@@ -32,14 +30,6 @@ def current_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -95,8 +85,12 @@ def atomic_file(path: PathLike, mode: str = "w", fsync: bool = True) -> Iterator
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    if fsync:
-        _fsync_dir(path.parent)
+    if fsync:  # the directory entry too
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_json_atomic(path: PathLike, obj: Any, indent: int | None = 2, sort_keys: bool = False,

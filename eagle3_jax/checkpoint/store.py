@@ -10,11 +10,9 @@ Layout::
       ...                  (tokenizer / generation_config files copied alongside, if any)
 
 Why parts rather than one orbax checkpoint: an orbax save takes the whole tree in memory, and the
-models this project converts are far bigger than host memory. Orbax's incremental ("partial")
-saving rewrites and merges its metadata on every call and slows down with the number of calls
-(measured here: 100 one-parameter saves + finalize took 16 s, 200 took 70 s), so the converter
-streams parameters into parts of a bounded size instead; each part is one ordinary orbax PyTree
-checkpoint, restorable on its own. ``eagle3_jax.json`` says which part holds which parameter.
+models are far bigger than host memory; orbax's incremental ("partial") saving rewrites its
+metadata on every call and slows down with the number of calls. So parameters stream into parts of
+a bounded size, each an ordinary orbax PyTree checkpoint; ``eagle3_jax.json`` says which holds which.
 
 Restoring never builds a host copy of the model: on a mesh each part is restored by orbax straight
 into the shardings (``sharding.state_shardings``) and dtypes of the abstract model state; without a
@@ -41,6 +39,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from eagle3_jax.checkpoint.hf_loader import raise_mismatch
 from eagle3_jax.checkpoint.staging import write_json_atomic
 from eagle3_jax.errors import CheckpointError
 from eagle3_jax.sharding import state_shardings
@@ -50,10 +49,8 @@ FORMAT = "eagle3-jax-checkpoint"
 FORMAT_VERSION = 1
 PARAMS_DIR = "params"
 # Default bound on the bytes buffered before a part is written. One part is written in the
-# background while the next is assembled, so a conversion holds about two parts (or, for models
-# whose parameters are larger than a part, about two parameters plus one being stacked).
-# 256 MB measured fastest on the benchmark (benchmarks/convert.py): smaller parts pay orbax's
-# per-save overhead more often, larger ones wait longer for the last write.
+# background while the next is assembled, so a conversion holds about two parts. Smaller parts pay
+# orbax's per-save overhead more often, larger ones wait longer for the last write.
 DEFAULT_PART_BYTES = 256 * 10**6
 # zarr chunks within one array stay below this, so restoring a shard of a huge expert stack reads
 # only the chunks that shard needs, not the whole array.
@@ -62,10 +59,6 @@ CHUNK_BYTES = 256 * 2**20
 
 def param_name(path) -> str:
     return ".".join(str(p) for p in path)
-
-
-def dtype_name(dtype) -> str:
-    return jnp.dtype(dtype).name
 
 
 def dtype_from_name(name: str) -> np.dtype:
@@ -100,7 +93,7 @@ def read_meta(path) -> dict:
 
 
 def _checkpointer():
-    # zstd saved ~20% of the bytes of random bf16 weights here but cut the save speed about 3x.
+    # No compression: zstd saves little on weights and slows saving several times over.
     return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
 
 
@@ -142,7 +135,7 @@ class StoreWriter:
         nbytes = int(np.prod(array.shape)) * jnp.dtype(array.dtype).itemsize
         if self._pending and self._pending_bytes + nbytes > self.part_bytes:
             self.flush()
-        self.params[name] = {"path": list(path), "shape": list(array.shape), "dtype": dtype_name(array.dtype),
+        self.params[name] = {"path": list(path), "shape": list(array.shape), "dtype": jnp.dtype(array.dtype).name,
                              "part": self._part_name()}
         self._pending[name] = array
         self._pending_bytes += nbytes
@@ -191,6 +184,13 @@ def _restore_part(directory: Path, part: str, abstract: dict, restore_args: dict
         raise CheckpointError(f"{path}: cannot restore {sorted(abstract)[:3]}...: {e}") from e
 
 
+def _restore_host(directory: Path, part: str, dtypes: Mapping[str, Any], cast: bool = False) -> dict:
+    """Parameters of one part (name -> dtype) as host numpy arrays, cast to those dtypes if ``cast``."""
+    abstract = {n: np.empty((0,), dt) for n, dt in dtypes.items()}
+    args = {n: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dt if cast else None) for n, dt in dtypes.items()}
+    return _restore_part(directory, part, abstract, args)
+
+
 def iter_params(directory, max_bytes: int = 256 * 2**20) -> Iterator[tuple[str, np.ndarray]]:
     """(name, host numpy array) in the order written, restored a few at a time: each orbax call
     takes consecutive parameters of one part up to ``max_bytes`` (or one larger parameter), so
@@ -212,9 +212,8 @@ def iter_params(directory, max_bytes: int = 256 * 2**20) -> Iterator[tuple[str, 
             groups.append([name])
             size = nbytes(name)
     for names in groups:
-        abstract = {n: np.empty((0,), dtype_from_name(params[n]["dtype"])) for n in names}
-        args = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names}
-        values = _restore_part(directory, params[names[0]]["part"], abstract, args)
+        values = _restore_host(directory, params[names[0]]["part"],
+                               {n: dtype_from_name(params[n]["dtype"]) for n in names})
         for n in names:
             yield n, values.pop(n)
 
@@ -225,19 +224,15 @@ def restore_arrays(directory, names) -> dict[str, np.ndarray]:
     meta = read_meta(directory)
     out = {}
     for part in dict.fromkeys(meta["params"][n]["part"] for n in names):
-        wanted = [n for n in names if meta["params"][n]["part"] == part]
-        abstract = {n: np.empty((0,), dtype_from_name(meta["params"][n]["dtype"])) for n in wanted}
-        out.update(_restore_part(directory, part, abstract,
-                                 {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in wanted}))
+        out.update(_restore_host(directory, part, {n: dtype_from_name(meta["params"][n]["dtype"])
+                                                   for n in names if meta["params"][n]["part"] == part}))
     return out
 
 
 def restore_state(directory, abstract_state: nnx.State, mesh: jax.sharding.Mesh | None = None,
                   kind: str | None = None, fill: Mapping | None = None) -> nnx.State:
-    """Fills ``abstract_state`` (from ``nnx.eval_shape``) from our checkpoint, each array restored by
-    orbax straight into its sharding on ``mesh`` and cast to the model's dtype (without a mesh: one
-    part at a time through host memory onto the default device).
-    ``fill`` gives values (path -> array) for parameters the checkpoint may omit."""
+    """Fills ``abstract_state`` (from ``nnx.eval_shape``) from our checkpoint, in the model's dtypes
+    (how: the module docstring). ``fill``: values (path -> array) for parameters it may omit."""
     directory = Path(directory)
     meta = read_meta(directory)
     if kind is not None and meta.get("kind") != kind:
@@ -256,16 +251,9 @@ def restore_state(directory, abstract_state: nnx.State, mesh: jax.sharding.Mesh 
     bad = [f"{n}: stored {tuple(stored[n]['shape'])}, config implies {tuple(flat[names[n]].value.shape)}"
            for n in sorted(set(names) & set(stored))
            if tuple(stored[n]["shape"]) != tuple(flat[names[n]].value.shape)]
-    if missing or unexpected or bad:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing parameter(s), e.g. {missing[:5]}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected parameter(s), e.g. {unexpected[:5]}")
-        if bad:
-            parts.append(f"{len(bad)} shape mismatch(es): " + "; ".join(bad[:5]))
-        raise CheckpointError(f"{directory}: " + "; ".join(parts) +
-                              ". config.json and the stored arrays disagree: convert the checkpoint again")
+    raise_mismatch(directory, "parameter", missing, unexpected,
+                   [f"{len(bad)} shape mismatch(es): " + "; ".join(bad[:5])] if bad else [],
+                   ". config.json and the stored arrays disagree: convert the checkpoint again")
     by_part: dict[str, list[str]] = {}
     for name in names:
         by_part.setdefault(stored[name]["part"], []).append(name)
@@ -273,16 +261,12 @@ def restore_state(directory, abstract_state: nnx.State, mesh: jax.sharding.Mesh 
         if mesh is None:
             # One device: through host numpy like the Hugging Face loader, so both give the same
             # (uncommitted, default-device) arrays and share compiled code.
-            abstract = {n: np.empty((0,), flat[names[n]].value.dtype) for n in part_names}
-            args = {n: ocp.RestoreArgs(restore_type=np.ndarray, dtype=flat[names[n]].value.dtype) for n in part_names}
-            values = _restore_part(directory, part, abstract, args)
+            values = _restore_host(directory, part, {n: flat[names[n]].value.dtype for n in part_names}, cast=True)
             for n in part_names:
                 flat[names[n]].value = jnp.asarray(values.pop(n))
             continue
-        abstract = {}
-        for n in part_names:
-            var = flat[names[n]]
-            abstract[n] = jax.ShapeDtypeStruct(var.value.shape, var.value.dtype, sharding=shardings[names[n]])
+        abstract = {n: jax.ShapeDtypeStruct(flat[names[n]].value.shape, flat[names[n]].value.dtype,
+                                            sharding=shardings[names[n]]) for n in part_names}
         values = _restore_part(directory, part, abstract, ocp.checkpoint_utils.construct_restore_args(abstract))
         for n in part_names:
             flat[names[n]].value = values[n]

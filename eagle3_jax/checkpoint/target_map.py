@@ -8,6 +8,7 @@ loading and exporting cannot drift apart.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -30,24 +31,18 @@ def _same(path, key):
     return Rule(path, (key,), lambda a: a[0], lambda w: [w])
 
 
-def _linear(path, key, in_dim, out_shape):
-    """HF [out, in] -> ours [in, *out_shape]."""
-    out_shape = tuple(out_shape)
+def _linear(path, key, in_shape, out_shape):
+    """HF [prod(out_shape), prod(in_shape)] -> ours [*in_shape, *out_shape] (an int: one axis)."""
+    in_shape, out_shape = (tuple(x) if isinstance(x, (tuple, list)) else (x,) for x in (in_shape, out_shape))
+    n_in = math.prod(in_shape)
     return Rule(
         path, (key,),
-        lambda a: np.ascontiguousarray(a[0].T).reshape((in_dim,) + out_shape),
-        lambda w: [np.ascontiguousarray(w.reshape(in_dim, -1).T)],
+        lambda a: np.ascontiguousarray(a[0].T).reshape(in_shape + out_shape),
+        lambda w: [np.ascontiguousarray(w.reshape(n_in, -1).T)],
     )
 
 
-def _linear_in(path, key, in_shape, out_dim):
-    """HF [out, prod(in_shape)] -> ours [*in_shape, out]."""
-    in_shape = tuple(in_shape)
-    return Rule(
-        path, (key,),
-        lambda a: np.ascontiguousarray(a[0].T).reshape(in_shape + (out_dim,)),
-        lambda w: [np.ascontiguousarray(w.reshape(-1, out_dim).T)],
-    )
+_linear_in = _linear  # the draft tables' name for projections with several input axes, e.g. o_proj
 
 
 def _experts(path, keys):
@@ -74,7 +69,7 @@ def target_rules(cfg: TargetConfig) -> list[Rule]:
             _linear(at + ("kv_a_proj_with_mqa",), pre + "self_attn.kv_a_proj_with_mqa.weight", D, (C + P,)),
             _same(at + ("kv_a_layernorm", "weight"), pre + "self_attn.kv_a_layernorm.weight"),
             _linear(at + ("kv_b_proj",), pre + "self_attn.kv_b_proj.weight", C, (N, cfg.qk_nope_head_dim + O)),
-            _linear_in(at + ("o_proj",), pre + "self_attn.o_proj.weight", (N, O), D),
+            _linear(at + ("o_proj",), pre + "self_attn.o_proj.weight", (N, O), D),
         ]
         if cfg.q_lora_rank is None:
             rules.append(_linear(at + ("q_proj",), pre + "self_attn.q_proj.weight", D, (N, H)))
