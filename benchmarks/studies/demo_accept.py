@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # benchmarks/_common.py
-from _common import REPO, describe, load_average, machine, parse_list, quiet_watchdog, table  # noqa: E402
+from _common import REPO, describe, load_average, machine, parse_list, quiet_watchdog, shown_path, table  # noqa: E402
 
 import jax
 
