@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -190,16 +189,6 @@ class DFlashConfig:
         if mla is None and cfg.head_dim % 2:
             raise ConfigError(f"{where}: head_dim={cfg.head_dim} must be even for rotary pairs")
         return cfg
-
-    @classmethod
-    def from_path(cls, path: str | os.PathLike) -> "DFlashConfig":
-        p = os.fspath(path)
-        if os.path.isdir(p):
-            p = os.path.join(p, "config.json")
-        if not os.path.isfile(p):
-            raise ConfigError(f"no config.json at {p}; point at a DFlash draft directory")
-        with open(p) as f:
-            return cls.from_hf_dict(json.load(f), where=p)
 
     def require_mask_token(self) -> int:
         if self.mask_token_id is None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -88,16 +87,6 @@ class DraftConfig:
         if cfg.draft_vocab_size > cfg.vocab_size:
             raise ConfigError(f"{where}: draft_vocab_size={cfg.draft_vocab_size} exceeds vocab_size={cfg.vocab_size}")
         return cfg
-
-    @classmethod
-    def from_path(cls, path: str | os.PathLike) -> "DraftConfig":
-        p = os.fspath(path)
-        if os.path.isdir(p):
-            p = os.path.join(p, "config.json")
-        if not os.path.isfile(p):
-            raise ConfigError(f"no config.json at {p}; point at an EAGLE-3 draft directory")
-        with open(p) as f:
-            return cls.from_hf_dict(json.load(f), where=p)
 
     def to_hf_dict(self) -> dict:
         if self.hf_config:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -66,16 +65,6 @@ class PEagleConfig(DraftConfig):
         fields.update(rope=RopeConfig(theta=theta), hf_config=json.loads(json.dumps(dict(d))),
                       num_hidden_layers=layers, mask_token_id=None if mask is None else int(mask))
         return cls(**fields)
-
-    @classmethod
-    def from_path(cls, path: str | os.PathLike, mask_token_id: int | None = None) -> "PEagleConfig":
-        p = os.fspath(path)
-        if os.path.isdir(p):
-            p = os.path.join(p, "config.json")
-        if not os.path.isfile(p):
-            raise ConfigError(f"no config.json at {p}; point at a P-EAGLE draft directory")
-        with open(p) as f:
-            return cls.from_hf_dict(json.load(f), where=p, mask_token_id=mask_token_id)
 
     def require_mask_token(self, where: str = "P-EAGLE draft") -> int:
         if self.mask_token_id is None:
