@@ -1,14 +1,5 @@
-"""SpecForge ``DFlashDraftModel`` tensors <-> our DFlash draft: the name table, loading, export, and
-the loaded draft bound to its target.
-
-On disk (exactly that class's ``state_dict()``; its RoPE tables are not persistent):
-``fc.weight`` [D, n_aux * D], ``hidden_norm.weight``, ``norm.weight``, and per layer i
-``layers.{i}.self_attn.{q,k,v,o}_proj.weight`` (+ ``.bias`` with ``attention_bias``),
-``layers.{i}.self_attn.{q,k}_norm.weight`` [head_dim], ``layers.{i}.mlp.{gate,up,down}_proj.weight``,
-``layers.{i}.{input_layernorm,post_attention_layernorm}.weight``. No embedding, no head: the target's.
-An MLA draft's attention instead holds ``layers.{i}.self_attn.{q_a_proj, q_b_proj (or q_proj),
-kv_a_proj_with_mqa, kv_b_proj, o_proj}.weight`` (+ ``.bias`` with ``attention_bias``),
-``{q_a,kv_a}_layernorm.weight`` and, with the output gate, ``g_proj.weight`` (:func:`mla_rules`).
+"""SpecForge ``DFlashDraftModel`` tensors <-> our DFlash draft: the name table (exactly that class's
+``state_dict()`` keys; no embedding, no head: the target's), loading, export, and the loaded draft.
 """
 
 from __future__ import annotations

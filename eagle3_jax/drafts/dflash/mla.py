@@ -10,14 +10,12 @@ the rest of the layer, the context injection and the masks unchanged.
 scale (Z + P)^-1/2, no YaRN mscale on it. RoPE covers only the P rope columns, at the draft's
 positions, pairs interleaved (the DeepSeek convention) unless ``mla_rope_interleaved`` is false.
 
-Here it runs in the target's absorbed form (``models.attention``): the attended keys are the latent
-and the rotated rope key, one "head" of C + P shared by all queries, the queries absorbed through
-kv_b's key part (W_kᵀ q_nope, then q_rope), the values the latent, expanded through kv_b's value
-part after the softmax. So the serving cache (the same per-layer key and value arrays a GQA draft
-keeps, the latent stored in both) holds 2C + P numbers a position and layer instead of the
-N (Z + P + Y) of expanded keys and values, and training and serving share one form. A key bias
-of kv_b adds q·b_k to every key of a query alike, so it leaves the softmax unchanged and is not
-applied; its value bias is added after the softmax (whose weights sum to one).
+It runs in the target's absorbed form (``models.attention``): keys are the latent and the rotated
+rope key, one "head" of C + P shared by all queries (absorbed through kv_b's key part), values the
+latent, expanded through kv_b's value part after the softmax. So the cache holds 2C + P numbers a
+position and layer, not N (Z + P + Y), and training and serving share one form. kv_b's key bias
+adds q·b_k to every key of a query alike (the softmax ignores it, so it is not applied); its value
+bias is added after the softmax.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """DFlash: a block drafter over the target's context features (SpecForge ``DFlashDraftModel``).
 
-One pass guesses a whole block. Its inputs are the context, the target's states at
-``aux_layer_ids`` for every verified position, and the block: the embeddings (the target's) of the
-last verified token followed by ``block_size - 1`` MASK tokens, at the positions that follow.
+One pass guesses a whole block from the context (the target's states at ``aux_layer_ids`` for every
+verified position) and the block (the target's embeddings of the last verified token and
+``block_size - 1`` MASK tokens, at the positions that follow).
 
     ctx_SD  = hidden_norm(fc(aux_SX))                         once per position, shared by all layers
     layer   : xn = input_layernorm(x)
@@ -11,17 +11,12 @@ last verified token followed by ``block_size - 1`` MASK tokens, at the positions
               x  = x + o_proj(attend(q, k, v));  x = x + mlp(post_attention_layernorm(x))
     out     = norm(x);   logits = the target's lm_head(out)   block offset j >= 1 guesses the token there
 
-Which keys a block anchored at position a sees (SpecForge's training masks, :func:`block_mask`):
-context positions before a and every token of its own block; in a sliding layer, only context in
-[a + j - W + 1, a) and its block's tokens up to its own offset j. Context keys depend on nothing
-but the target's states, so serving keeps them in a per-layer cache, slot p holding position p
-(:meth:`write_context`, after prefill and after each verify), and one pass over that cache and a
-fresh block proposes a round's tokens (:meth:`propose`). The block is always ``block_size`` wide, as
-trained: a round with K < block_size - 1 guesses reads the first K.
-
-With ``attention_mode: mla`` the layers attend with :class:`~eagle3_jax.drafts.dflash.mla.DFlashMLAttention`
-(same interface; its keys are one shared latent head, so the cache is latent-wide) and RoPE covers
-the MLA rope columns only; everything above stays as written.
+A block anchored at position a sees the context before a and its own block (:func:`block_mask`; a
+sliding layer only context in [a + j - W + 1, a) and its block up to offset j). Context keys depend
+only on the target's states, so serving caches them per layer (:meth:`write_context`) and one pass
+over that cache and a fresh block proposes a round's tokens (:meth:`propose`); the block is always
+``block_size`` wide, as trained. With ``attention_mode: mla`` the layers attend with
+:class:`~eagle3_jax.drafts.dflash.mla.DFlashMLAttention` (same interface, latent-wide cache).
 """
 
 from __future__ import annotations
@@ -201,13 +196,10 @@ class DFlashDraft(nnx.Module):
 
     def propose(self, last_B, anchor_B, cache: tuple[KVCache, ...], embed_VD) -> jax.Array:
         """The block's outputs [B, block, D] for the block anchored at ``anchor_B`` (the position of
-        ``last_B``, the newest token, whose target states are not known yet): offset j >= 1 guesses
-        the token at anchor + j. The cache holds the context at positions before the anchor.
-
-        A full layer reads the filled context slots a block at a time (the core's blockwise form,
-        every query at position anchor - 1: cost follows the longest row, not the capacity) and its
-        block densely, one softmax over both (``core.merge``); a sliding layer gathers only the
-        W - 1 slots before the anchor that any of its queries may see."""
+        ``last_B``, the newest token): offset j >= 1 guesses the token at anchor + j. The cache holds
+        the context before the anchor. A full layer reads the filled slots blockwise and its block
+        densely, one softmax over both (``core.merge``); a sliding layer gathers the W - 1 slots
+        before the anchor."""
         cfg = self.cfg
         B, bs = last_B.shape[0], cfg.block_size
         ids_BT = jnp.concatenate([last_B[:, None], jnp.full((B, bs - 1), cfg.require_mask_token(), last_B.dtype)], 1)

@@ -1,11 +1,8 @@
-"""An EAGLE-3 draft directory: what it holds (read once for the loader and the converter alike),
-its loader, and the writer of the SpecForge / SGLang layout.
+"""An EAGLE-3 draft directory: its layout, loader and writer (SpecForge / SGLang layout).
 
-A draft's config.json does not say everything its wiring needs: the fc width (so the number of
-target aux states it fuses), whether it ships its own embedding, and which vocab maps it stores
-are facts of the tensors. :func:`read_draft_layout` reads them from either kind of draft directory
-(Hugging Face / SpecForge safetensors, or one converted by ``tools.convert``, from its metadata)
-without reading any weight.
+Some wiring facts are facts of the tensors, not of config.json: the fc width (so the number of aux
+states fused), an own embedding, the stored vocab maps. :func:`read_draft_layout` reads them from
+safetensors headers or a converted checkpoint's metadata, without reading any weight.
 """
 
 from __future__ import annotations
@@ -86,10 +83,8 @@ def read_draft_layout(path: str | os.PathLike, reader: CheckpointReader | None =
 
 
 def load(path: str | os.PathLike, cfg: DraftConfig, target, dtype=None) -> LoadedDraft:
-    """The draft at ``path`` (config ``cfg``, already read and preflighted) for ``target``: every
-    wiring contract is checked before a single weight is placed (aux ids exist in the target, fc's
-    input width is len(ids) x target hidden, vocabularies agree, d2t stays inside the target vocab,
-    a shared embedding has the draft's width)."""
+    """The draft at ``path`` (config ``cfg``, already read and preflighted) for ``target``, every
+    wiring contract (``check_and_wire``) checked before a single weight is placed."""
     path = os.fspath(path)
     dtype = draft_dtype(dtype, target)
     reader = open_reader(path)

@@ -1,12 +1,7 @@
 """SpecForge ``PEagleDraftModel`` tensors <-> our P-EAGLE draft: the name table, loading and export.
 
-On disk (SpecForge persists the whole draft, since P-EAGLE trains its embedding and mask state):
-``embed_tokens.weight`` [V, D], ``fc.weight`` [D, X], ``mask_hidden`` [1, 1, X],
-``layers.{i}.self_attn.{q,k,v,o}_proj.weight`` (q/k/v input 2D in layer 0, D after),
-``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.{input_layernorm,post_attention_layernorm}
-.weight``, ``layers.0.hidden_norm.weight``, ``norm.weight``, ``lm_head.weight`` [W, D], ``d2t`` int64 [W],
-``t2d`` bool [V]. The key set is exactly that class's ``state_dict()`` (its RoPE tables are not
-persistent), so an export loads there with ``strict=True``.
+SpecForge persists the whole draft (P-EAGLE trains its embedding and mask state); the name table
+is exactly that class's ``state_dict()`` keys, so an export loads there with ``strict=True``.
 """
 
 from __future__ import annotations
