@@ -90,8 +90,7 @@ def dflash_rules(cfg: DFlashConfig, n_aux: int) -> list[Rule]:
 
 
 class LoadedDFlash(LoadedDraft):
-    """A DFlash draft wired to its target (a ``LoadedTarget``): the target captures the draft's
-    ``aux_layer_ids`` (its ``target_layer_ids``) exactly as it does an EAGLE-3 draft's."""
+    """A DFlash draft wired to its target (a ``LoadedTarget``), which captures its ``aux_layer_ids``."""
 
     def __init__(self, model: DFlashDraft, target, aux_layer_ids: tuple[int, ...]):
         super().__init__(model, target, aux_layer_ids)
@@ -128,12 +127,8 @@ def load(path: str | os.PathLike, cfg: DFlashConfig, target, dtype=None) -> Load
     where = os.fspath(path)
     dtype = draft_dtype(dtype, target)
     reader = open_reader(path)
-    if reader is None:
-        fc_in = int(store.read_meta(path)["wiring"]["n_aux"]) * target.config.hidden_size
-    else:
-        if "fc.weight" not in reader:
-            raise CheckpointError(f"{where}: no fc.weight; a DFlash draft fuses the target's states with fc")
-        fc_in = reader.shape("fc.weight")[1]
+    fc_in = (int(store.read_meta(path)["wiring"]["n_aux"]) * target.config.hidden_size if reader is None
+             else _fc_in(where, reader))
     ids = check_and_wire(cfg, target, fc_in, None, None)
     return load_weights(path, reader, nnx.eval_shape(lambda: DFlashDraft(cfg, len(ids), dtype, None)),
                         dflash_rules(cfg, len(ids)), target, ids, loaded=LoadedDFlash)
@@ -149,11 +144,15 @@ def save(draft: LoadedDraft, path: str | os.PathLike, out_dtype=None, dtype_name
                  out_dtype, dtype_name, overrides)
 
 
-def wiring(path, reader: CheckpointReader, cfg: DFlashConfig) -> dict:
-    """What tools.convert records beside the config to rebuild the name table: the fused states' count."""
+def _fc_in(path, reader: CheckpointReader) -> int:
     if "fc.weight" not in reader:
         raise CheckpointError(f"{os.fspath(path)}: no fc.weight; a DFlash draft fuses the target's states with fc")
-    return {"n_aux": reader.shape("fc.weight")[1] // cfg.hidden_size}
+    return reader.shape("fc.weight")[1]
+
+
+def wiring(path, reader: CheckpointReader, cfg: DFlashConfig) -> dict:
+    """What tools.convert records beside the config to rebuild the name table: the fused states' count."""
+    return {"n_aux": _fc_in(path, reader) // cfg.hidden_size}
 
 
 def convert_table(cfg: DFlashConfig, wiring: dict, dtype) -> tuple[list, dict]:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax.drafts.dflash.config import SLIDING, DFlashConfig
-from eagle3_jax.drafts.dflash.mla import DFlashMLAttention
+from eagle3_jax.drafts.dflash.mla import DFlashMLAttention, linear
 from eagle3_jax.models import attention_core as core
 from eagle3_jax.models.cache import KVCache
 from eagle3_jax.models.layers import RMSNorm, SwiGLU, apply_rope, param, rope_cos_sin, rope_inv_freq
@@ -69,21 +69,16 @@ class DFlashAttention(nnx.Module):
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, axes=("head_dim",))
         self.softmax_scale = float(H) ** -0.5
 
-    @staticmethod
-    def _project(x_BTD, w_DGH, b_GH):
-        y_BTGH = jnp.einsum("btd,dgh->btgh", x_BTD, w_DGH[...])
-        return y_BTGH if b_GH is None else y_BTGH + b_GH[...]
-
     def keys(self, x_BTD, cos_BTH, sin_BTH):
         """Normed, rotated keys and values of ``x_BTD`` (context states or the block's normed input)."""
-        k_BTGH = self.k_norm(self._project(x_BTD, self.k_proj, self.k_bias))
+        k_BTGH = self.k_norm(linear("btd,dgh->btgh", x_BTD, self.k_proj, self.k_bias))
         k_BTGH = apply_rope(k_BTGH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
-        return k_BTGH, self._project(x_BTD, self.v_proj, self.v_bias)
+        return k_BTGH, linear("btd,dgh->btgh", x_BTD, self.v_proj, self.v_bias)
 
     def __call__(self, xn_BTD, cos_BTH, sin_BTH, attend):
         """``attend(q_BTNH, k_BTGH, v_BTGH) -> out_BTNH``: the block's queries, keys and values in, and
         the caller says which context keys and which block keys each query sees."""
-        q_BTNH = self.q_norm(self._project(xn_BTD, self.q_proj, self.q_bias))
+        q_BTNH = self.q_norm(linear("btd,dgh->btgh", xn_BTD, self.q_proj, self.q_bias))
         q_BTNH = apply_rope(q_BTNH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
         k_BTGH, v_BTGH = self.keys(xn_BTD, cos_BTH, sin_BTH)
         out_BTNH = attend(q_BTNH, k_BTGH, v_BTGH)
