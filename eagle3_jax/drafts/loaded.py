@@ -1,5 +1,6 @@
 """What every kind's loader and exporter shares: a loaded draft bound to its target
-(``LoadedDraft``), the wiring check run before a weight is placed, and the staged export."""
+(``LoadedDraft``), the wiring check run before a weight is placed, building, loading through a
+name table, and the staged export."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""SGLang / SpecForge ``LlamaForCausalLMEagle3`` tensor names <-> our draft parameters.
-
-Same Rule type as target_map: one table, used for loading and for export.
-"""
+"""SGLang / SpecForge ``LlamaForCausalLMEagle3`` tensor names <-> our draft parameters: one table
+(target_map's ``Rule``s), used for loading and for export."""
 
 from __future__ import annotations
 
