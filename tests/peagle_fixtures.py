@@ -4,6 +4,9 @@ acceptance happen, which the lossless tests need; not a recipe."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +14,29 @@ import optax
 from flax import nnx
 
 import eagle3_jax as e3
+from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
+from eagle3_jax.checkpoint.hf_loader import load_state
+from eagle3_jax.drafts.peagle import checkpoint
+from eagle3_jax.drafts.peagle.config import PEagleConfig
 from eagle3_jax.drafts.peagle.objective import CODSettings, cod_budget, cod_sample, pad_rollouts, peagle_loss
+
+
+def read_peagle_config(path, mask_token_id: int | None = None) -> PEagleConfig:
+    """The P-EAGLE config at ``path`` (a directory or its config.json), with the MASK token
+    ``mask_token_id`` when its config.json names none."""
+    p = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
+    with open(p) as f:
+        return PEagleConfig.from_hf_dict(json.load(f), where=p, mask_token_id=mask_token_id)
+
+
+def read_peagle_state(path, cfg: PEagleConfig, abstract_state: nnx.State, n_aux: int) -> nnx.State:
+    """``abstract_state`` filled from SpecForge-layout safetensors."""
+    return load_state(CheckpointReader(path), checkpoint.peagle_rules(cfg, n_aux), abstract_state, where=os.fspath(path))
+
+
+def load_peagle_draft(path, target, dtype=None, mask_token_id: int | None = None) -> e3.LoadedDraft:
+    """The P-EAGLE draft at ``path`` with the MASK token ``mask_token_id`` when its config.json names none."""
+    return checkpoint.load(path, read_peagle_config(path, mask_token_id), target, dtype)
 
 
 def shifted_rows(target, draft: e3.LoadedDraft, seqs: np.ndarray, batch: int = 16):

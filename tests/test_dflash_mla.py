@@ -21,8 +21,9 @@ from safetensors.torch import save_file
 
 import eagle3_jax as e3
 from eagle3_jax.drafts.dflash.checkpoint import build as build_dflash_draft
-from eagle3_jax.drafts.dflash.checkpoint import iter_dflash_tensors
+from eagle3_jax.drafts.dflash.checkpoint import dflash_rules
 from eagle3_jax.drafts.dflash.config import DFlashConfig
+from eagle3_jax.drafts.loaded import rule_tensors
 from eagle3_jax.errors import ConfigError
 from tests import spec_fixtures
 from tests.test_dflash import ANCHORS, BLOCK, MASK_ID, S, WINDOW, _specforge_blocks
@@ -303,8 +304,8 @@ def test_training_step_loss_and_gradients_equal_the_oracles(predictable_target_d
                        torch.as_tensor(np.array(mb["loss_mask"], np.float32)))
     ref.backward()
     assert abs(float(loss) - float(ref)) <= 1e-5 * abs(float(ref)), (float(loss), float(ref))
-    ours = dict(iter_dflash_tensors(trainer.dcfg, {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)},
-                                    3))
+    ours = dict(rule_tensors(dflash_rules(trainer.dcfg, 3),
+                             {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}))
     worst = 0.0
     for name, p in theirs.named_parameters():
         g = p.grad.numpy()

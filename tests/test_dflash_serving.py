@@ -16,10 +16,28 @@ import eagle3_jax as e3
 from eagle3_jax.drafts.dflash.checkpoint import LoadedDFlash
 from eagle3_jax.drafts.dflash.checkpoint import build as build_dflash_draft
 from eagle3_jax.drafts.dflash.config import DFlashConfig
-from eagle3_jax.drafts.dflash.objective import dflash_loss, sample_anchors
+from eagle3_jax.drafts.dflash.objective import dflash_terms, terms_loss
 from tests import spec_fixtures
 
 BLOCK, MASK_ID = 5, 3
+
+
+def sample_anchors(key, loss_mask_BS: jax.Array, num_anchors: int) -> tuple[jax.Array, jax.Array]:
+    """``sample_anchors_host``'s rule in jax over a batch: (anchors [B, N], kept [B, N])."""
+    B, S = loss_mask_BS.shape
+    valid_BC = (loss_mask_BS[:, :-1] > 0.5) & (loss_mask_BS[:, 1:] > 0.5)   # C = S - 1 candidates
+    score_BC = jnp.where(valid_BC, jax.random.uniform(key, valid_BC.shape), 2.0)
+    picked_BN = jnp.argsort(score_BC, axis=1)[:, :num_anchors]
+    kept_BN = jnp.arange(num_anchors)[None, :] < jnp.sum(valid_BC, axis=1, keepdims=True)
+    anchors_BN = jnp.sort(jnp.where(kept_BN, picked_BN, S), axis=1)
+    kept_BN = anchors_BN < S
+    return jnp.where(kept_BN, anchors_BN, 0), kept_BN
+
+
+def dflash_loss(logits_BTV, ids_BS, loss_mask_BS, anchor_BN, keep_BN, block: int, decay_gamma: float | None = None):
+    """(loss, accuracy) of the blocks' logits [B, N * block, V] (float32)."""
+    t = dflash_terms(logits_BTV, ids_BS, loss_mask_BS, anchor_BN, keep_BN, block, decay_gamma)
+    return terms_loss(t), jnp.sum(t["hits_K"]) / jnp.maximum(jnp.sum(t["scored_K"]), 1)
 
 
 def tiny_dflash_config(tcfg, layer_types=("full_attention", "sliding_attention")) -> DFlashConfig:

@@ -13,10 +13,11 @@ from flax import nnx
 from safetensors.torch import load_file
 
 from eagle3_jax.drafts.loaded import host_params
-from eagle3_jax.drafts.peagle.checkpoint import read_peagle_state, write_peagle
+from eagle3_jax.drafts.peagle.checkpoint import write_peagle
 from eagle3_jax.drafts.peagle.config import PEagleConfig
 from eagle3_jax.errors import CheckpointError, ConfigError
 from eagle3_jax.drafts.peagle.model import PEagleDraft, rollout_mask
+from tests.peagle_fixtures import read_peagle_config, read_peagle_state
 
 D, LAYERS, N, G, H, V, W, TH, F = 32, 3, 4, 2, 8, 100, 40, 24, 64
 MASK_ID = 7
@@ -157,7 +158,7 @@ def test_rollouts_match_torch_reference(exported, inputs):
 
 def test_load_round_trip_is_exact(exported):
     model, path = exported
-    cfg = PEagleConfig.from_path(path)
+    cfg = read_peagle_config(path)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: PEagleDraft(cfg, 3, jnp.float32, None)))
     state = read_peagle_state(path, cfg, abstract, 3)
     back = host_params(nnx.merge(graphdef, state))
@@ -175,7 +176,7 @@ def test_loader_names_missing_and_unexpected_tensors(exported, tmp_path):
     (tmp_path / "bad").mkdir()
     save_file(tensors, str(tmp_path / "bad" / "model.safetensors"))
     (tmp_path / "bad" / "config.json").write_text((path / "config.json").read_text())
-    cfg = PEagleConfig.from_path(tmp_path / "bad")
+    cfg = read_peagle_config(tmp_path / "bad")
     _, abstract = nnx.split(nnx.eval_shape(lambda: PEagleDraft(cfg, 3, jnp.float32, None)))
     with pytest.raises(CheckpointError, match=r"layers\.2\.mlp\.up_proj\.weight.*layers\.3\.norm\.weight"):
         read_peagle_state(tmp_path / "bad", cfg, abstract, 3)

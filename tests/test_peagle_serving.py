@@ -7,8 +7,9 @@ from flax import nnx
 import eagle3_jax as e3
 from eagle3_jax import drafts
 from eagle3_jax.drafts.loaded import host_params
-from eagle3_jax.drafts.peagle.checkpoint import build_peagle_draft, load_peagle_draft, write_peagle
+from eagle3_jax.drafts.peagle.checkpoint import build_peagle_draft, write_peagle
 from eagle3_jax.drafts.peagle.config import PEagleConfig
+from tests.peagle_fixtures import load_peagle_draft
 from tests.test_spec_sampling import TEMP, TOP_K, _chi2_pvalue, _sample_pairs, exact_joint, prompt  # noqa: F401
 
 

@@ -17,12 +17,12 @@ from flax import nnx
 from safetensors.torch import load_file, save_file
 
 from eagle3_jax.drafts.loaded import host_params
-from eagle3_jax.drafts.peagle.checkpoint import peagle_rules, read_peagle_state, write_peagle
-from eagle3_jax.drafts.peagle.config import PEagleConfig
+from eagle3_jax.drafts.peagle.checkpoint import peagle_rules, write_peagle
 from eagle3_jax.drafts.peagle.model import PEagleDraft
 from eagle3_jax.drafts.peagle.objective import pad_rollouts, peagle_loss
 from eagle3_jax.train.peagle_trainer import shifted_rows
 from tests import specforge_modules as sf
+from tests.peagle_fixtures import read_peagle_config, read_peagle_state
 from tests.test_peagle import ANCHOR, DEPTH, MASK_ID, TH, V, W, _ours, random_draft, tiny_config
 
 
@@ -94,7 +94,7 @@ def test_we_load_specforges_checkpoint_and_agree(tmp_path, inputs):
     save_file({k: v.contiguous() for k, v in theirs.state_dict().items()}, str(config_dir / "model.safetensors"))
     theirs.config.save_pretrained(str(config_dir))   # the config SpecForge itself writes (no mask id)
 
-    loaded_cfg = PEagleConfig.from_path(config_dir, mask_token_id=MASK_ID)
+    loaded_cfg = read_peagle_config(config_dir, mask_token_id=MASK_ID)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: PEagleDraft(loaded_cfg, 3, jnp.float32, None)))
     ours = nnx.merge(graphdef, read_peagle_state(config_dir, loaded_cfg, abstract, 3))
     np.testing.assert_array_equal(np.asarray(ours.d2t[...]), theirs.d2t.numpy())
@@ -168,7 +168,7 @@ def test_specforge_convention_is_its_trainer_step(tmp_path, monkeypatch):
     assert all((d[1] > 0).any() for d in draws)   # rollouts were sampled past depth 0
 
     # ours: the pipeline's padded rows, states continued past each row's end
-    loaded_cfg = PEagleConfig.from_path(config_dir, mask_token_id=MASK_ID)
+    loaded_cfg = read_peagle_config(config_dir, mask_token_id=MASK_ID)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: PEagleDraft(loaded_cfg, 3, jnp.float32, None)))
     graphdef, params, rest = nnx.split(nnx.merge(graphdef, read_peagle_state(config_dir, loaded_cfg, abstract, 3)),
                                        nnx.Param, ...)

@@ -17,7 +17,8 @@ from safetensors.numpy import load_file
 
 import eagle3_jax as e3
 from eagle3_jax import drafts
-from eagle3_jax.drafts.dflash.checkpoint import iter_dflash_tensors
+from eagle3_jax.drafts.dflash.checkpoint import dflash_rules
+from eagle3_jax.drafts.loaded import rule_tensors
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.train import TrainConfig, run
 from eagle3_jax.train.dflash_trainer import DFlashTrainer, block_loss
@@ -119,8 +120,8 @@ def test_step_loss_and_gradients_equal_specforges(predictable_target_dir, predic
         ref.backward()
         assert abs(float(loss) - float(ref)) <= 1e-5 * abs(float(ref)), (float(loss), float(ref))
         losses.append(float(ref))
-        ours = dict(iter_dflash_tensors(trainer.dcfg, {tuple(p): np.asarray(v[...])
-                                                        for p, v in nnx.to_flat_state(grads)}, 3))
+        ours = dict(rule_tensors(dflash_rules(trainer.dcfg, 3),
+                                 {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}))
         worst = 0.0
         for name, p in theirs.named_parameters():
             g = p.grad.numpy()

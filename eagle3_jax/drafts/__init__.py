@@ -1,10 +1,7 @@
 """The registry of draft kinds. Each kind is a package here whose ``KIND`` (a ``DraftKind``) holds
-everything that differs between kinds: config class and architecture names, NNX module, checkpoint
-name table, loader and exporter, proposal and catch-up in the decode loop, training hooks.
-
-Everything outside this package finds a draft's kind here (by architecture, config, module or
-name) and calls what it holds; nothing else compares kinds. A new kind is a package plus one entry
-in ``KINDS`` (docs/architecture.md walks through one).
+everything that differs between kinds. Everything outside this package finds a draft's kind here
+(by architecture, config, module or name) and calls what it holds; nothing else compares kinds. A
+new kind is a package plus one entry in ``KINDS`` (docs/architecture.md walks through one).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """What every kind's loader and exporter shares: a loaded draft bound to its target
-(``LoadedDraft``), the wiring check run before a weight is placed, and the staged export."""
+(``LoadedDraft``), the wiring check run before a weight is placed, building, loading through a
+name table, and the staged export."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle3_jax.checkpoint import store
+from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
+from eagle3_jax.checkpoint.hf_loader import load_state
 from eagle3_jax.checkpoint.safetensors_writer import CheckpointWriter
 from eagle3_jax.checkpoint.staging import staged_dir, write_json_atomic
+from eagle3_jax.config import resolve_dtype
 from eagle3_jax.contracts import check_pairing, resolve_aux_ids
 from eagle3_jax.errors import CheckpointError
 from eagle3_jax.sharding import mesh_context, shard_state
@@ -58,6 +63,48 @@ def check_and_wire(cfg, target, fc_in: int, d2t, own_embedding_width):
     ids = resolve_aux_ids(cfg, target.config)
     check_pairing(cfg, target.config, fc_in, len(ids), d2t, own_embedding_width)
     return ids
+
+
+def draft_dtype(dtype, target):
+    return resolve_dtype(dtype) if dtype is not None else target.dtype
+
+
+def open_reader(path) -> CheckpointReader | None:
+    """A reader of the draft's safetensors; None for a JAX checkpoint (``tools.convert``'s)."""
+    return None if store.is_jax_checkpoint(path) else CheckpointReader(path)
+
+
+def build_draft(module, cfg, target, dtype=None, seed: int = 0, own_embedding: bool = False, loaded=LoadedDraft):
+    """A randomly initialised draft (``module(cfg, n_aux, dtype, rngs)``, with its own token embedding
+    when ``own_embedding``) wired to ``target``, as ``loaded``."""
+    dtype = draft_dtype(dtype, target)
+    n_aux = len(resolve_aux_ids(cfg, target.config))
+    ids = check_and_wire(cfg, target, n_aux * cfg.target_hidden_size, None, cfg.hidden_size if own_embedding else None)
+    return loaded(placed(module(cfg, len(ids), dtype, nnx.Rngs(seed)), target.mesh), target, ids)
+
+
+def load_weights(path, reader, abstract_model, rules, target, ids, fill=None, loaded=LoadedDraft):
+    """``loaded`` holding the weights at ``path``: a JAX checkpoint's (``reader`` None) or the
+    safetensors named by ``rules``; ``fill``: values of the tensors the checkpoint may omit."""
+    graphdef, abstract = nnx.split(abstract_model)
+    if reader is None:
+        state = store.restore_state(path, abstract, target.mesh, kind="draft", fill=fill)
+    else:
+        state = load_state(reader, rules, abstract, mesh=target.mesh, where=os.fspath(path), fill=fill)
+    return loaded(nnx.merge(graphdef, state), target, ids)
+
+
+def ruled_table(rules, abstract_model) -> tuple[list, dict]:
+    """(name table, our path -> abstract variable of each tensor it converts) for tools.convert. A
+    tensor a draft may omit has no rule (the identity vocab map the model builds)."""
+    ruled = {r.path for r in rules}
+    return rules, {tuple(p): v for p, v in nnx.to_flat_state(nnx.split(abstract_model)[1]) if tuple(p) in ruled}
+
+
+def rule_tensors(rules, flat: Mapping[tuple, np.ndarray]):
+    """Our params (path -> array) as checkpoint (name, array) pairs through the name table ``rules``."""
+    for rule in rules:
+        yield from zip(rule.hf_keys, rule.to_hf(np.asarray(flat[rule.path])))
 
 
 def placed(model, mesh):

@@ -1,20 +1,11 @@
-"""SpecForge ``DFlashDraftModel`` tensors <-> our DFlash draft: the name table, loading, export, and
-the loaded draft bound to its target.
-
-On disk (exactly that class's ``state_dict()``; its RoPE tables are not persistent):
-``fc.weight`` [D, n_aux * D], ``hidden_norm.weight``, ``norm.weight``, and per layer i
-``layers.{i}.self_attn.{q,k,v,o}_proj.weight`` (+ ``.bias`` with ``attention_bias``),
-``layers.{i}.self_attn.{q,k}_norm.weight`` [head_dim], ``layers.{i}.mlp.{gate,up,down}_proj.weight``,
-``layers.{i}.{input_layernorm,post_attention_layernorm}.weight``. No embedding, no head: the target's.
-An MLA draft's attention instead holds ``layers.{i}.self_attn.{q_a_proj, q_b_proj (or q_proj),
-kv_a_proj_with_mqa, kv_b_proj, o_proj}.weight`` (+ ``.bias`` with ``attention_bias``),
-``{q_a,kv_a}_layernorm.weight`` and, with the output gate, ``g_proj.weight`` (:func:`mla_rules`).
+"""SpecForge ``DFlashDraftModel`` tensors <-> our DFlash draft: the name table (exactly that class's
+``state_dict()`` keys; no embedding, no head: the target's), loading, export, and the loaded draft.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +14,11 @@ from flax import nnx
 
 from eagle3_jax.checkpoint import store
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
-from eagle3_jax.checkpoint.hf_loader import load_state
 from eagle3_jax.checkpoint.target_map import Rule, _linear, _linear_in, _same
-from eagle3_jax.config import resolve_dtype
 from eagle3_jax.drafts.dflash.config import DFlashConfig
 from eagle3_jax.drafts.dflash.model import DFlashDraft
-from eagle3_jax.drafts.loaded import LoadedDraft, check_and_wire, host_params, placed, write_staged
+from eagle3_jax.drafts.loaded import (LoadedDraft, build_draft, check_and_wire, draft_dtype, host_params, load_weights,
+                                      open_reader, rule_tensors, ruled_table, write_staged)
 from eagle3_jax.errors import CheckpointError, ConfigError
 from eagle3_jax.sharding import mesh_context
 
@@ -99,14 +89,8 @@ def dflash_rules(cfg: DFlashConfig, n_aux: int) -> list[Rule]:
     return rules
 
 
-def iter_dflash_tensors(cfg: DFlashConfig, flat: Mapping[tuple, np.ndarray], n_aux: int):
-    for rule in dflash_rules(cfg, n_aux):
-        yield from zip(rule.hf_keys, rule.to_hf(np.asarray(flat[rule.path])))
-
-
 class LoadedDFlash(LoadedDraft):
-    """A DFlash draft wired to its target (a ``LoadedTarget``): the target captures the draft's
-    ``aux_layer_ids`` (its ``target_layer_ids``) exactly as it does an EAGLE-3 draft's."""
+    """A DFlash draft wired to its target (a ``LoadedTarget``), which captures its ``aux_layer_ids``."""
 
     def __init__(self, model: DFlashDraft, target, aux_layer_ids: tuple[int, ...]):
         super().__init__(model, target, aux_layer_ids)
@@ -134,33 +118,20 @@ def _blocks_call(graphdef, state, embed_VD, head_DV, ids_BS, aux_BSX, anchor_BN,
     return out_BTD, jnp.einsum("btd,dv->btv", out_BTD, head_DV).astype(jnp.float32)
 
 
-def build(cfg: DFlashConfig, target, dtype=None, seed: int = 0) -> LoadedDFlash:
-    """A randomly initialised DFlash draft wired to ``target``."""
-    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
-    ids = check_and_wire(cfg, target, len(cfg.aux_layer_ids) * target.config.hidden_size, None, None)
-    return LoadedDFlash(placed(DFlashDraft(cfg, len(ids), dtype, nnx.Rngs(seed)), target.mesh), target, ids)
+build = partial(build_draft, DFlashDraft, loaded=LoadedDFlash)
 
 
 def load(path: str | os.PathLike, cfg: DFlashConfig, target, dtype=None) -> LoadedDFlash:
     """A SpecForge-layout (or converted) DFlash draft directory, checked against and wired to
     ``target`` (the pair preflighted by ``load_draft``) before any weight is placed."""
     where = os.fspath(path)
-    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
-    converted = store.is_jax_checkpoint(path)   # written by tools.convert: our layout, with its wiring
-    reader = None if converted else CheckpointReader(path)
-    if converted:
-        fc_in = int(store.read_meta(path)["wiring"]["n_aux"]) * target.config.hidden_size
-    else:
-        if "fc.weight" not in reader:
-            raise CheckpointError(f"{where}: no fc.weight; a DFlash draft fuses the target's states with fc")
-        fc_in = reader.shape("fc.weight")[1]
+    dtype = draft_dtype(dtype, target)
+    reader = open_reader(path)
+    fc_in = (int(store.read_meta(path)["wiring"]["n_aux"]) * target.config.hidden_size if reader is None
+             else _fc_in(where, reader))
     ids = check_and_wire(cfg, target, fc_in, None, None)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: DFlashDraft(cfg, len(ids), dtype, None)))
-    if converted:
-        state = store.restore_state(path, abstract, target.mesh, kind="draft")
-    else:
-        state = load_state(reader, dflash_rules(cfg, len(ids)), abstract, mesh=target.mesh, where=where)
-    return LoadedDFlash(nnx.merge(graphdef, state), target, ids)
+    return load_weights(path, reader, nnx.eval_shape(lambda: DFlashDraft(cfg, len(ids), dtype, None)),
+                        dflash_rules(cfg, len(ids)), target, ids, loaded=LoadedDFlash)
 
 
 def save(draft: LoadedDraft, path: str | os.PathLike, out_dtype=None, dtype_name: str | None = None,
@@ -169,19 +140,22 @@ def save(draft: LoadedDraft, path: str | os.PathLike, out_dtype=None, dtype_name
     cfg, ids = draft.config, [int(i) for i in draft.aux_layer_ids]
     overrides = {"dflash_config": {**(cfg.to_hf_dict().get("dflash_config") or {}), "target_layer_ids": ids},
                  **(config_overrides or {})}
-    write_staged(path, cfg, host_params(draft.model), ids, lambda cast: iter_dflash_tensors(cfg, cast, len(ids)),
+    write_staged(path, cfg, host_params(draft.model), ids, lambda cast: rule_tensors(dflash_rules(cfg, len(ids)), cast),
                  out_dtype, dtype_name, overrides)
+
+
+def _fc_in(path, reader: CheckpointReader) -> int:
+    if "fc.weight" not in reader:
+        raise CheckpointError(f"{os.fspath(path)}: no fc.weight; a DFlash draft fuses the target's states with fc")
+    return reader.shape("fc.weight")[1]
 
 
 def wiring(path, reader: CheckpointReader, cfg: DFlashConfig) -> dict:
     """What tools.convert records beside the config to rebuild the name table: the fused states' count."""
-    if "fc.weight" not in reader:
-        raise CheckpointError(f"{os.fspath(path)}: no fc.weight; a DFlash draft fuses the target's states with fc")
-    return {"n_aux": reader.shape("fc.weight")[1] // cfg.hidden_size}
+    return {"n_aux": _fc_in(path, reader) // cfg.hidden_size}
 
 
 def convert_table(cfg: DFlashConfig, wiring: dict, dtype) -> tuple[list, dict]:
     """(name table, our path -> abstract variable) for tools.convert; every tensor is stored."""
     n_aux = int(wiring["n_aux"])
-    _, state = nnx.split(nnx.eval_shape(lambda: DFlashDraft(cfg, n_aux, dtype, None)))
-    return dflash_rules(cfg, n_aux), {tuple(p): v for p, v in nnx.to_flat_state(state)}
+    return ruled_table(dflash_rules(cfg, n_aux), nnx.eval_shape(lambda: DFlashDraft(cfg, n_aux, dtype, None)))

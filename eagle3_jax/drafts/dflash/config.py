@@ -1,28 +1,21 @@
 """``DFlashConfig``: a DFlash block draft in SpecForge's ``DFlashDraftModel`` layout (a Qwen3 config).
 
 What config.json carries beyond Qwen3's fields:
-- ``block_size``: tokens per block; one pass guesses ``block_size - 1`` of them;
-- ``dflash_config.target_layer_ids``: the target layers whose outputs form the context feature, in
-  the EAGLE-3 aux convention (id i = the output of layer i); absent, SpecForge spreads
-  ``num_hidden_layers`` ids over ``num_target_layers`` (:func:`default_target_layer_ids`);
+- ``block_size`` (top level or in dflash_config): tokens per block; one pass guesses ``block_size - 1``;
+- ``dflash_config.target_layer_ids``: the target layers read, in the EAGLE-3 aux convention; absent,
+  SpecForge spreads them over ``num_target_layers`` (:func:`default_target_layer_ids`);
 - ``dflash_config.mask_token_id``: the token fed at the positions still to be guessed;
-- ``layer_types``: ``full_attention`` or ``sliding_attention`` per layer, with ``sliding_window``;
-- ``dflash_config.attention_mode``: ``gqa`` (the default; ``mha`` is the same layer) or ``mla``,
-  SpecForge's later multi-head latent attention (commit 62e64faf, after 0.2.0): the DeepSeek-V3
-  parameterization read from the top-level ``q_lora_rank`` (null: a direct ``q_proj``),
-  ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, with
-  ``dflash_config.mla_rope_interleaved`` (default true) and ``dflash_config.mla_use_output_gate``
-  (default false) (:class:`DFlashMLA`).
-The draft has no embedding and no head: it reads the target's ``embed_tokens`` and ``lm_head``.
-Variants that add a head of their own (``dflash_config.projector_type``: Domino, DSpark) are other
-kinds, refused here. ``block_size`` is read at the top level or in dflash_config.
+- ``layer_types`` (``full_attention`` / ``sliding_attention``) with ``sliding_window``;
+- ``dflash_config.attention_mode``: ``gqa`` (the default; ``mha`` is the same layer) or ``mla``, the
+  DeepSeek-V3 parameterization from the top-level ``q_lora_rank`` .. ``v_head_dim`` (:class:`DFlashMLA`).
+The draft reads the target's ``embed_tokens`` and ``lm_head``; variants with a head of their own
+(``dflash_config.projector_type``: Domino, DSpark) are refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -32,10 +25,6 @@ from eagle3_jax.errors import ConfigError
 
 DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
 FULL, SLIDING = "full_attention", "sliding_attention"
-
-
-def is_dflash_config(d: Mapping[str, Any]) -> bool:
-    return any(a in DFLASH_ARCHITECTURES for a in (d.get("architectures") or []))
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -132,7 +121,7 @@ class DFlashConfig:
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any], where: str = "draft config.json") -> "DFlashConfig":
-        if not is_dflash_config(d):
+        if not any(a in DFLASH_ARCHITECTURES for a in d.get("architectures") or []):
             raise ConfigError(f"{where}: architectures {d.get('architectures')} is not a DFlash draft; "
                               f"expected {list(DFLASH_ARCHITECTURES)}")
         extra = d.get("dflash_config") or {}
@@ -190,16 +179,6 @@ class DFlashConfig:
         if mla is None and cfg.head_dim % 2:
             raise ConfigError(f"{where}: head_dim={cfg.head_dim} must be even for rotary pairs")
         return cfg
-
-    @classmethod
-    def from_path(cls, path: str | os.PathLike) -> "DFlashConfig":
-        p = os.fspath(path)
-        if os.path.isdir(p):
-            p = os.path.join(p, "config.json")
-        if not os.path.isfile(p):
-            raise ConfigError(f"no config.json at {p}; point at a DFlash draft directory")
-        with open(p) as f:
-            return cls.from_hf_dict(json.load(f), where=p)
 
     def require_mask_token(self) -> int:
         if self.mask_token_id is None:

@@ -10,14 +10,12 @@ the rest of the layer, the context injection and the masks unchanged.
 scale (Z + P)^-1/2, no YaRN mscale on it. RoPE covers only the P rope columns, at the draft's
 positions, pairs interleaved (the DeepSeek convention) unless ``mla_rope_interleaved`` is false.
 
-Here it runs in the target's absorbed form (``models.attention``): the attended keys are the latent
-and the rotated rope key, one "head" of C + P shared by all queries, the queries absorbed through
-kv_b's key part (W_kᵀ q_nope, then q_rope), the values the latent, expanded through kv_b's value
-part after the softmax. So the serving cache (the same per-layer key and value arrays a GQA draft
-keeps, the latent stored in both) holds 2C + P numbers a position and layer instead of the
-N (Z + P + Y) of expanded keys and values, and training and serving share one form. A key bias
-of kv_b adds q·b_k to every key of a query alike, so it leaves the softmax unchanged and is not
-applied; its value bias is added after the softmax (whose weights sum to one).
+It runs in the target's absorbed form (``models.attention``): keys are the latent and the rotated
+rope key, one "head" of C + P shared by all queries (absorbed through kv_b's key part), values the
+latent, expanded through kv_b's value part after the softmax. So the cache holds 2C + P numbers a
+position and layer, not N (Z + P + Y), and training and serving share one form. kv_b's key bias
+adds q·b_k to every key of a query alike (the softmax ignores it, so it is not applied); its value
+bias is added after the softmax.
 """
 
 from __future__ import annotations
@@ -29,6 +27,12 @@ from flax import nnx
 from eagle3_jax.drafts.dflash.config import DFlashConfig
 from eagle3_jax.models.attention import absorb_keys, expand_values
 from eagle3_jax.models.layers import RMSNorm, apply_rope, param
+
+
+def linear(spec, x, w, b):
+    """``einsum(spec, x, w)`` plus the bias ``b`` where there is one."""
+    y = jnp.einsum(spec, x, w[...])
+    return y if b is None else y + b[...]
 
 
 class DFlashMLAttention(nnx.Module):
@@ -66,20 +70,15 @@ class DFlashMLAttention(nnx.Module):
         self.o_proj = param(rngs, (N, Y, D), ("heads", "head_dim", "embed"), dtype)
         self.o_bias = bias_of((D,), ("embed",))
 
-    @staticmethod
-    def _linear(spec, x, w, b):
-        y = jnp.einsum(spec, x, w[...])
-        return y if b is None else y + b[...]
-
     def _queries(self, xn_BTD):
         if hasattr(self, "q_proj"):
-            return self._linear("btd,dnh->btnh", xn_BTD, self.q_proj, self.q_bias)
-        qa_BTQ = self.q_a_layernorm(self._linear("btd,dq->btq", xn_BTD, self.q_a_proj, self.q_a_bias))
-        return self._linear("btq,qnh->btnh", qa_BTQ, self.q_b_proj, self.q_b_bias)
+            return linear("btd,dnh->btnh", xn_BTD, self.q_proj, self.q_bias)
+        qa_BTQ = self.q_a_layernorm(linear("btd,dq->btq", xn_BTD, self.q_a_proj, self.q_a_bias))
+        return linear("btq,qnh->btnh", qa_BTQ, self.q_b_proj, self.q_b_bias)
 
     def keys(self, x_BTD, cos_BTP, sin_BTP):
         """Keys [latent | rotated rope key] and values (the latent) of ``x_BTD``, one shared head."""
-        kv_BT_ = self._linear("btd,dx->btx", x_BTD, self.kv_a_proj_with_mqa, self.kv_a_bias)
+        kv_BT_ = linear("btd,dx->btx", x_BTD, self.kv_a_proj_with_mqa, self.kv_a_bias)
         lat_BTC = self.kv_a_layernorm(kv_BT_[..., :self.latent])
         rope_BTP = apply_rope(kv_BT_[..., self.latent:], cos_BTP, sin_BTP, self.interleaved)
         return jnp.concatenate([lat_BTC, rope_BTP], axis=-1)[:, :, None], lat_BTC[:, :, None]
@@ -96,4 +95,4 @@ class DFlashMLAttention(nnx.Module):
             out_BTNY = out_BTNY + self.kv_b_bias[...][:, self.nope:]
         if self.g_proj is not None:
             out_BTNY = out_BTNY * jax.nn.sigmoid(jnp.einsum("btd,dny->btny", xn_BTD, self.g_proj[...]))
-        return self._linear("btny,nyd->btd", out_BTNY, self.o_proj, self.o_bias)
+        return linear("btny,nyd->btd", out_BTNY, self.o_proj, self.o_bias)

@@ -1,8 +1,8 @@
 """DFlash: a block drafter over the target's context features (SpecForge ``DFlashDraftModel``).
 
-One pass guesses a whole block. Its inputs are the context, the target's states at
-``aux_layer_ids`` for every verified position, and the block: the embeddings (the target's) of the
-last verified token followed by ``block_size - 1`` MASK tokens, at the positions that follow.
+One pass guesses a whole block from the context (the target's states at ``aux_layer_ids`` for every
+verified position) and the block (the target's embeddings of the last verified token and
+``block_size - 1`` MASK tokens, at the positions that follow).
 
     ctx_SD  = hidden_norm(fc(aux_SX))                         once per position, shared by all layers
     layer   : xn = input_layernorm(x)
@@ -11,17 +11,12 @@ last verified token followed by ``block_size - 1`` MASK tokens, at the positions
               x  = x + o_proj(attend(q, k, v));  x = x + mlp(post_attention_layernorm(x))
     out     = norm(x);   logits = the target's lm_head(out)   block offset j >= 1 guesses the token there
 
-Which keys a block anchored at position a sees (SpecForge's training masks, :func:`block_mask`):
-context positions before a and every token of its own block; in a sliding layer, only context in
-[a + j - W + 1, a) and its block's tokens up to its own offset j. Context keys depend on nothing
-but the target's states, so serving keeps them in a per-layer cache, slot p holding position p
-(:meth:`write_context`, after prefill and after each verify), and one pass over that cache and a
-fresh block proposes a round's tokens (:meth:`propose`). The block is always ``block_size`` wide, as
-trained: a round with K < block_size - 1 guesses reads the first K.
-
-With ``attention_mode: mla`` the layers attend with :class:`~eagle3_jax.drafts.dflash.mla.DFlashMLAttention`
-(same interface; its keys are one shared latent head, so the cache is latent-wide) and RoPE covers
-the MLA rope columns only; everything above stays as written.
+A block anchored at position a sees the context before a and its own block (:func:`block_mask`; a
+sliding layer only context in [a + j - W + 1, a) and its block up to offset j). Context keys depend
+only on the target's states, so serving caches them per layer (:meth:`write_context`) and one pass
+over that cache and a fresh block proposes a round's tokens (:meth:`propose`); the block is always
+``block_size`` wide, as trained. With ``attention_mode: mla`` the layers attend with
+:class:`~eagle3_jax.drafts.dflash.mla.DFlashMLAttention` (same interface, latent-wide cache).
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax.drafts.dflash.config import SLIDING, DFlashConfig
-from eagle3_jax.drafts.dflash.mla import DFlashMLAttention
+from eagle3_jax.drafts.dflash.mla import DFlashMLAttention, linear
 from eagle3_jax.models import attention_core as core
 from eagle3_jax.models.cache import KVCache
 from eagle3_jax.models.layers import RMSNorm, SwiGLU, apply_rope, param, rope_cos_sin, rope_inv_freq
@@ -74,21 +69,16 @@ class DFlashAttention(nnx.Module):
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, axes=("head_dim",))
         self.softmax_scale = float(H) ** -0.5
 
-    @staticmethod
-    def _project(x_BTD, w_DGH, b_GH):
-        y_BTGH = jnp.einsum("btd,dgh->btgh", x_BTD, w_DGH[...])
-        return y_BTGH if b_GH is None else y_BTGH + b_GH[...]
-
     def keys(self, x_BTD, cos_BTH, sin_BTH):
         """Normed, rotated keys and values of ``x_BTD`` (context states or the block's normed input)."""
-        k_BTGH = self.k_norm(self._project(x_BTD, self.k_proj, self.k_bias))
+        k_BTGH = self.k_norm(linear("btd,dgh->btgh", x_BTD, self.k_proj, self.k_bias))
         k_BTGH = apply_rope(k_BTGH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
-        return k_BTGH, self._project(x_BTD, self.v_proj, self.v_bias)
+        return k_BTGH, linear("btd,dgh->btgh", x_BTD, self.v_proj, self.v_bias)
 
     def __call__(self, xn_BTD, cos_BTH, sin_BTH, attend):
         """``attend(q_BTNH, k_BTGH, v_BTGH) -> out_BTNH``: the block's queries, keys and values in, and
         the caller says which context keys and which block keys each query sees."""
-        q_BTNH = self.q_norm(self._project(xn_BTD, self.q_proj, self.q_bias))
+        q_BTNH = self.q_norm(linear("btd,dgh->btgh", xn_BTD, self.q_proj, self.q_bias))
         q_BTNH = apply_rope(q_BTNH, cos_BTH[:, :, None], sin_BTH[:, :, None], interleaved=False)
         k_BTGH, v_BTGH = self.keys(xn_BTD, cos_BTH, sin_BTH)
         out_BTNH = attend(q_BTNH, k_BTGH, v_BTGH)
@@ -201,13 +191,10 @@ class DFlashDraft(nnx.Module):
 
     def propose(self, last_B, anchor_B, cache: tuple[KVCache, ...], embed_VD) -> jax.Array:
         """The block's outputs [B, block, D] for the block anchored at ``anchor_B`` (the position of
-        ``last_B``, the newest token, whose target states are not known yet): offset j >= 1 guesses
-        the token at anchor + j. The cache holds the context at positions before the anchor.
-
-        A full layer reads the filled context slots a block at a time (the core's blockwise form,
-        every query at position anchor - 1: cost follows the longest row, not the capacity) and its
-        block densely, one softmax over both (``core.merge``); a sliding layer gathers only the
-        W - 1 slots before the anchor that any of its queries may see."""
+        ``last_B``, the newest token): offset j >= 1 guesses the token at anchor + j. The cache holds
+        the context before the anchor. A full layer reads the filled slots blockwise and its block
+        densely, one softmax over both (``core.merge``); a sliding layer gathers the W - 1 slots
+        before the anchor."""
         cfg = self.cfg
         B, bs = last_B.shape[0], cfg.block_size
         ids_BT = jnp.concatenate([last_B[:, None], jnp.full((B, bs - 1), cfg.require_mask_token(), last_B.dtype)], 1)

@@ -2,12 +2,11 @@
 
 A batch row is a sequence of S tokens with its loss mask and the target's states at the draft's
 layers. Blocks are anchored at positions a where the token at a and the one after it are both
-supervised (:func:`sample_anchors`, up to ``num_anchors`` a row, in position order). Block offset
-j >= 1 is scored against the sequence's own token at a + j, a hard label, where that position
+supervised (:func:`sample_anchors_host`, up to ``num_anchors`` a row, in position order). Block
+offset j >= 1 is scored against the sequence's own token at a + j, a hard label, where that position
 exists and is supervised; offset 0 (the known token) never is. The loss is the weighted mean of the
 cross-entropy of the target head's logits, weights ``exp(-(j - 1) / gamma)`` with a decay ``gamma``
-(else 1); accuracy is top-1 agreement over the same positions, unweighted. The trainer draws the
-anchors on the host (:func:`sample_anchors_host`, the same rule row by row).
+(else 1); accuracy is top-1 agreement over the same positions, unweighted.
 """
 
 from __future__ import annotations
@@ -17,24 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def sample_anchors(key, loss_mask_BS: jax.Array, num_anchors: int) -> tuple[jax.Array, jax.Array]:
-    """(anchors [B, N], kept [B, N]), N = ``num_anchors`` (a static shape; SpecForge trims N to the
-    largest row's count, which only drops blocks that weigh nothing): uniformly chosen valid anchors,
-    sorted; rows with fewer valid positions fill the rest with dropped blocks at 0."""
-    B, S = loss_mask_BS.shape
-    valid_BC = (loss_mask_BS[:, :-1] > 0.5) & (loss_mask_BS[:, 1:] > 0.5)   # C = S - 1 candidates
-    score_BC = jnp.where(valid_BC, jax.random.uniform(key, valid_BC.shape), 2.0)
-    picked_BN = jnp.argsort(score_BC, axis=1)[:, :num_anchors]
-    kept_BN = jnp.arange(num_anchors)[None, :] < jnp.sum(valid_BC, axis=1, keepdims=True)
-    anchors_BN = jnp.sort(jnp.where(kept_BN, picked_BN, S), axis=1)
-    kept_BN = anchors_BN < S
-    return jnp.where(kept_BN, anchors_BN, 0), kept_BN
-
-
 def sample_anchors_host(loss_mask_S: np.ndarray, num_anchors: int, rng: np.random.Generator
                         ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`sample_anchors` for one row in numpy with its own generator (the trainer draws on the
-    host, so a resumed run draws what the uninterrupted one drew): (anchors [N], kept [N])."""
+    """(anchors [N], kept [N]) of one row: up to ``num_anchors`` valid anchors, uniformly chosen and
+    sorted, the rest dropped blocks at 0. Drawn on the host with the row's own generator, so a
+    resumed run draws what the uninterrupted one drew."""
     valid_C = (loss_mask_S[:-1] > 0.5) & (loss_mask_S[1:] > 0.5)
     picked = np.sort(rng.permutation(np.flatnonzero(valid_C))[:num_anchors])
     anchors_N = np.zeros(num_anchors, np.int32)
@@ -71,13 +57,6 @@ def dflash_terms(logits_BTV, ids_BS, loss_mask_BS, anchor_BN, keep_BN, block: in
     hits_BNK = (jnp.argmax(logits_BNKV, axis=-1) == labels_BNK) & scored_BNK
     return {"num": jnp.sum(ce_BNK * weights_BNK), "den": jnp.sum(weights_BNK),
             "hits_K": jnp.sum(hits_BNK, axis=(0, 1)), "scored_K": jnp.sum(scored_BNK, axis=(0, 1))}
-
-
-def dflash_loss(logits_BTV, ids_BS, loss_mask_BS, anchor_BN, keep_BN, block: int, decay_gamma: float | None = None):
-    """(loss, accuracy) of the blocks' logits [B, N * block, V] (float32). A batch with nothing to
-    score (SpecForge refuses one) has loss 0, so a step over it changes nothing."""
-    t = dflash_terms(logits_BTV, ids_BS, loss_mask_BS, anchor_BN, keep_BN, block, decay_gamma)
-    return terms_loss(t), jnp.sum(t["hits_K"]) / jnp.maximum(jnp.sum(t["scored_K"]), 1)
 
 
 def chunked_terms(out_BTD, head_DV, ids_BS, loss_mask_BS, anchor_BN, keep_BN, block: int,

@@ -1,11 +1,7 @@
-"""Block drafting (DFlash) in the decode loop: a round's K guesses from one block pass.
-
-The pass is anchored at the row's newest token (position n, not yet run through the target): the
-block is that token and ``block_size - 1`` MASK tokens, offset j guessing the token at n + j, read
-through the target's head. The draft keeps no state of its own between rounds beyond the context's
-keys; its catch-up writes the verified positions' ones (the guessed positions' are masked by the
-next anchor, then overwritten). Each guess is drawn from its own distribution and none depends on
-another guess, so rejection sampling against the target stays exact.
+"""Block drafting (DFlash) in the decode loop: one block pass anchored at the row's newest token
+(position n, not yet run through the target), offset j guessing the token at n + j through the
+target's head. The draft keeps only the context's keys between rounds; its catch-up writes the
+verified positions'. No guess depends on another, so rejection sampling stays exact.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """What a training run needs from the DFlash kind: its settings checks, the target layers it reads,
-and the config it trains and exports (the loop is ``train.dflash_trainer``, the loss ``objective``).
-
-SpecForge's DFlash recipe, as its trainer resolves it: the draft's layers (its target-derived
-default is one), ``block_size`` (16), one target layer read per draft layer, spread by
-:func:`~eagle3_jax.drafts.dflash.config.default_target_layer_ids` unless the draft config names them
-(``dflash_config.target_layer_ids``), and a MASK token written into ``dflash_config.mask_token_id``
-(chosen in the same order as P-EAGLE's: ``drafts/peagle/training.py``).
+and the config it trains and exports, by SpecForge's recipe: one draft layer, ``block_size`` 16, one
+target layer read per draft layer unless the draft config names them, and a MASK token (chosen as
+P-EAGLE's) written into ``dflash_config.mask_token_id``.
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ def _layers(cfg, file: dict | None) -> int:
 
 
 def train_aux_ids(file: dict | None, cfg, tcfg) -> tuple[int, ...]:
-    """The draft file's ``dflash_config.target_layer_ids``, else SpecForge's spread: one target layer
-    per draft layer."""
+    """The draft file's ``dflash_config.target_layer_ids``, else SpecForge's spread."""
     ids = ((file or {}).get("dflash_config") or {}).get("target_layer_ids")
     if ids is not None:
         return tuple(int(i) for i in ids)

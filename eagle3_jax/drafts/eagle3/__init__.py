@@ -9,16 +9,8 @@ from eagle3_jax.drafts.eagle3.propose import propose_chain
 from eagle3_jax.drafts.kind import DraftKind, catch_up_by_rereading
 
 
-def _train_config(d: dict, cfg, from_file: bool, where: str) -> DraftConfig:
-    return DraftConfig.from_hf_dict(d, where=where)
-
-
-def _check_train(cfg, tcfg, file: dict | None) -> None:
-    """Every training setting an EAGLE-3 run reads is checked by TrainConfig itself."""
-
-
 KIND = DraftKind(
     name="eagle3", title="EAGLE-3", architectures=DRAFT_ARCHITECTURES, config=DraftConfig, module=Draft,
     load=layout.load, build=layout.build, save=layout.save, wiring=layout.wiring, convert_table=layout.convert_table,
     propose=propose_chain, catch_up=catch_up_by_rereading,
-    trainer="trainer:Trainer", train_config=_train_config, check_train=_check_train)
+    trainer="trainer:Trainer", train_config=lambda d, cfg, from_file, where: DraftConfig.from_hf_dict(d, where=where))

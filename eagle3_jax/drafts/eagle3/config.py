@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -14,18 +13,13 @@ from eagle3_jax.config.target import RopeConfig
 
 
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3Draft")
-# The EAGLE-3.1 flags, as SGLang and vLLM read them (top level, or inside eagle_config where NVIDIA's
-# checkpoints put them): norm_before_fc = one RMSNorm over the concatenated aux states before fc;
-# fc_norm = one RMSNorm per aux state (target width) before fc; norm_output = the final norm's output
-# is what the next step is fed (and what lm_head reads). SpecForge 0.2.0 gave norm_output another
-# meaning (false: lm_head reads the un-normed state); its later release adopted this one.
+# The EAGLE-3.1 flags (model.py says what each does), read as SGLang and vLLM read them: at the top
+# level, or inside eagle_config where NVIDIA's checkpoints put them.
 EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 @dataclass(frozen=True)
 class DraftConfig:
-    """An EAGLE-3 draft in the SGLang / SpecForge ``LlamaForCausalLMEagle3`` layout."""
-
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -88,16 +82,6 @@ class DraftConfig:
         if cfg.draft_vocab_size > cfg.vocab_size:
             raise ConfigError(f"{where}: draft_vocab_size={cfg.draft_vocab_size} exceeds vocab_size={cfg.vocab_size}")
         return cfg
-
-    @classmethod
-    def from_path(cls, path: str | os.PathLike) -> "DraftConfig":
-        p = os.fspath(path)
-        if os.path.isdir(p):
-            p = os.path.join(p, "config.json")
-        if not os.path.isfile(p):
-            raise ConfigError(f"no config.json at {p}; point at an EAGLE-3 draft directory")
-        with open(p) as f:
-            return cls.from_hf_dict(json.load(f), where=p)
 
     def to_hf_dict(self) -> dict:
         if self.hf_config:

@@ -1,17 +1,15 @@
-"""An EAGLE-3 draft directory: what it holds (read once for the loader and the converter alike),
-its loader, and the writer of the SpecForge / SGLang layout.
+"""An EAGLE-3 draft directory: its layout, loader and writer (SpecForge / SGLang layout).
 
-A draft's config.json does not say everything its wiring needs: the fc width (so the number of
-target aux states it fuses), whether it ships its own embedding, and which vocab maps it stores
-are facts of the tensors. :func:`read_draft_layout` reads them from either kind of draft directory
-(Hugging Face / SpecForge safetensors, or one converted by ``tools.convert``, from its metadata)
-without reading any weight.
+Some wiring facts are facts of the tensors, not of config.json: the fc width (so the number of aux
+states fused), an own embedding, the stored vocab maps. :func:`read_draft_layout` reads them from
+safetensors headers or a converted checkpoint's metadata, without reading any weight.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -19,13 +17,11 @@ from flax import nnx
 
 from eagle3_jax.checkpoint import store
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
-from eagle3_jax.checkpoint.hf_loader import load_state
-from eagle3_jax.config import resolve_dtype
-from eagle3_jax.contracts import resolve_aux_ids
 from eagle3_jax.drafts.eagle3.config import DraftConfig
 from eagle3_jax.drafts.eagle3.model import Draft
 from eagle3_jax.drafts.eagle3.names import draft_rules, iter_draft_tensors
-from eagle3_jax.drafts.loaded import LoadedDraft, check_and_wire, host_params, placed, write_staged
+from eagle3_jax.drafts.loaded import (LoadedDraft, build_draft, check_and_wire, draft_dtype, host_params, load_weights,
+                                      open_reader, ruled_table, write_staged)
 from eagle3_jax.errors import CheckpointError
 
 VOCAB_MAPS = ("d2t", "t2d")
@@ -87,13 +83,11 @@ def read_draft_layout(path: str | os.PathLike, reader: CheckpointReader | None =
 
 
 def load(path: str | os.PathLike, cfg: DraftConfig, target, dtype=None) -> LoadedDraft:
-    """The draft at ``path`` (config ``cfg``, already read and preflighted) for ``target``: every
-    wiring contract is checked before a single weight is placed (aux ids exist in the target, fc's
-    input width is len(ids) x target hidden, vocabularies agree, d2t stays inside the target vocab,
-    a shared embedding has the draft's width)."""
+    """The draft at ``path`` (config ``cfg``, already read and preflighted) for ``target``, every
+    wiring contract (``check_and_wire``) checked before a single weight is placed."""
     path = os.fspath(path)
-    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
-    reader = None if store.is_jax_checkpoint(path) else CheckpointReader(path)
+    dtype = draft_dtype(dtype, target)
+    reader = open_reader(path)
     layout = read_draft_layout(path, reader)
     own_embedding, maps, d2t = layout.own_embedding, layout.vocab_maps, layout.d2t()
     ids = check_and_wire(cfg, target, layout.fc_in, d2t, layout.embed_width)
@@ -109,22 +103,10 @@ def load(path: str | os.PathLike, cfg: DraftConfig, target, dtype=None) -> Loade
         t2d[np.arange(cfg.draft_vocab_size) + (d2t if d2t is not None else 0)] = True
         fill[("t2d",)] = t2d
     abstract = nnx.eval_shape(lambda: Draft(cfg, len(ids), dtype, None, own_embedding=own_embedding))
-    graphdef, abstract_state = nnx.split(abstract)
-    if reader is None:
-        state = store.restore_state(path, abstract_state, target.mesh, kind="draft", fill=fill)
-    else:
-        state = load_state(reader, draft_rules(cfg, len(ids), own_embedding, maps), abstract_state,
-                           mesh=target.mesh, where=path, fill=fill)
-    return LoadedDraft(nnx.merge(graphdef, state), target, ids)
+    return load_weights(path, reader, abstract, draft_rules(cfg, len(ids), own_embedding, maps), target, ids, fill)
 
 
-def build(cfg: DraftConfig, target, dtype=None, seed: int = 0) -> LoadedDraft:
-    """A randomly initialized draft for ``target`` (tests, training from scratch)."""
-    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
-    ids = resolve_aux_ids(cfg, target.config)
-    model = Draft(cfg, len(ids), dtype, nnx.Rngs(seed))
-    check_and_wire(cfg, target, model.fc.value.shape[0], None, None)
-    return LoadedDraft(placed(model, target.mesh), target, ids)
+build = partial(build_draft, Draft)
 
 
 def save(draft: LoadedDraft, path: str | os.PathLike, out_dtype=None, dtype_name: str | None = None,
@@ -145,8 +127,5 @@ def wiring(path, reader: CheckpointReader, cfg: DraftConfig) -> dict:
 def convert_table(cfg: DraftConfig, wiring: dict, dtype) -> tuple[list, dict]:
     """(name table, our path -> abstract variable) of the tensors a stored draft with ``wiring`` has."""
     n_aux, own = int(wiring["n_aux"]), bool(wiring["own_embedding"])
-    rules = draft_rules(cfg, n_aux, own, tuple(wiring["vocab_maps"]))
-    _, state = nnx.split(nnx.eval_shape(lambda: Draft(cfg, n_aux, dtype, None, own_embedding=own)))
-    # A draft without a stored vocab map gets the identity one the model builds; it is not a tensor.
-    ruled = {r.path for r in rules}
-    return rules, {tuple(p): v for p, v in nnx.to_flat_state(state) if tuple(p) in ruled}
+    return ruled_table(draft_rules(cfg, n_aux, own, tuple(wiring["vocab_maps"])),
+                       nnx.eval_shape(lambda: Draft(cfg, n_aux, dtype, None, own_embedding=own)))

@@ -43,11 +43,10 @@ class DraftAttention(nnx.Module):
 
     def __call__(self, x_BTI, positions_BT, cos_BTH, sin_BTH, cache: KVCache | None, attend=None,
                  visible_BTS=None):
-        """With a cache: write this call's keys at their positions and attend over the filled slots
-        (cost follows the longest row, not the capacity). Without: attend among this call's tokens,
-        under ``visible_BTS`` or causally by position. ``attend(q_BTNH, k_BTGH, v_BTGH) -> (out_BTNH,
-        state)``, for training-time test, owns which keys each query sees (earlier simulated steps)
-        and returns whatever state it wants back in place of the cache."""
+        """With a cache: write this call's keys at their positions and attend over the filled slots.
+        Without: attend among this call's tokens, under ``visible_BTS`` or causally by position.
+        ``attend(q_BTNH, k_BTGH, v_BTGH) -> (out_BTNH, state)`` (training-time test) decides which keys
+        each query sees and returns the state to hand back in place of the cache."""
         q_BTNH = jnp.einsum("bti,inh->btnh", x_BTI, self.q_proj[...])
         k_BTGH = jnp.einsum("bti,igh->btgh", x_BTI, self.k_proj[...])
         v_BTGH = jnp.einsum("bti,igh->btgh", x_BTI, self.v_proj[...])
@@ -129,13 +128,8 @@ class Draft(nnx.Module):
                  attend=None, with_logits: bool = True) -> DraftStep:
         """One decoder pass. ``hidden_BTD`` is fc(aux) or the draft's own previous output;
         ``ids_BT[:, t]`` is the token that follows the position ``hidden_BTD[:, t]`` came from.
-
-        ``attend(q_BTNH, k_BTGH, v_BTGH) -> (out_BTNH, state)`` replaces the attention core (rotated
-        queries/keys in, per-head output out) for training-time test; ``state`` comes back in
-        ``DraftStep.cache``. Without it (serving) the computation is exactly as before.
-        ``with_logits=False`` leaves ``logits_BTW`` None: a caller that needs logits at one position
-        of many (prefill, catch-up) applies ``head`` to that position alone: the draft-vocab head is a
-        large share of the draft's work per position."""
+        ``attend``: see ``DraftAttention``. ``with_logits=False`` leaves ``logits_BTW`` None, for a
+        caller that applies ``head`` to one position of many (the head is much of a position's work)."""
         table = self.embed_tokens[...] if self.embed_tokens is not None else embed_VD
         emb_BTD = jnp.take(table, ids_BT, axis=0).astype(self.dtype)
         cos, sin = rope_cos_sin(positions_BT, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attn_factor)

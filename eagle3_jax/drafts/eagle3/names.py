@@ -1,7 +1,5 @@
-"""SGLang / SpecForge ``LlamaForCausalLMEagle3`` tensor names <-> our draft parameters.
-
-Same Rule type as target_map: one table, used for loading and for export.
-"""
+"""SGLang / SpecForge ``LlamaForCausalLMEagle3`` tensor names <-> our draft parameters: one table
+(target_map's ``Rule``s), used for loading and for export."""
 
 from __future__ import annotations
 
@@ -9,6 +7,7 @@ import numpy as np
 
 from eagle3_jax.checkpoint.target_map import Rule, _linear, _linear_in, _same
 from eagle3_jax.drafts.eagle3.config import DraftConfig
+from eagle3_jax.drafts.loaded import rule_tensors
 
 
 def _cast(path, key, mem_dtype, disk_dtype):
@@ -54,6 +53,4 @@ def draft_rules(cfg: DraftConfig, n_aux: int, own_embedding: bool, vocab_maps: t
 
 def iter_draft_tensors(cfg: DraftConfig, flat_params: dict, n_aux: int, own_embedding: bool):
     """Our draft params (path -> array) as SpecForge/SGLang (name, array) pairs."""
-    for rule in draft_rules(cfg, n_aux, own_embedding):
-        for key, arr in zip(rule.hf_keys, rule.to_hf(np.asarray(flat_params[rule.path]))):
-            yield key, arr
+    return rule_tensors(draft_rules(cfg, n_aux, own_embedding), flat_params)

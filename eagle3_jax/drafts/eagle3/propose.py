@@ -1,9 +1,7 @@
-"""Chain drafting (EAGLE-3): a round's K draft tokens from K - 1 sequential draft steps.
-
-The first guess comes from the draft's output at the anchor (the last known position, kept in the
-loop state by the previous catch-up); each later step feeds the previous guess and the draft's own
-hidden state back in, one position further, writing its keys into the draft cache (the catch-up
-overwrites them with the verified positions')."""
+"""Chain drafting (EAGLE-3): a round's K draft tokens from K - 1 sequential draft steps. The first
+guess comes from the draft's output at the anchor (kept in the loop state by the previous catch-up);
+each later step feeds the previous guess and hidden state back, one position further, writing keys
+the catch-up overwrites with the verified positions'."""
 
 from __future__ import annotations
 
@@ -13,9 +11,8 @@ import jax.numpy as jnp
 def propose_chain(draft, dlogits_BW, dhidden_BD, dcache, lengths_B, keys, pick, embed_VD, last_B, head):
     """(draft ids [B, K] in the draft vocab, their distributions [B, K, W], the draft cache).
 
-    ``lengths_B`` is each row's target length n: step j runs at position n - 1 + j. The newest token
-    and the target's head (``last_B``, ``head``) are not needed: the draft has its own.
-    ``pick(key, logits_BW) -> (ids_B, q_BW)`` chooses a token (greedy or sampled)."""
+    ``lengths_B`` is each row's target length n: step j runs at position n - 1 + j. ``last_B`` and
+    ``head`` are not needed: the draft has its own."""
     d_B, q_BW = pick(keys[0], dlogits_BW)
     ids, qs = [d_B], [q_BW]
     hidden_BD = dhidden_BD

@@ -1,17 +1,13 @@
 """SpecForge ``PEagleDraftModel`` tensors <-> our P-EAGLE draft: the name table, loading and export.
 
-On disk (SpecForge persists the whole draft, since P-EAGLE trains its embedding and mask state):
-``embed_tokens.weight`` [V, D], ``fc.weight`` [D, X], ``mask_hidden`` [1, 1, X],
-``layers.{i}.self_attn.{q,k,v,o}_proj.weight`` (q/k/v input 2D in layer 0, D after),
-``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.{input_layernorm,post_attention_layernorm}
-.weight``, ``layers.0.hidden_norm.weight``, ``norm.weight``, ``lm_head.weight`` [W, D], ``d2t`` int64 [W],
-``t2d`` bool [V]. The key set is exactly that class's ``state_dict()`` (its RoPE tables are not
-persistent), so an export loads there with ``strict=True``.
+SpecForge persists the whole draft (P-EAGLE trains its embedding and mask state); the name table
+is exactly that class's ``state_dict()`` keys, so an export loads there with ``strict=True``.
 """
 
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Mapping
 
 import numpy as np
@@ -19,12 +15,10 @@ from flax import nnx
 
 from eagle3_jax.checkpoint import store
 from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
-from eagle3_jax.checkpoint.hf_loader import load_state
 from eagle3_jax.checkpoint.target_map import Rule, _linear, _linear_in, _same
-from eagle3_jax.config import resolve_dtype
-from eagle3_jax.contracts import resolve_aux_ids
 from eagle3_jax.drafts.eagle3.names import _cast
-from eagle3_jax.drafts.loaded import LoadedDraft, check_and_wire, host_params, placed, write_staged
+from eagle3_jax.drafts.loaded import (LoadedDraft, build_draft, check_and_wire, draft_dtype, host_params, load_weights,
+                                      open_reader, rule_tensors, ruled_table, write_staged)
 from eagle3_jax.drafts.peagle.config import PEagleConfig
 from eagle3_jax.drafts.peagle.model import PEagleDraft
 from eagle3_jax.errors import CheckpointError
@@ -76,27 +70,12 @@ def n_aux_of(reader: CheckpointReader, cfg: PEagleConfig, where: str) -> int:
     return fc_in // cfg.target_hidden_size
 
 
-def read_peagle_state(path: str | os.PathLike, cfg: PEagleConfig, abstract_state: nnx.State, n_aux: int,
-                      mesh=None, reader: CheckpointReader | None = None) -> nnx.State:
-    """Fills ``abstract_state`` from SpecForge-layout safetensors; any missing, unexpected or
-    mis-shaped tensor is one CheckpointError naming them all."""
-    where = os.fspath(path)
-    reader = reader if reader is not None else CheckpointReader(path)
-    return load_state(reader, peagle_rules(cfg, n_aux), abstract_state, mesh=mesh, where=where)
-
-
-def iter_peagle_tensors(cfg: PEagleConfig, flat_params: Mapping[tuple, np.ndarray], n_aux: int):
-    for rule in peagle_rules(cfg, n_aux):
-        for key, arr in zip(rule.hf_keys, rule.to_hf(np.asarray(flat_params[rule.path]))):
-            yield key, arr
-
-
 def write_peagle(path: str | os.PathLike, cfg: PEagleConfig, flat: Mapping[tuple, np.ndarray], aux_layer_ids,
                  out_dtype=None, dtype_name: str | None = None, config_overrides: dict | None = None) -> None:
     """config.json (recording ``aux_layer_ids`` and the MASK token id) + model.safetensors in
     SpecForge's layout, staged beside ``path``; ``out_dtype`` casts floating-point weights."""
     cfg.require_mask_token(os.fspath(path))
-    write_staged(path, cfg, flat, aux_layer_ids, lambda cast: iter_peagle_tensors(cfg, cast, len(aux_layer_ids)),
+    write_staged(path, cfg, flat, aux_layer_ids, lambda cast: rule_tensors(peagle_rules(cfg, len(aux_layer_ids)), cast),
                  out_dtype, dtype_name, config_overrides)
 
 
@@ -105,19 +84,7 @@ def save(draft: LoadedDraft, path: str | os.PathLike, out_dtype=None, dtype_name
     write_peagle(path, draft.config, host_params(draft.model), draft.aux_layer_ids, out_dtype, dtype_name, config_overrides)
 
 
-def build_peagle_draft(cfg: PEagleConfig, target, dtype=None, seed: int = 0) -> LoadedDraft:
-    """A randomly initialised P-EAGLE draft wired to ``target`` (a ``LoadedTarget``)."""
-    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
-    ids = resolve_aux_ids(cfg, target.config)
-    model = PEagleDraft(cfg, len(ids), dtype, nnx.Rngs(seed))
-    check_and_wire(cfg, target, model.fc[...].shape[0], None, cfg.hidden_size)
-    return LoadedDraft(placed(model, target.mesh), target, ids)
-
-
-def load_peagle_draft(path: str | os.PathLike, target, dtype=None, mask_token_id: int | None = None) -> LoadedDraft:
-    """The P-EAGLE draft at ``path`` with the MASK token ``mask_token_id`` when its config.json names
-    none (SpecForge's exports do not); ``load_draft`` is the door that also preflights the pair."""
-    return load(path, PEagleConfig.from_path(path, mask_token_id), target, dtype)
+build_peagle_draft = partial(build_draft, PEagleDraft, own_embedding=True)
 
 
 def load(path: str | os.PathLike, cfg: PEagleConfig, target, dtype=None) -> LoadedDraft:
@@ -126,27 +93,21 @@ def load(path: str | os.PathLike, cfg: PEagleConfig, target, dtype=None) -> Load
     before any weight is read."""
     where = os.fspath(path)
     cfg.require_mask_token(where)
-    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
-    converted = store.is_jax_checkpoint(path)   # written by tools.convert: our layout, with its wiring
-    reader = None if converted else CheckpointReader(path)
-    n_aux = int(store.read_meta(path)["wiring"]["n_aux"]) if converted else n_aux_of(reader, cfg, where)
-    if converted:
+    dtype = draft_dtype(dtype, target)
+    reader = open_reader(path)
+    n_aux = int(store.read_meta(path)["wiring"]["n_aux"]) if reader is None else n_aux_of(reader, cfg, where)
+    if reader is None:
         d2t = store.restore_arrays(path, ["d2t"])["d2t"]
     else:   # a missing d2t is reported with every other missing tensor when the weights are read
         d2t = reader.read("d2t") if "d2t" in reader else None
     ids = check_and_wire(cfg, target, n_aux * cfg.target_hidden_size, d2t, cfg.hidden_size)
     if len(ids) != n_aux:
         raise CheckpointError(f"{where}: fc fuses {n_aux} aux states but the config names {len(ids)} layer ids {ids}")
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: PEagleDraft(cfg, n_aux, dtype, None)))
-    if converted:
-        state = store.restore_state(path, abstract, target.mesh, kind="draft")
-    else:
-        state = read_peagle_state(path, cfg, abstract, n_aux, mesh=target.mesh, reader=reader)
-    return LoadedDraft(nnx.merge(graphdef, state), target, ids)
+    return load_weights(path, reader, nnx.eval_shape(lambda: PEagleDraft(cfg, n_aux, dtype, None)),
+                        peagle_rules(cfg, n_aux), target, ids)
 
 
 def convert_table(cfg: PEagleConfig, wiring: dict, dtype) -> tuple[list, dict]:
     """(name table, our path -> abstract variable) for tools.convert; P-EAGLE stores every tensor."""
     n_aux = int(wiring["n_aux"])
-    _, state = nnx.split(nnx.eval_shape(lambda: PEagleDraft(cfg, n_aux, dtype, None)))
-    return peagle_rules(cfg, n_aux), {tuple(p): v for p, v in nnx.to_flat_state(state)}
+    return ruled_table(peagle_rules(cfg, n_aux), nnx.eval_shape(lambda: PEagleDraft(cfg, n_aux, dtype, None)))

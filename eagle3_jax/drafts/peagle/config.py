@@ -1,23 +1,17 @@
-"""``PEagleConfig``: a parallel-drafting (P-EAGLE) draft in SpecForge's ``PEagleDraftModel`` layout.
+"""``PEagleConfig``: a parallel-drafting (P-EAGLE) draft in SpecForge's ``PEagleDraftModel`` layout:
+the EAGLE-3 draft's config.json with ``num_hidden_layers`` decoder layers. Two facts of that class:
 
-The config.json is a Llama config plus ``draft_vocab_size`` (and optionally ``target_hidden_size``,
-``eagle_config``, ``norm_before_residual``), with ``architectures: ["PEagleDraftModel"]`` and
-``num_hidden_layers`` draft decoder layers (SpecForge's Qwen3-8B recipe uses 4). Two facts of that
-class shape what we read here:
-
-- its rotary embedding is built from ``rope_theta`` alone: ``rope_scaling`` is never applied, so a
-  draft trained there computes unscaled RoPE whatever its config says, and so do we;
-- the id of the MASK token fed at the not-yet-known positions is chosen by SpecForge's trainer and
-  is not written into config.json. We read ``mask_token_id`` when the config has it (our exports
-  write it; SpecForge's LlamaConfig keeps unknown keys, so its loader still accepts the file), and
-  otherwise the caller must name it: the embedding row used at those positions changes every draft.
+- its rotary embedding is built from ``rope_theta`` alone (``rope_scaling`` is never applied), so
+  a draft trained there computes unscaled RoPE whatever its config says, and so do we;
+- SpecForge's trainer picks the MASK token fed at the positions to guess and does not write it into
+  config.json. Our exports write ``mask_token_id`` (SpecForge's LlamaConfig keeps unknown keys);
+  without it the caller must name the id.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -26,10 +20,6 @@ from eagle3_jax.config.target import RopeConfig
 from eagle3_jax.errors import ConfigError
 
 PEAGLE_ARCHITECTURES = ("PEagleDraftModel",)
-
-
-def is_peagle_config(d: Mapping[str, Any]) -> bool:
-    return any(a in PEAGLE_ARCHITECTURES for a in (d.get("architectures") or []))
 
 
 @dataclass(frozen=True)
@@ -42,7 +32,7 @@ class PEagleConfig(DraftConfig):
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any], where: str = "draft config.json",
                      mask_token_id: int | None = None) -> "PEagleConfig":
-        if not is_peagle_config(d):
+        if not any(a in PEAGLE_ARCHITECTURES for a in d.get("architectures") or []):
             raise ConfigError(
                 f"{where}: architectures {d.get('architectures')} is not a P-EAGLE draft; expected "
                 f"{list(PEAGLE_ARCHITECTURES)}. Load an EAGLE-3 chain draft with DraftConfig instead")
@@ -50,8 +40,7 @@ class PEagleConfig(DraftConfig):
         if layers < 1:
             raise ConfigError(f"{where}: num_hidden_layers must be >= 1 for a P-EAGLE draft, found {layers}")
         theta = _rope_theta(d)
-        # The shared fields are parsed by the EAGLE-3 reader; the rope entries are left out of what
-        # it sees because SpecForge's P-EAGLE never applies them (module docstring).
+        # The EAGLE-3 reader parses the shared fields, without the rope entries P-EAGLE never applies.
         shared = {k: v for k, v in d.items() if k not in ("architectures", "rope_scaling", "rope_parameters")}
         base = DraftConfig.from_hf_dict(shared, where)
         stored = d.get("mask_token_id")
@@ -66,16 +55,6 @@ class PEagleConfig(DraftConfig):
         fields.update(rope=RopeConfig(theta=theta), hf_config=json.loads(json.dumps(dict(d))),
                       num_hidden_layers=layers, mask_token_id=None if mask is None else int(mask))
         return cls(**fields)
-
-    @classmethod
-    def from_path(cls, path: str | os.PathLike, mask_token_id: int | None = None) -> "PEagleConfig":
-        p = os.fspath(path)
-        if os.path.isdir(p):
-            p = os.path.join(p, "config.json")
-        if not os.path.isfile(p):
-            raise ConfigError(f"no config.json at {p}; point at a P-EAGLE draft directory")
-        with open(p) as f:
-            return cls.from_hf_dict(json.load(f), where=p, mask_token_id=mask_token_id)
 
     def require_mask_token(self, where: str = "P-EAGLE draft") -> int:
         if self.mask_token_id is None:

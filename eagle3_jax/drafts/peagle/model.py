@@ -11,12 +11,9 @@ a token and a hidden state; the first layer is the EAGLE-3 layer (2D wide), the 
     logits  = lm_head(norm(h))   over the draft vocab; target id = id + d2t[id]
 
 ``mask_hidden`` replaces the target's aux states (before ``fc``) where they are unknown, so one
-pass predicts K positions: anchored at position a (aux known, next token known), depth 0 is the
-usual EAGLE-3 prediction, and depth d sits at position a + d and predicts d tokens further. Which
-keys a query sees is the P-EAGLE rule: known positions up to its anchor, and the positions of its
-own rollout up to its depth (:func:`rollout_mask`). Serving realises that rule with the KV cache
-(slots hold known positions; a rollout's mask positions are written after its anchor and masked
-by position like any stale slot); training and the parity check pass the mask explicitly.
+pass anchored at position a predicts K positions: depth 0 is the usual EAGLE-3 prediction, depth d
+sits at a + d. A query sees the known positions up to its anchor and its own rollout up to its
+depth (:func:`rollout_mask`): serving gets that rule from the KV cache, training passes the mask.
 """
 
 from __future__ import annotations
@@ -70,9 +67,8 @@ class PEagleLayer(nnx.Module):
 
 
 class PEagleDraft(nnx.Module):
-    """Same calling convention as the chain draft (``Draft``) for known positions, so prefill and
-    catch-up are shared; :meth:`propose` adds the parallel guesses. It always carries its own
-    token embedding (P-EAGLE trains it), so the target's embedding argument is ignored."""
+    """The chain draft's calling convention (``Draft``) for known positions, so prefill and catch-up
+    are shared, plus :meth:`propose`. Its own token embedding (P-EAGLE trains it) replaces the target's."""
 
     def __init__(self, cfg: PEagleConfig, n_aux: int, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         D, W, V = cfg.hidden_size, cfg.draft_vocab_size, cfg.vocab_size
@@ -127,21 +123,15 @@ class PEagleDraft(nnx.Module):
         return self._layers(ids_BT, hidden_BTD, positions_BT, cache, None, with_logits)
 
     # ------------------------------------------------------------------ parallel drafting
-    def mask_inputs(self, batch: int, count: int):
-        """(ids [B, count], hidden [B, count, D]) of positions still to be guessed."""
+    def propose(self, positions_BK: jax.Array, cache: tuple[KVCache, ...]) -> DraftStep:
+        """Logits of the guessed positions ``positions_BK`` (anchor + 1 .. anchor + K - 1; the cache
+        holds the known ones) in one pass over MASK inputs. Their keys, written into the cache, lie
+        past every row's length (masked by position) until a catch-up overwrites them."""
+        B, K = positions_BK.shape
         mask_id = self.cfg.require_mask_token()
         hidden_D = jnp.einsum("x,xd->d", self.mask_hidden[...], self.fc[...])
-        return (jnp.full((batch, count), mask_id, jnp.int32),
-                jnp.broadcast_to(hidden_D.astype(self.dtype), (batch, count, hidden_D.shape[-1])))
-
-    def propose(self, positions_BK: jax.Array, cache: tuple[KVCache, ...]) -> DraftStep:
-        """Logits of the guessed positions ``positions_BK`` (anchor + 1 .. anchor + K - 1, where the
-        cache holds every known position up to the anchor) in one pass. Their keys are written into
-        the cache at those positions: a later catch-up overwrites them, and until then they are past
-        every row's length and masked by position."""
-        B, K = positions_BK.shape
-        ids_BK, hidden_BKD = self.mask_inputs(B, K)
-        return self._layers(ids_BK, hidden_BKD, positions_BK, cache, None, True)
+        hidden_BKD = jnp.broadcast_to(hidden_D.astype(self.dtype), (B, K, hidden_D.shape[-1]))
+        return self._layers(jnp.full((B, K), mask_id, jnp.int32), hidden_BKD, positions_BK, cache, None, True)
 
     def forward_rollouts(self, ids_BT, aux_BTX, depth_BT, positions_BT, mask_BTT) -> DraftStep:
         """Training and checking: tokens laid out as rollouts (``depth_BT`` 0 = known, with its

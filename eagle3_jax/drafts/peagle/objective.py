@@ -4,21 +4,16 @@ Data convention (SpecForge's shifted capture, the pairing the draft is served wi
 of a training row carries ``ids_T[t]`` = the token after position t, ``aux_TX[t]`` = the target's
 aux states at t, and ``target_TV[t]`` = the target's logits for the token after ``ids_T[t]``.
 
-Sampling. Depth 0 is every position (the EAGLE-3 prediction). Depth d >= 1 extends some of the
-depth-(d-1) rollouts by one: a rollout anchored at a reaches position a + d, which must be a loss
-position of the same document; of the eligible ones, ``int((valid - d) * max(r**d, r_min))`` are
-kept at random (``valid`` = number of loss positions), so deeper rollouts are rarer and the
-sequence grows by about 1 / (1 - r) rather than by the number of depths.
+Sampling. Depth 0 is every position. Depth d >= 1 extends at random
+``int((valid - d) * max(r**d, r_min))`` of the depth-(d-1) rollouts whose position a + d is a loss
+position of the same document (``valid`` = number of loss positions), so the sequence grows by
+about 1 / (1 - r), not by the number of depths.
 
-Loss. At a sampled token of position p = anchor + depth: soft-label cross-entropy of the draft's
-logits against the softmax of the target's logits restricted to the draft vocabulary; tokens
-whose position is not a loss position, or whose target argmax is outside the draft vocabulary,
-weigh 0; the loss is the weighted mean over tokens (every depth weighs the same): over the batch's
-tokens, or (``row_means``, SpecForge's step: one row a device, the devices' losses averaged) each
-row's weighted mean, averaged over the rows.
-
-Shapes are static for jit: a row's rollouts are padded to :func:`cod_budget` tokens; padding is
-``valid`` False, attends only to itself, is seen by nobody and weighs nothing.
+Loss. Soft-label cross-entropy of the draft's logits against the target's softmax over the draft
+vocabulary, at each sampled token (non-loss positions and target argmaxes outside the draft vocab
+weigh 0): the weighted mean over the batch's tokens, or (``row_means``, SpecForge's one row a
+device) the mean of the rows' weighted means. Rows are padded to :func:`cod_budget` tokens for jit;
+padding attends only to itself and weighs nothing.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """What a training run needs from the P-EAGLE kind: its settings checks, the config it trains and
-exports, and the MASK token it trains with (the loop is ``train.peagle_trainer``, the loss
-``objective``).
-
-The MASK token of a P-EAGLE draft, which SpecForge's trainer picks but does not write into
-config.json (our export does): ``peagle.mask_token_id``, else the draft config file's, else the
-tokenizer's mask token, else the first embedding row past the tokenizer's vocabulary (a row no
-text uses), else the tokenizer's pad token, else its first end-of-sequence id (SpecForge's order).
+exports, and the MASK token it trains with, in SpecForge's order: ``peagle.mask_token_id``, else
+the draft config file's, else the tokenizer's mask token, else the first embedding row past the
+tokenizer's vocabulary (a row no text uses), else its pad token, else its first end-of-sequence id.
 """
 
 from __future__ import annotations
@@ -49,8 +45,8 @@ def train_config(d: dict, cfg, from_file: bool, where: str) -> PEagleConfig:
 
 
 def resolve_mask_token_id(dcfg, tokenizer, setting: str = "peagle.mask_token_id") -> tuple[int, str]:
-    """(id, where it came from) of the MASK token of a draft config with ``mask_token_id`` and
-    ``vocab_size``, by the module docstring's order; ``setting``: the key that sets it."""
+    """(id, where it came from) of the MASK token of a draft config (``mask_token_id``, ``vocab_size``),
+    by the module docstring's order; ``setting``: the key that sets it."""
     from eagle3_jax.tokenizer import _token_content as _content
 
     V = dcfg.vocab_size
