@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--speedup: also compile one deeper cut and one interpolated cell, and print how far the "
                         "extrapolation and interpolation land")
     p.add_argument("--train", action="store_true",
-                   help="also plan the draft training step (eagle3_jax.train.trainer.train_step)")
+                   help="also plan the draft training step (eagle3_jax.train.step.train_step)")
     p.add_argument("--train-batch", type=int, default=8, help="training rows per micro-batch")
     p.add_argument("--train-len", type=int, default=2048, help="training sequence length")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")

@@ -42,7 +42,7 @@ class PlanSettings:
     programs: tuple[str, ...] = ("decode", "prefill")
     moe_kernel: str | None = None      # None: the product's default for the platform compiled for
     train: bool = False
-    # the draft training step (eagle3_jax.train.trainer.train_step), with TrainConfig's defaults
+    # the draft training step (eagle3_jax.train.step.train_step), with TrainConfig's defaults
     train_batch: int = 8
     train_len: int = 2048
     train_accum: int = 1

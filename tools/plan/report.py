@@ -264,7 +264,7 @@ def format_train(plan: Plan, hbm: int | None) -> list[str]:
     hi, lo = t.totals(ratio)
     unit, scale = _unit(hi)
     _gb = lambda n: f"{n / scale:,.1f}"  # noqa: E731
-    lines = [f"# train: eagle3_jax.train.trainer.train_step, hidden states {s.hidden_source}, {s.train_accum} x "
+    lines = [f"# train: eagle3_jax.train.step.train_step, hidden states {s.hidden_source}, {s.train_accum} x "
              f"{s.train_batch} rows x {s.train_len} tokens, TTT {s.ttt_steps} steps, draft + AdamW in "
              f"{s.train_dtype}; lowered {t.program.lower_s:.0f} s, compiled {t.program.compile_s:.0f} s; {unit}"]
     head = ["frozen target", "target head", "draft params", "AdamW state", "batch", "temp", "peak"]
