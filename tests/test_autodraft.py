@@ -126,6 +126,26 @@ def test_only_measured_ks_run_and_exploration_is_bounded():
     assert not long.exploring   # measured now: it competes on evidence, and loses
 
 
+def test_a_k_between_measured_ones_is_priced_and_can_start_a_short_job():
+    """The probe measures the largest K too: every K below it is priced on the line through its
+    measured neighbours (with a wider noise), so even a short job starts at the best of them, here
+    K = 3, which nothing measured; without K = 6 measured it could only reach K = 2."""
+    costs = Costs({0: 1.0, 1: 1.1, 2: 1.2, 6: 2.0}, {False: 0.0, True: 0.0})
+    assert [costs.cost(k) for k in range(3, 6)] == pytest.approx([1.4, 1.6, 1.8])
+    assert costs.priced(6) == list(range(7)) and costs.priced(4) == [0, 1, 2]
+    assert costs.noise(4) == autodraft.INTERPOLATED_NOISE > costs.noise(2)
+    auto = AutoDraft(costs, 6, accepting(6, 0.8), max_new_tokens=autodraft.SHORT_JOB_TOKENS)
+    assert max(range(7), key=auto.rate) == 3 and auto.start_k == 3
+    two = AutoDraft(Costs({0: 1.0, 1: 1.1, 2: 1.2}, {False: 0.0, True: 0.0}), 6, accepting(6, 0.8),
+                    max_new_tokens=autodraft.SHORT_JOB_TOKENS)
+    assert two.rate(6) > two.rate(2) and two.start_k == 2
+
+
+def test_the_probe_measures_the_largest_k():
+    assert session_mod.probe_ks(6) == [0, 1, 2, 6] and session_mod.probe_ks(2) == [0, 1, 2]
+    assert session_mod.probe_ks(1) == [0, 1]
+
+
 def test_measured_speedup_is_a_ratio_of_measured_rates_or_absent():
     """measured_speedup: tokens per wall second of the runs at K over those at K = 0, both run in
     this process (admissions included), else absent; the model's figure is the prediction."""
@@ -411,7 +431,7 @@ def test_a_second_identical_serve_run_compiles_nothing_new(tiny_target, draft, t
     assert second["auto_draft"]["table_source"] == "calibrated" and second["auto_draft"]["calibration_seconds"] == 0
     assert first["compiles"]["compiled"] + first["compiles"]["from_cache"] > 0
     assert second["compiles"]["compiled"] == 0 and second["compiles"]["from_cache"] > 0, second["compiles"]
-    probed = {str(k) for k in session_mod.PROBE_KS}   # the first run compiled these for its probe
+    probed = {str(k) for k in session_mod.probe_ks(autodraft.DEFAULT_MAX_DRAFT_TOKENS)}   # the first run compiled these for its probe
     assert set(second["auto_draft"]["iterations_per_k"]) <= set(first["auto_draft"]["iterations_per_k"]) | probed
 
 

@@ -14,8 +14,10 @@ of draft position j given position j-1's (``Acceptance``), learned from rows wit
 (``calibration.CalibrationStore``), else from a short probe (``session.probe_costs``); the first K
 is the one they choose, or the user's ``k_table`` entry. Before every run the best K is compared
 with the current one and takes over only if its predicted gain exceeds MARGIN plus SWITCH_Z
-standard errors. Only measured Ks are compared, so a job runs, and compiles, only Ks it was shown
-to, apart from bounded exploration (see the constants).
+standard errors. The Ks compared are those up to the largest measured one (the probe measures the
+largest K too): a K between measured ones is priced on the line through its measured neighbours,
+none beyond them, so a job compiles a K only when it chooses it, and never one the model had to
+guess from outside what was measured, apart from bounded exploration (see the constants).
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ CARRIED_ROUNDS = 256
 # A switch: the predicted gain must exceed MARGIN (what the model leaves out) plus SWITCH_Z standard errors.
 MARGIN = 0.03
 SWITCH_Z = 1.5
-# Relative standard error of a cost timed fewer than twice with no calibrated spread.
+# Relative standard error of a cost timed fewer than twice with no calibrated spread, and of one
+# interpolated between measured Ks (a round's cost is close to linear in K, not exactly).
 COST_NOISE = 0.03
+INTERPOLATED_NOISE = 0.06
 # Exploration: while acceptance rests on fewer than BOOTSTRAP_ROUNDS rounds, one run at the largest
 # measured K (it teaches the most positions); beyond that, only in jobs whose rows may emit more than
 # SHORT_JOB_TOKENS, a K that wins with acceptance SWITCH_Z errors up may run once, while explored
@@ -144,13 +148,20 @@ class Costs:
         """The Ks with a cost of their own (calibrated or run)."""
         return set(self.calibrated) | set(self.runs)
 
+    def priced(self, max_draft_tokens: int) -> list[int]:
+        """The Ks a choice compares: 0 up to the largest measured K (at most ``max_draft_tokens``);
+        the unmeasured ones among them lie between measured ones."""
+        return list(range(max((k for k in self.measured() if k <= max_draft_tokens), default=0) + 1))
+
     def _line(self, k: int) -> float:
+        """c(K) on the line through the calibrated Ks >= 1 nearest to K on either side."""
         pts = sorted((j, c) for j, c in self.calibrated.items() if j >= 1)
         if not pts:
             return self.calibrated[0] * (1.0 + k)   # nothing known: a draft token as dear as a target step
         if len(pts) < 2:
             return pts[0][1] * (1.0 + k) / (1.0 + pts[0][0])
-        (k1, c1), (k2, c2) = pts[0], pts[-1]
+        i = min(max(np.searchsorted([j for j, _ in pts], k), 1), len(pts) - 1)
+        (k1, c1), (k2, c2) = pts[i - 1], pts[i]
         return c1 + (c2 - c1) * (k - k1) / (k2 - k1)
 
     def drift(self) -> float:
@@ -185,6 +196,8 @@ class Costs:
     def noise(self, k: int) -> float:
         """Relative standard error of c(K): from the spread of its timed runs, else the calibration's."""
         runs = self.runs.get(k, ())
+        if not runs and k not in self.calibrated:
+            return INTERPOLATED_NOISE
         if len(runs) < 2:
             return self.calibrated_noise.get(k, COST_NOISE) if not runs else COST_NOISE
         per_round = np.array([s / r for s, r in runs])
@@ -262,8 +275,8 @@ class AutoDraft:
         return math.sqrt(tau_se(k) ** 2 + tau_se(j) ** 2 + self.costs.noise(k) ** 2 + self.costs.noise(j) ** 2)
 
     def _better(self, current: int, last_wave: bool) -> int:
-        """The measured K of the best rate, if its gain over ``current`` is larger than the noise."""
-        ks = sorted(k for k in self.costs.measured() if k <= self.max_draft_tokens) or [current]
+        """The priced K of the best rate, if its gain over ``current`` is larger than the noise."""
+        ks = self.costs.priced(self.max_draft_tokens)
         best = max(ks, key=lambda k: (self.rate(k, 0.0, last_wave), -k))
         gain = math.log(self.rate(best, 0.0, last_wave) / self.rate(current, 0.0, last_wave))
         return best if best != current and gain > math.log1p(MARGIN) + SWITCH_Z * self.noise(best, current) else current

@@ -17,7 +17,8 @@ import platform
 
 from eagle3_jax.checkpoint.staging import write_json_atomic
 
-VERSION = 1
+# 2: probes measure the largest K too; a version-1 file, without it, is probed afresh.
+VERSION = 2
 
 
 def machine() -> str:
