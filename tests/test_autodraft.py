@@ -141,6 +141,15 @@ def test_a_k_between_measured_ones_is_priced_and_can_start_a_short_job():
     assert two.rate(6) > two.rate(2) and two.start_k == 2
 
 
+def test_a_live_interpolated_k_scales_the_calibrated_ones():
+    """A job that ran only K = 4 (priced on the line through 2 and 6, 2.0 s a round) and found it at
+    3.0 s scales every calibrated figure by 1.5: K = 2 is not left at the probe's cheaper level."""
+    costs = Costs({0: 1.0, 2: 1.5, 6: 2.5}, {False: 0.0, True: 0.0})
+    costs.observe(run_of(4, 8, 8 * 3.0))
+    assert costs.drift() == pytest.approx(1.5)
+    assert costs.cost(2) == pytest.approx(2.25) and costs.cost(0) == pytest.approx(1.5)
+
+
 def test_the_probe_measures_the_largest_k():
     assert session_mod.probe_ks(6) == [0, 1, 2, 6] and session_mod.probe_ks(2) == [0, 1, 2]
     assert session_mod.probe_ks(1) == [0, 1]

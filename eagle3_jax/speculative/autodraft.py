@@ -165,8 +165,10 @@ class Costs:
         return c1 + (c2 - c1) * (k - k1) / (k2 - k1)
 
     def drift(self) -> float:
-        """How the live costs compare with the calibration's, over the Ks it measured."""
-        ratios = [live / self.calibrated[k] for k in self.runs if k in self.calibrated and (live := self.live(k))]
+        """How the live costs compare with what the calibration priced them at (measured or on its
+        line): a job that ran only an interpolated K must still scale the calibrated figures of the
+        others, or it would weigh its live cost against a probe's cheaper one."""
+        ratios = [live / self._base(k) for k in self.runs if (live := self.live(k))]
         return float(np.median(ratios)) if ratios else 1.0
 
     def _base(self, k: int) -> float:
