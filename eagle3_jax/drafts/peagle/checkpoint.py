@@ -18,7 +18,7 @@ from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 from eagle3_jax.checkpoint.target_map import Rule, _linear, _linear_in, _same
 from eagle3_jax.drafts.eagle3.names import _cast
 from eagle3_jax.drafts.loaded import (LoadedDraft, build_draft, check_and_wire, draft_dtype, host_params, load_weights,
-                                      open_reader, rule_tensors, ruled_table, write_staged)
+                                      n_aux_convert_table, open_reader, rule_tensors, write_staged)
 from eagle3_jax.drafts.peagle.config import PEagleConfig
 from eagle3_jax.drafts.peagle.model import PEagleDraft
 from eagle3_jax.errors import CheckpointError
@@ -107,7 +107,4 @@ def load(path: str | os.PathLike, cfg: PEagleConfig, target, dtype=None) -> Load
                         peagle_rules(cfg, n_aux), target, ids)
 
 
-def convert_table(cfg: PEagleConfig, wiring: dict, dtype) -> tuple[list, dict]:
-    """(name table, our path -> abstract variable) for tools.convert; P-EAGLE stores every tensor."""
-    n_aux = int(wiring["n_aux"])
-    return ruled_table(peagle_rules(cfg, n_aux), nnx.eval_shape(lambda: PEagleDraft(cfg, n_aux, dtype, None)))
+convert_table = n_aux_convert_table(PEagleDraft, peagle_rules)
