@@ -91,11 +91,7 @@ def load(path: str | os.PathLike, cfg: DraftConfig, target, dtype=None) -> Loade
     layout = read_draft_layout(path, reader)
     own_embedding, maps, d2t = layout.own_embedding, layout.vocab_maps, layout.d2t()
     ids = check_and_wire(cfg, target, layout.fc_in, d2t, layout.embed_width)
-    if "d2t" not in maps and cfg.draft_vocab_size != cfg.vocab_size:
-        raise CheckpointError(
-            f"{path}: draft_vocab_size={cfg.draft_vocab_size} < vocab_size={cfg.vocab_size} but the checkpoint has no "
-            "d2t tensor mapping draft ids to target ids; re-export the draft with its vocab map")
-    fill = {}
+    fill = {}   # a missing d2t is the identity map: preflight refused one missing with draft_vocab_size < vocab_size
     if "d2t" not in maps:
         fill[("d2t",)] = np.zeros((cfg.draft_vocab_size,), np.int32)
     if "t2d" not in maps:
