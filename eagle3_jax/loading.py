@@ -163,13 +163,9 @@ def build_draft(cfg, target: LoadedTarget, dtype=None, seed: int = 0) -> LoadedD
 def load_draft(path: str | os.PathLike, target: LoadedTarget, dtype=None,
                checked: preflight.PairFacts | None = None) -> LoadedDraft:
     """Loads a draft directory of any registered kind (config.json + safetensors in the SpecForge /
-    SGLang layout, or one converted by ``tools.convert``) for ``target``.
-
-    Every wiring contract is checked before a single weight is placed: aux layer ids exist in the
-    target, fc's input width equals len(ids) x target hidden, vocabularies agree, d2t stays inside
-    the target vocab, a shared embedding has the draft's width. ``checked``: what
-    ``preflight.check_pair`` found for this target and draft, when the caller ran it already.
-    """
+    SGLang layout, or one converted by ``tools.convert``) for ``target``, every wiring contract
+    (``contracts.check_pairing``) checked before a weight is placed. ``checked``: what
+    ``preflight.check_pair`` found for this target and draft, when the caller ran it already."""
     facts = checked if checked is not None else preflight.check_pair(target.config, path)
     return drafts.of_config(facts.draft).load(path, facts.draft, target, dtype)
 

@@ -96,7 +96,8 @@ def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None
     if tensors is None:   # a draft about to be built: its fc is made to fit its ids
         fc_in, embed_width = len(facts.aux_layer_ids) * dcfg.target_hidden_size, None
     else:
-        fc_in, embed_width = tensors["fc.weight"].shape[1], _width(tensors.get("embed_tokens.weight"))
+        embed = tensors.get("embed_tokens.weight")
+        fc_in, embed_width = tensors["fc.weight"].shape[1], None if embed is None else embed.shape[1]
     facts.fc_in_width = fc_in
     check_pairing(dcfg, tcfg, fc_in, len(facts.aux_layer_ids), None, embed_width)
     if tensors is not None:
@@ -126,10 +127,6 @@ def torch_dtype(hf: dict, supported=None) -> str | None:
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
     names = (d.get("torch_dtype") or d.get("dtype") for d in (text, hf))
     return next((n for n in names if n and (supported is None or n in supported)), None)
-
-
-def _width(header: TensorHeader | None) -> int | None:
-    return None if header is None else header.shape[1]
 
 
 def _check_dtype(dtype) -> None:

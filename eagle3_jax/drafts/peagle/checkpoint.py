@@ -89,8 +89,7 @@ build_peagle_draft = partial(build_draft, PEagleDraft, own_embedding=True)
 
 def load(path: str | os.PathLike, cfg: PEagleConfig, target, dtype=None) -> LoadedDraft:
     """A SpecForge-layout (or converted) P-EAGLE draft directory, checked against and wired to
-    ``target``: aux ids exist, fc's width is n_aux x target hidden, vocabularies and d2t agree,
-    before any weight is read."""
+    ``target`` (``check_and_wire``) before any weight is read."""
     where = os.fspath(path)
     cfg.require_mask_token(where)
     dtype = draft_dtype(dtype, target)
