@@ -107,8 +107,7 @@ build = partial(build_draft, Draft)
 
 def save(draft: LoadedDraft, path: str | os.PathLike, out_dtype=None, dtype_name: str | None = None,
          config_overrides: dict | None = None) -> None:
-    """config.json (recording the aux ids) + model.safetensors in the SpecForge / SGLang layout,
-    staged beside ``path``; ``out_dtype`` casts floating-point weights (``torch_dtype`` = ``dtype_name``)."""
+    """``write_staged`` in the SpecForge / SGLang layout."""
     own_embedding, n_aux = draft.model.embed_tokens is not None, len(draft.aux_layer_ids)
     write_staged(path, draft.config, host_params(draft.model), draft.aux_layer_ids,
                  lambda cast: iter_draft_tensors(draft.config, dict(cast), n_aux, own_embedding),

@@ -72,8 +72,7 @@ def n_aux_of(reader: CheckpointReader, cfg: PEagleConfig, where: str) -> int:
 
 def write_peagle(path: str | os.PathLike, cfg: PEagleConfig, flat: Mapping[tuple, np.ndarray], aux_layer_ids,
                  out_dtype=None, dtype_name: str | None = None, config_overrides: dict | None = None) -> None:
-    """config.json (recording ``aux_layer_ids`` and the MASK token id) + model.safetensors in
-    SpecForge's layout, staged beside ``path``; ``out_dtype`` casts floating-point weights."""
+    """``write_staged`` in SpecForge's layout; config.json records the MASK token id too."""
     cfg.require_mask_token(os.fspath(path))
     write_staged(path, cfg, flat, aux_layer_ids, lambda cast: rule_tensors(peagle_rules(cfg, len(aux_layer_ids)), cast),
                  out_dtype, dtype_name, config_overrides)
