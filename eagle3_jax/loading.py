@@ -19,12 +19,13 @@ from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 from eagle3_jax.checkpoint.target_map import is_ignored_key
 from eagle3_jax.config import TargetConfig, resolve_dtype
 from eagle3_jax.drafts import LoadedDraft
+from eagle3_jax.drafts.loaded import placed
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.models.cache import MLACache
 from eagle3_jax.models.footprint import weight_bytes_by_kind
 from eagle3_jax.models.quantized import QuantLayout
 from eagle3_jax.models.target import Target
-from eagle3_jax.sharding import mesh_context, resolve_mesh, shard_state
+from eagle3_jax.sharding import mesh_context, resolve_mesh
 
 
 @dataclass
@@ -109,10 +110,7 @@ def build_target(cfg: TargetConfig, dtype="float32", mesh=None, seed: int | None
     dtype = resolve_dtype(dtype)
     mesh = resolve_mesh(mesh)
     model = Target(cfg, dtype, nnx.Rngs(seed), mesh=mesh, moe_kernel=moe_kernel, quant=quant)
-    if mesh is not None:
-        graphdef, state = nnx.split(model)
-        model = nnx.merge(graphdef, shard_state(state, mesh))
-    return LoadedTarget(model, mesh)
+    return LoadedTarget(placed(model, mesh), mesh)
 
 
 def load_target(path: str | os.PathLike, dtype="float32", mesh=None, moe_kernel: str | None = None,
@@ -148,11 +146,11 @@ def load_target(path: str | os.PathLike, dtype="float32", mesh=None, moe_kernel:
     graphdef, abstract_state = nnx.split(abstract)
     if jax_ckpt:
         state = store.restore_state(path, abstract_state, mesh, kind="target")
-        return LoadedTarget(nnx.merge(graphdef, state), mesh)
-    rules = quant_native.native_rules(cfg, layout)  # target_rules when nothing is held quantized
-    read = quant_native.native_reader(cfg, rules, dtype, where=path)
-    state = load_state(reader, rules, abstract_state, prefix=cfg.weight_prefix,
-                       ignore=lambda k: is_ignored_key(cfg, k), mesh=mesh, where=path, read=read)
+    else:
+        rules = quant_native.native_rules(cfg, layout)  # target_rules when nothing is held quantized
+        read = quant_native.native_reader(cfg, rules, dtype, where=path)
+        state = load_state(reader, rules, abstract_state, prefix=cfg.weight_prefix,
+                           ignore=lambda k: is_ignored_key(cfg, k), mesh=mesh, where=path, read=read)
     return LoadedTarget(nnx.merge(graphdef, state), mesh)
 
 
@@ -165,13 +163,9 @@ def build_draft(cfg, target: LoadedTarget, dtype=None, seed: int = 0) -> LoadedD
 def load_draft(path: str | os.PathLike, target: LoadedTarget, dtype=None,
                checked: preflight.PairFacts | None = None) -> LoadedDraft:
     """Loads a draft directory of any registered kind (config.json + safetensors in the SpecForge /
-    SGLang layout, or one converted by ``tools.convert``) for ``target``.
-
-    Every wiring contract is checked before a single weight is placed: aux layer ids exist in the
-    target, fc's input width equals len(ids) x target hidden, vocabularies agree, d2t stays inside
-    the target vocab, a shared embedding has the draft's width. ``checked``: what
-    ``preflight.check_pair`` found for this target and draft, when the caller ran it already.
-    """
+    SGLang layout, or one converted by ``tools.convert``) for ``target``, every wiring contract
+    (``contracts.check_pairing``) checked before a weight is placed. ``checked``: what
+    ``preflight.check_pair`` found for this target and draft, when the caller ran it already."""
     facts = checked if checked is not None else preflight.check_pair(target.config, path)
     return drafts.of_config(facts.draft).load(path, facts.draft, target, dtype)
 

@@ -61,14 +61,6 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
 
-    def as_dict(self) -> dict:
-        return {
-            "rounds": self.rounds, "tokens": self.tokens, "seconds": self.seconds,
-            "mean_accept_length": self.mean_accept_length,
-            "accept_rate_per_position": self.accept_rate_per_position,
-            "tokens_per_second": self.tokens_per_second,
-        }
-
 
 def doctor_command(target: str, draft: str) -> str:
     """The command line that measures every plausible wiring of this pair."""

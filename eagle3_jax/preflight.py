@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from eagle3_jax import drafts
+from eagle3_jax.checkpoint.quant import FLOAT_CODES
 from eagle3_jax.config import DTYPES, MeshConfig, TargetConfig
 from eagle3_jax.drafts import DraftConfig
 from eagle3_jax.contracts import check_pairing, resolve_aux_ids
@@ -19,7 +20,6 @@ from eagle3_jax.errors import CheckpointError, ConfigError
 
 # Probe text for tokenizer agreement: prose, code, digits and non-ASCII, where vocabularies differ.
 TOKENIZER_PROBE = "The quick brown fox jumps over 13 lazy dogs.\ndef f(x):\n    return x ** 2  # größer, 東京"
-FLOAT_CODES = ("F32", "BF16", "F16")
 
 
 @dataclass
@@ -65,7 +65,7 @@ def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None
     else:
         target_dir = os.fspath(target)
         tcfg = target_config if target_config is not None else TargetConfig.from_path(target_dir)
-    facts = PairFacts(target=tcfg, target_dtype=_torch_dtype(tcfg.hf_config))
+    facts = PairFacts(target=tcfg, target_dtype=torch_dtype(tcfg.hf_config))
     facts.quantization = QuantScheme.from_hf_config(tcfg.hf_config, _where(target_dir)).method
     if weights == "native":
         from eagle3_jax.checkpoint.quant_native import check_native_config
@@ -85,7 +85,7 @@ def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None
     if isinstance(draft, (str, os.PathLike)):
         draft_dir = os.fspath(draft)
         dcfg = drafts.read_config(draft_dir)   # the kind its architecture names
-    facts.draft, facts.draft_dtype = dcfg, _torch_dtype(dcfg.hf_config)
+    facts.draft, facts.draft_dtype = dcfg, torch_dtype(dcfg.hf_config)
     if dcfg.hf_config.get("quantization_config"):
         raise ConfigError(
             f"{draft_dir or 'draft'}: config.json has a quantization_config "
@@ -96,7 +96,8 @@ def check_pair(target, draft=None, *, mesh=None, dtype=None, max_len: int | None
     if tensors is None:   # a draft about to be built: its fc is made to fit its ids
         fc_in, embed_width = len(facts.aux_layer_ids) * dcfg.target_hidden_size, None
     else:
-        fc_in, embed_width = tensors["fc.weight"].shape[1], _width(tensors.get("embed_tokens.weight"))
+        embed = tensors.get("embed_tokens.weight")
+        fc_in, embed_width = tensors["fc.weight"].shape[1], None if embed is None else embed.shape[1]
     facts.fc_in_width = fc_in
     check_pairing(dcfg, tcfg, fc_in, len(facts.aux_layer_ids), None, embed_width)
     if tensors is not None:
@@ -121,13 +122,11 @@ def _where(path) -> str:
     return os.path.join(path, "config.json") if path else "config.json"
 
 
-def _torch_dtype(hf: dict) -> str | None:
+def torch_dtype(hf: dict, supported=None) -> str | None:
+    """The config's torch_dtype (its text model's first, for Kimi-K2.5); with ``supported``, the first one in it."""
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
-    return text.get("torch_dtype") or text.get("dtype") or hf.get("torch_dtype") or hf.get("dtype")
-
-
-def _width(header: TensorHeader | None) -> int | None:
-    return None if header is None else header.shape[1]
+    names = (d.get("torch_dtype") or d.get("dtype") for d in (text, hf))
+    return next((n for n in names if n and (supported is None or n in supported)), None)
 
 
 def _check_dtype(dtype) -> None:

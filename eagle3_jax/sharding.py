@@ -75,11 +75,6 @@ def _ways(mesh_shape: dict, m: str | tuple[str, ...] | None) -> int:
     return int(np.prod([mesh_shape[a] for a in _names(m)], dtype=np.int64))
 
 
-def data_parallel_size(mesh: "jax.sharding.Mesh | None") -> int:
-    """Ways the batch rows are split (the mesh axis of logical ``batch``); 1 without a mesh."""
-    return axis_size(mesh, "batch")
-
-
 def make_mesh(spec: "str | MeshConfig | None" = None, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
     """Builds a (data, expert, tensor) mesh from ``data=1,expert=8,tensor=1``; with no spec, all
     devices go on the ``expert`` axis."""
@@ -182,34 +177,35 @@ def train_param_sharding(mesh: jax.sharding.Mesh, axes: Sequence[str | None] | N
 
 
 def shard_state(state: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:
-    shardings = state_shardings(state, mesh)
-    return jax.device_put(state, shardings)
+    return jax.device_put(state, state_shardings(state, mesh))
+
+
+def _traced_mesh():
+    """The mesh being traced under (``jax.set_mesh``), None outside one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh is None or mesh.empty else mesh
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """Sharding constraint by logical names; a no-op outside a mesh context."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
+    mesh = _traced_mesh()
+    if mesh is None:
         return x
-    spec = _fits(dict(mesh.shape), logical_to_spec(axes), x.shape, axes)
-    return jax.lax.with_sharding_constraint(x, spec)
+    return jax.lax.with_sharding_constraint(x, _fits(dict(mesh.shape), logical_to_spec(axes), x.shape, axes))
 
 
 def constrain_leading(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """``constrain`` of the leading ``len(axes)`` dimensions; XLA chooses the others."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
+    mesh = _traced_mesh()
+    if mesh is None:
         return x
     lead = tuple(_fits(dict(mesh.shape), logical_to_spec(axes), x.shape[:len(axes)], axes))
     return jax.lax.with_sharding_constraint(x, P(*lead, *(P.UNCONSTRAINED,) * (x.ndim - len(axes))))
 
 
 def current_axis_size(logical: str) -> int:
-    """``axis_size`` on the mesh being traced under (``jax.set_mesh``); 1 outside one."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-        return 1
-    return _ways(dict(mesh.shape), mesh_axis(logical))
+    """``axis_size`` on the mesh being traced under; 1 outside one."""
+    return axis_size(_traced_mesh(), logical)
 
 
 def resolve_mesh(mesh):

@@ -266,19 +266,13 @@ def _chat_template(model_dir: str, config: dict) -> str | None:
 
 
 def _stop_ids(model_dir: str, tok: Tokenizer) -> tuple[int, ...]:
-    ids: list[int] = []
     gen = _read_json(os.path.join(model_dir, "generation_config.json")) or {}
-    ids += _as_id_list(gen.get("eos_token_id"))
     cfg = _read_json(os.path.join(model_dir, "config.json")) or {}
-    ids += _as_id_list(cfg.get("eos_token_id"))
-    if isinstance(cfg.get("text_config"), dict):
-        ids += _as_id_list(cfg["text_config"].get("eos_token_id"))
+    text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else {}
+    ids = [i for d in (gen, cfg, text) for i in _as_id_list(d.get("eos_token_id"))]
     eos_text = _token_content(tok.config.get("eos_token"))
-    if eos_text is not None:
-        eos_id = tok.token_to_id(eos_text)
-        if eos_id is not None:
-            ids.append(eos_id)
-    return tuple(dict.fromkeys(ids))
+    eos_id = tok.token_to_id(eos_text) if eos_text is not None else None
+    return tuple(dict.fromkeys(ids + ([eos_id] if eos_id is not None else [])))
 
 
 def load_tokenizer(model_dir: str | os.PathLike) -> Tokenizer:

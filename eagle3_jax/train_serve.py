@@ -139,9 +139,10 @@ _FIX = ("Render training data as serve.py renders prompts: {\"messages\": [...]}
 
 
 def _first_difference(a, b) -> int | None:
-    n = min(len(a), len(b))
-    i = next((i for i in range(n) if a[i] != b[i]), n)
-    return None if i == n and len(a) == len(b) else i
+    from eagle3_jax.train.data import _common_prefix
+
+    i = _common_prefix(a, b)
+    return None if i == len(a) == len(b) else i
 
 
 def _token(tok, ids, i: int) -> str:

@@ -1,5 +1,6 @@
 """Every draft/target wiring contract fails loudly, before any token, naming both numbers."""
 
+import dataclasses
 import json
 import shutil
 
@@ -75,6 +76,6 @@ def test_default_aux_ids_follow_sglang_convention(tiny_target):
     from eagle3_jax.contracts import resolve_aux_ids
     from tests.spec_fixtures import tiny_draft_config
 
-    cfg = tiny_draft_config(tiny_target.config).replace(aux_layer_ids=None)
+    cfg = dataclasses.replace(tiny_draft_config(tiny_target.config), aux_layer_ids=None)
     L = tiny_target.config.num_hidden_layers
     assert resolve_aux_ids(cfg, tiny_target.config) == (1, L // 2 - 1, L - 4)

@@ -46,19 +46,19 @@ def test_demo_greedy_spec_equals_target_only():
     assert spec.tokens == ref.tokens
     assert all(len(t) > 0 for t in ref.tokens)
     # The shipped draft was trained for this target: far above the 1.0 of a draft that never hits.
-    assert spec.stats.mean_accept_length > 2.0, spec.stats.as_dict()
+    assert spec.stats.mean_accept_length > 2.0, spec.stats
     # So was the shipped P-EAGLE draft (all K guesses from one pass), at the K demo.yaml runs it with.
     k = demo.DemoSettings.load(DEMO).parallel_draft_tokens
     assert k >= 1, "demo.yaml runs no P-EAGLE draft"
     par = run(e3.load_draft(os.path.join(DEMO, "peagle"), target), k)
     assert par.tokens == ref.tokens
-    assert par.stats.mean_accept_length > 1.5, par.stats.as_dict()
+    assert par.stats.mean_accept_length > 1.5, par.stats
     # And the shipped DFlash draft (K guesses of one block from one pass), at its demo.yaml K.
     k = demo.DemoSettings.load(DEMO).dflash_draft_tokens
     assert k >= 1, "demo.yaml runs no DFlash draft"
     block = run(e3.load_draft(os.path.join(DEMO, "dflash"), target), k)
     assert block.tokens == ref.tokens
-    assert block.stats.mean_accept_length > 1.5, block.stats.as_dict()
+    assert block.stats.mean_accept_length > 1.5, block.stats
 
 
 def test_demo_settings_reject_unknown_keys(tmp_path):

@@ -9,6 +9,7 @@ the oracle's autograd; the decode loop stays lossless; conversion round-trips by
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -214,7 +215,7 @@ def test_conversion_round_trip_is_byte_identical(tiny_target, tmp_path, sequence
 
 def tiny_mla_draft(tiny_target, seed):
     cfg = DFlashConfig.from_hf_dict(mla_config(tiny_target.config, [FULL, SLIDING]).to_dict())
-    return build_dflash_draft(cfg.replace(hf_config={}), tiny_target, seed=seed, dtype="float32")
+    return build_dflash_draft(dataclasses.replace(cfg, hf_config={}), tiny_target, seed=seed, dtype="float32")
 
 
 def test_serving_pass_equals_the_training_forward(tiny_target):
@@ -248,7 +249,7 @@ def test_trained_mla_draft_is_lossless_and_accepted(tiny_target, tiny_target_dir
     d = {**mla_config(tiny_target.config, [FULL, SLIDING]).to_dict(), "block_size": SERVE_BLOCK, "sliding_window": 6,
          "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "q_lora_rank": None,
          "intermediate_size": 128}
-    draft = build_dflash_draft(DFlashConfig.from_hf_dict(d).replace(hf_config={}), tiny_target, seed=2)
+    draft = build_dflash_draft(dataclasses.replace(DFlashConfig.from_hf_dict(d), hf_config={}), tiny_target, seed=2)
     # wider than the oracle's shapes, and longer than the GQA draft's run: MLA's queries and keys have no
     # per-head norm, so at this init its attention takes ~150 steps to sharpen before the loss falls
     draft, losses, _ = train_dflash(tiny_target, draft, seqs, steps=300)

@@ -200,7 +200,7 @@ def test_mesh_axes_by_logical_name():
     mesh = e3.make_mesh("data=2,expert=2,tensor=2")
     assert sharding.mesh_axis("batch") == sharding.DATA_AXIS
     assert sharding.mesh_axis("expert") == sharding.EXPERT_AXIS
-    assert sharding.data_parallel_size(mesh) == 2 and sharding.data_parallel_size(None) == 1
+    assert sharding.axis_size(mesh, "batch") == 2 and sharding.axis_size(None, "batch") == 1
     assert sharding.axis_size(mesh, "seq") == 1
     with pytest.raises(e3.ConfigError, match="'nope' has no rule"):
         sharding.mesh_axis("nope")

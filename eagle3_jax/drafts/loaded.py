@@ -101,6 +101,17 @@ def ruled_table(rules, abstract_model) -> tuple[list, dict]:
     return rules, {tuple(p): v for p, v in nnx.to_flat_state(nnx.split(abstract_model)[1]) if tuple(p) in ruled}
 
 
+def n_aux_convert_table(module, rules):
+    """The ``convert_table`` of a kind that stores every tensor, whose name table ``rules(cfg, n_aux)``
+    needs only the number of fused states."""
+
+    def convert_table(cfg, wiring: dict, dtype) -> tuple[list, dict]:
+        n_aux = int(wiring["n_aux"])
+        return ruled_table(rules(cfg, n_aux), nnx.eval_shape(lambda: module(cfg, n_aux, dtype, None)))
+
+    return convert_table
+
+
 def rule_tensors(rules, flat: Mapping[tuple, np.ndarray]):
     """Our params (path -> array) as checkpoint (name, array) pairs through the name table ``rules``."""
     for rule in rules:

@@ -20,6 +20,7 @@ from typing import Callable
 
 from eagle3_jax import distributed, preflight
 from eagle3_jax.checkpoint.staging import write_json_atomic
+from eagle3_jax.config import DTYPES
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.metrics import AcceptanceCollapseWarning
 from eagle3_jax.serve.inputs import InputError, PromptRecord, read_prompts
@@ -104,15 +105,7 @@ def settings_from_argv(argv) -> ServeSettings:
 # ---------------------------------------------------------------------- helpers
 def checkpoint_dtype_name(target_cfg) -> str:
     """The checkpoint's torch_dtype (its text model's for Kimi-K2.5), bfloat16 when it names none we support."""
-    from eagle3_jax.config import DTYPES
-
-    hf = target_cfg.hf_config or {}
-    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
-    for d in (text, hf):
-        name = d.get("torch_dtype") or d.get("dtype")
-        if name in DTYPES:
-            return name
-    return "bfloat16"
+    return preflight.torch_dtype(target_cfg.hf_config or {}, DTYPES) or "bfloat16"
 
 
 def resolve_dtype_name(dtype: str, target_cfg, platform: str | None = None) -> tuple[str, str | None]:

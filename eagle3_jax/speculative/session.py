@@ -20,7 +20,7 @@ import numpy as np
 from eagle3_jax.distributed import fetch
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import GenerationStats
-from eagle3_jax.sharding import data_parallel_size, mesh_context
+from eagle3_jax.sharding import axis_size, mesh_context
 from eagle3_jax.speculative.autodraft import AUTO, DEFAULT_MAX_DRAFT_TOKENS, Acceptance, AutoDraft, Costs
 from eagle3_jax.speculative.calibration import CalibrationStore
 from eagle3_jax.speculative.generate import FINISH_NAMES, DecodeProgram, LoopState, Sampling
@@ -141,7 +141,7 @@ class DecodeSession:
             raise ConfigError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, found {batch_size}")
-        data = data_parallel_size(self.mesh)
+        data = axis_size(self.mesh, "batch")
         return DecodeProgram(
             batch_size=-(-batch_size // data) * data, max_len=self.max_len, max_new_tokens=int(max_new_tokens),
             num_draft_tokens=self.max_draft_tokens, max_draft_tokens=self.max_draft_tokens,

@@ -16,7 +16,7 @@ from eagle3_jax import drafts
 from eagle3_jax.config import TargetConfig
 from eagle3_jax.drafts.eagle3.config import DraftConfig
 from eagle3_jax.errors import ConfigError
-from eagle3_jax.sharding import DATA_AXIS, data_parallel_size, sharding_for, state_shardings, train_param_sharding
+from eagle3_jax.sharding import DATA_AXIS, axis_size, sharding_for, state_shardings, train_param_sharding
 from tools.plan.common import PlanSettings, ProgramMemory, compile_program, itemsize
 
 
@@ -66,7 +66,7 @@ def plan_train(s: PlanSettings, cfg: TargetConfig, dcfg: DraftConfig, aux_ids, m
     trainer = trainer_class(kind)   # the kind's step, its arguments and its host draws, from settings alone
     if s.hidden_source not in ("online", "offline"):
         raise ConfigError(f"hidden_source must be online or offline, found {s.hidden_source!r}")
-    data = data_parallel_size(mesh)
+    data = axis_size(mesh, "batch")
     if s.train_batch % data:
         raise ConfigError(f"train batch {s.train_batch} does not split over data={data}; use a multiple of it")
     dtype = jnp.dtype(resolve_dtype(s.train_dtype))

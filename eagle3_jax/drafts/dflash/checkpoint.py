@@ -18,7 +18,7 @@ from eagle3_jax.checkpoint.target_map import Rule, _linear, _linear_in, _same
 from eagle3_jax.drafts.dflash.config import DFlashConfig
 from eagle3_jax.drafts.dflash.model import DFlashDraft
 from eagle3_jax.drafts.loaded import (LoadedDraft, build_draft, check_and_wire, draft_dtype, host_params, load_weights,
-                                      open_reader, rule_tensors, ruled_table, write_staged)
+                                      n_aux_convert_table, open_reader, rule_tensors, write_staged)
 from eagle3_jax.errors import CheckpointError, ConfigError
 from eagle3_jax.sharding import mesh_context
 
@@ -155,7 +155,4 @@ def wiring(path, reader: CheckpointReader, cfg: DFlashConfig) -> dict:
     return {"n_aux": _fc_in(path, reader) // cfg.hidden_size}
 
 
-def convert_table(cfg: DFlashConfig, wiring: dict, dtype) -> tuple[list, dict]:
-    """(name table, our path -> abstract variable) for tools.convert; every tensor is stored."""
-    n_aux = int(wiring["n_aux"])
-    return ruled_table(dflash_rules(cfg, n_aux), nnx.eval_shape(lambda: DFlashDraft(cfg, n_aux, dtype, None)))
+convert_table = n_aux_convert_table(DFlashDraft, dflash_rules)

@@ -14,7 +14,6 @@ The draft reads the target's ``embed_tokens`` and ``lm_head``; variants with a h
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -205,7 +204,4 @@ class DFlashConfig:
             d.update(top)
             d["dflash_config"].update(extra)
         return d
-
-    def replace(self, **changes) -> "DFlashConfig":
-        return dataclasses.replace(self, **changes)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -103,6 +102,3 @@ class DraftConfig:
             if getattr(self, flag):
                 d[flag] = True
         return d
-
-    def replace(self, **changes) -> "DraftConfig":
-        return dataclasses.replace(self, **changes)

@@ -91,11 +91,7 @@ def load(path: str | os.PathLike, cfg: DraftConfig, target, dtype=None) -> Loade
     layout = read_draft_layout(path, reader)
     own_embedding, maps, d2t = layout.own_embedding, layout.vocab_maps, layout.d2t()
     ids = check_and_wire(cfg, target, layout.fc_in, d2t, layout.embed_width)
-    if "d2t" not in maps and cfg.draft_vocab_size != cfg.vocab_size:
-        raise CheckpointError(
-            f"{path}: draft_vocab_size={cfg.draft_vocab_size} < vocab_size={cfg.vocab_size} but the checkpoint has no "
-            "d2t tensor mapping draft ids to target ids; re-export the draft with its vocab map")
-    fill = {}
+    fill = {}   # a missing d2t is the identity map: preflight refused one missing with draft_vocab_size < vocab_size
     if "d2t" not in maps:
         fill[("d2t",)] = np.zeros((cfg.draft_vocab_size,), np.int32)
     if "t2d" not in maps:
@@ -111,8 +107,7 @@ build = partial(build_draft, Draft)
 
 def save(draft: LoadedDraft, path: str | os.PathLike, out_dtype=None, dtype_name: str | None = None,
          config_overrides: dict | None = None) -> None:
-    """config.json (recording the aux ids) + model.safetensors in the SpecForge / SGLang layout,
-    staged beside ``path``; ``out_dtype`` casts floating-point weights (``torch_dtype`` = ``dtype_name``)."""
+    """``write_staged`` in the SpecForge / SGLang layout."""
     own_embedding, n_aux = draft.model.embed_tokens is not None, len(draft.aux_layer_ids)
     write_staged(path, draft.config, host_params(draft.model), draft.aux_layer_ids,
                  lambda cast: iter_draft_tensors(draft.config, dict(cast), n_aux, own_embedding),

@@ -18,7 +18,7 @@ from eagle3_jax.checkpoint.checkpoint_reader import CheckpointReader
 from eagle3_jax.checkpoint.target_map import Rule, _linear, _linear_in, _same
 from eagle3_jax.drafts.eagle3.names import _cast
 from eagle3_jax.drafts.loaded import (LoadedDraft, build_draft, check_and_wire, draft_dtype, host_params, load_weights,
-                                      open_reader, rule_tensors, ruled_table, write_staged)
+                                      n_aux_convert_table, open_reader, rule_tensors, write_staged)
 from eagle3_jax.drafts.peagle.config import PEagleConfig
 from eagle3_jax.drafts.peagle.model import PEagleDraft
 from eagle3_jax.errors import CheckpointError
@@ -72,8 +72,7 @@ def n_aux_of(reader: CheckpointReader, cfg: PEagleConfig, where: str) -> int:
 
 def write_peagle(path: str | os.PathLike, cfg: PEagleConfig, flat: Mapping[tuple, np.ndarray], aux_layer_ids,
                  out_dtype=None, dtype_name: str | None = None, config_overrides: dict | None = None) -> None:
-    """config.json (recording ``aux_layer_ids`` and the MASK token id) + model.safetensors in
-    SpecForge's layout, staged beside ``path``; ``out_dtype`` casts floating-point weights."""
+    """``write_staged`` in SpecForge's layout; config.json records the MASK token id too."""
     cfg.require_mask_token(os.fspath(path))
     write_staged(path, cfg, flat, aux_layer_ids, lambda cast: rule_tensors(peagle_rules(cfg, len(aux_layer_ids)), cast),
                  out_dtype, dtype_name, config_overrides)
@@ -89,8 +88,7 @@ build_peagle_draft = partial(build_draft, PEagleDraft, own_embedding=True)
 
 def load(path: str | os.PathLike, cfg: PEagleConfig, target, dtype=None) -> LoadedDraft:
     """A SpecForge-layout (or converted) P-EAGLE draft directory, checked against and wired to
-    ``target``: aux ids exist, fc's width is n_aux x target hidden, vocabularies and d2t agree,
-    before any weight is read."""
+    ``target`` (``check_and_wire``) before any weight is read."""
     where = os.fspath(path)
     cfg.require_mask_token(where)
     dtype = draft_dtype(dtype, target)
@@ -107,7 +105,4 @@ def load(path: str | os.PathLike, cfg: PEagleConfig, target, dtype=None) -> Load
                         peagle_rules(cfg, n_aux), target, ids)
 
 
-def convert_table(cfg: PEagleConfig, wiring: dict, dtype) -> tuple[list, dict]:
-    """(name table, our path -> abstract variable) for tools.convert; P-EAGLE stores every tensor."""
-    n_aux = int(wiring["n_aux"])
-    return ruled_table(peagle_rules(cfg, n_aux), nnx.eval_shape(lambda: PEagleDraft(cfg, n_aux, dtype, None)))
+convert_table = n_aux_convert_table(PEagleDraft, peagle_rules)
