@@ -31,15 +31,19 @@ from eagle3_jax.speculative.static_graph import StaticGraph
 # geometrically from PROMPT_BUCKET (16, 24, 32, 48, 64, 96, ...), so there are O(log max_len) of
 # them and a prompt is padded by < 50 %.
 PROMPT_BUCKET = 16
-# ``probe_costs``: PROBE_REPEATS interleaved admissions and runs of PROBE_ROUNDS rounds per K of
-# ``probe_ks``: PROBE_KS and the largest K, so that every K up to it is priced between measured ones.
+# ``probe_costs``: PROBE_REPEATS interleaved admissions and runs of PROBE_ROUNDS rounds per K of ``probe_ks``.
 PROBE_ROUNDS = 8
 PROBE_REPEATS = 3
 PROBE_KS = (0, 1, 2)
 
 
-def probe_ks(max_draft_tokens: int) -> list[int]:
-    return sorted({k for k in PROBE_KS if k <= max_draft_tokens} | {max_draft_tokens})
+def probe_ks(max_draft_tokens: int, batch_size: int) -> list[int]:
+    """PROBE_KS, and at batch 1 the largest K too, so that every K up to it is priced between
+    measured ones. Above batch 1 a loop iteration lasts as long as its slowest row, a tail the
+    per-token rate leaves out and that grows with K (benchmarks/RESULTS.md, serve_paired): there
+    it prices only up to K = 2 unless its own runs measured more."""
+    top = {max_draft_tokens} if batch_size == 1 else set()
+    return sorted({k for k in PROBE_KS if k <= max_draft_tokens} | top)
 
 
 @dataclass(frozen=True)
@@ -166,7 +170,7 @@ class DecodeSession:
         if shape not in self._costs:
             record = store.costs(shape_key) if store is not None else None
             self._costs[shape] = (Costs.from_record(record) if record else
-                                  probe_costs(self, program, sp, probe_ks(self.max_draft_tokens)))
+                                  probe_costs(self, program, sp, probe_ks(self.max_draft_tokens, program.batch_size)))
         on_update = (lambda policy: store.update(shape_key, setting_key, policy)) if store is not None else None
         return AutoDraft(self._costs[shape], self.max_draft_tokens, self._acceptance[setting], program.batch_size,
                          program.max_new_tokens, self.k_table.get(program.batch_size), on_update)
