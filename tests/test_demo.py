@@ -9,6 +9,7 @@ import pytest
 import eagle3_jax as e3
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.serve import demo
+from eagle3_jax.speculative.session import bucket_prompt_len
 from eagle3_jax.tokenizer import load_tokenizer
 
 DEMO = str(pathlib.Path(__file__).resolve().parents[1] / "demo")
@@ -34,12 +35,15 @@ def test_demo_greedy_spec_equals_target_only():
         prompts = [json.loads(line)["prompt"] for line in f][:2]
     ids = [tok.encode(p) for p in prompts]
     eos = tuple(tok.eos_token_ids)
+    # Both prompts padded to the longer one's bucket (their own buckets differ): one admission
+    # program per mode instead of two, as the demo pins it (DemoPair.prompt_len).
+    prompt_len = bucket_prompt_len(max(len(i) for i in ids), 256)
 
     def run(draft, k=0):
         # The README example's settings (one row, 256 slots, 32 new tokens, K = 4 for EAGLE-3): its
         # test (test_readme.py) then finds most of its programs in the persistent cache.
         gen = e3.Generator(target, draft, num_draft_tokens=k, max_len=256, batch_size=1)
-        return gen.generate(ids, 32, eos_token_ids=eos)
+        return gen.generate(ids, 32, eos_token_ids=eos, prompt_len=prompt_len)
 
     ref = run(None)
     spec = run(draft, 4)

@@ -43,7 +43,12 @@ def test_every_flag_gpu_check_passes_exists():
 
 
 def test_gpu_check_smoke_on_cpu(tmp_path):
+    from tests.conftest import suite_cache_env
+
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # one host device, as a GPU host has
+    # The suite's compile cache: on CPU the command buffer runs are the rounds step's K = 0 programs
+    # again (no flag to flip), so they load them instead of compiling them twice more.
+    env.update(suite_cache_env())
     env.update(OUT=str(tmp_path), GPU_CHECK_ALLOW_CPU="1", GPU_CHECK_QUICK="1", GPU_CHECK_STEPS=",".join(STEPS),
                GPU_CHECK_BUDGET_S="3000", PYTHON=sys.executable, JAX_PLATFORMS="cpu")
     r = subprocess.run(["bash", str(REPO / "benchmarks/gpu_check.sh")], cwd=REPO, env=env, capture_output=True,
