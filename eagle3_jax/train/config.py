@@ -10,13 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from eagle3_jax import settings_io
-from eagle3_jax.config import MeshConfig, TargetConfig
+from eagle3_jax.config import DTYPES, MeshConfig, TargetConfig
 from eagle3_jax.drafts import DraftConfig, DraftKind
 from eagle3_jax.errors import ConfigError, SettingsError
 from eagle3_jax.settings_io import Layer
 from eagle3_jax.train.shapes import DFlashShape, DraftShape, PEagleShape
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 MODES = ("train", "prepare")
 HIDDEN_SOURCES = ("online", "offline")
 ATTENTIONS = ("efficient", "blockwise")
@@ -180,8 +179,8 @@ class TrainConfig:
                 raise SettingsError(f"{name} '{getattr(self, name)}' is not one of {allowed}")
         for name in ("dtype", "target_dtype", "export_dtype"):
             v = getattr(self, name)
-            if v is not None and v not in DTYPE_NAMES:
-                raise SettingsError(f"{name} '{v}' is not supported; use one of {DTYPE_NAMES}")
+            if v is not None and v not in DTYPES:
+                raise SettingsError(f"{name} '{v}' is not supported; use one of {DTYPES}")
         for ok, problem in (
                 (self.max_len >= 3, f"max_len must be >= 3 (a token, its successor and one to predict), found "
                                     f"{self.max_len}"),

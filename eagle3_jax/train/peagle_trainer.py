@@ -88,8 +88,7 @@ def draw_rollouts(loss_mask_T: np.ndarray, spec: PEagleSpec, rng: np.random.Gene
 
 def peagle_train_step(params, opt_state, rest, lm_head_DV, tstate, batch, lr, *, graphdef, tgraph,
                       opt_spec: OptimizerSpec, aux_ids, spec: PEagleSpec):
-    """The P-EAGLE optimizer step (step.optimizer_step); the batch carries ``anchor`` / ``depth`` /
-    ``valid`` from draw_rollouts."""
+    """The P-EAGLE optimizer step; the batch carries ``anchor`` / ``depth`` / ``valid`` from draw_rollouts."""
 
     def objective(p, mb, aux_BTX, hidden_BTD):
         rows = shifted_rows(mb, aux_BTX, hidden_BTD, lm_head_DV, spec.convention)
