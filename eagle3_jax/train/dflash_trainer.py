@@ -63,9 +63,7 @@ def dflash_train_step(params, opt_state, rest, embed_VD, lm_head_DV, tstate, bat
     def objective(p, mb, aux_BSX, _):
         return block_loss(nnx.merge(graphdef, p, rest), embed_VD, lm_head_DV, aux_BSX, mb, spec)
 
-    params, opt_state, loss, metrics, grad_norm = optimizer_step(objective, params, opt_state, tstate, batch, lr,
-                                                                 tgraph, opt_spec, aux_ids, spec.target_chunk)
-    return params, opt_state, {"loss": loss, **metrics, "grad_norm": grad_norm}
+    return optimizer_step(objective, params, opt_state, tstate, batch, lr, tgraph, opt_spec, aux_ids, spec.target_chunk)
 
 
 class DFlashTrainer(Trainer):

@@ -95,10 +95,7 @@ def peagle_train_step(params, opt_state, rest, lm_head_DV, tstate, batch, lr, *,
         return peagle_loss(nnx.merge(graphdef, p, rest), *rows, num_depths=spec.cod.num_depths,
                            row_means=spec.convention == "specforge")
 
-    params, opt_state, loss, metrics, grad_norm = optimizer_step(objective, params, opt_state, tstate, batch, lr,
-                                                                 tgraph, opt_spec, aux_ids, spec.target_chunk)
-    return params, opt_state, {"loss": loss, "acc_sum": metrics["acc_sum"], "acc_total": metrics["acc_total"],
-                               "grad_norm": grad_norm}
+    return optimizer_step(objective, params, opt_state, tstate, batch, lr, tgraph, opt_spec, aux_ids, spec.target_chunk)
 
 
 class PEagleTrainer(Trainer):
