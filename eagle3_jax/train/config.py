@@ -123,14 +123,6 @@ class TrainConfig:
     def resolved_draft_kind(self) -> str:
         return self._draft_file_and_kind()[1].name
 
-    def draft_config(self, tcfg: TargetConfig | None = None) -> DraftConfig:
-        """The draft config.json this run trains and exports (its kind's config class)."""
-        from eagle3_jax.train.draft_kind import build_draft_config
-
-        tcfg = tcfg or self.target_config()
-        file, kind = self._draft_file_and_kind()
-        return build_draft_config(self, tcfg, kind, file, self.resolved_aux_ids(tcfg, file))
-
     def to_dict(self, draft_kind: str | None = None) -> dict:
         """The settings as a checkpoint records them, ``draft_kind`` resolved (unset and the default
         kind are one kind to a resumed run)."""
@@ -158,10 +150,6 @@ class TrainConfig:
         return cls.from_layers(layers)
 
     # ------------------------------------------------------------------ validation
-    def validate(self) -> TargetConfig:
-        """``resolve``'s checks; the target's config."""
-        return self.resolve().target
-
     def resolve(self) -> "TrainPlan":
         """Every check that needs no model: files, ranges, the target's config.json and the draft's
         kind and config, each file read once; the run's ``TrainPlan``."""
