@@ -81,7 +81,7 @@ def test_round_trip_all_dtypes(tmp_path):
         assert f.dtype("t.F8_E4M3") == np.dtype(ml_dtypes.float8_e4m3fn)
         assert f.dtype("t.F8_E5M2") == np.dtype(ml_dtypes.float8_e5m2)
         assert f.dtype_code("t.F8_E4M3") == "F8_E4M3"
-    assert not f.is_open
+    assert f._fh is None
 
     r = CheckpointReader(tmp_path / "ckpt")
     assert r.keys() == sorted(tensors)
@@ -248,12 +248,12 @@ def test_sharding_and_reader(tmp_path):
             assert r.dtype(k) == v.dtype
             assert r.nbytes(k) == v.nbytes
             _assert_same(r.read(k), v)
-        assert sum(f.is_open for f in r._files.values()) <= 2
+        assert sum(f._fh is not None for f in r._files.values()) <= 2
         streamed = dict(r.iter_tensors())
         assert list(streamed) == ["a", "b", "c", "big", "d", "e"]  # disk order
         for k, v in tensors.items():
             _assert_same(streamed[k], v)
-    assert not any(f.is_open for f in r._files.values())
+    assert not any(f._fh is not None for f in r._files.values())
 
 
 def test_writer_refuses_existing_checkpoint(tmp_path):

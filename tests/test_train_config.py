@@ -13,6 +13,15 @@ from eagle3_jax.train import trainer as trainer_lib
 from tests.hf_fixtures import REPO
 
 
+def draft_config(cfg: TrainConfig, tcfg=None):
+    """The draft config ``cfg.resolve()`` builds, here against ``tcfg`` (default: cfg's target's config)."""
+    from eagle3_jax.train.draft_kind import build_draft_config, read_draft_file, resolve_kind
+
+    tcfg = tcfg or cfg.target_config()
+    file = read_draft_file(cfg)
+    return build_draft_config(cfg, tcfg, resolve_kind(cfg, file), file, cfg.resolved_aux_ids(tcfg, file))
+
+
 @pytest.fixture
 def files(tiny_target_dir, tmp_path):
     data = tmp_path / "data.jsonl"
@@ -50,16 +59,16 @@ def test_yaml_and_overrides(files):
     assert cfg.lr == 3e-4 and isinstance(cfg.lr, float)
     assert cfg.betas == (0.9, 0.95) and cfg.aux_layer_ids == (0, 1, 2)
     assert cfg.grad_clip == 0.5 and cfg.loss_decay == 0.8  # recipe defaults
-    tcfg = cfg.validate()
-    d = cfg.draft_config(tcfg)
+    tcfg = cfg.resolve().target
+    d = draft_config(cfg, tcfg)
     assert (d.hidden_size, d.num_key_value_heads, d.head_dim, d.draft_vocab_size) == (64, 2, 8, 64)
     assert d.aux_layer_ids == (0, 1, 2) and d.target_hidden_size == tcfg.hidden_size
 
 
 def test_like_target_draft_and_default_aux_ids(files, tiny_target_dir):
     cfg = TrainConfig.load(None, [f"target={tiny_target_dir}", f"data={files[1]}", "out_dir=/tmp/x", "draft=like_target"])
-    tcfg = cfg.validate()
-    d = cfg.draft_config(tcfg)
+    tcfg = cfg.resolve().target
+    d = draft_config(cfg, tcfg)
     assert (d.hidden_size, d.num_attention_heads, d.intermediate_size) == (
         tcfg.hidden_size, tcfg.num_attention_heads, tcfg.intermediate_size)
     assert d.aux_layer_ids == tcfg.default_aux_layer_ids() and d.draft_vocab_size == tcfg.vocab_size
@@ -106,7 +115,7 @@ def test_unknown_keys_and_wrong_types(files, no_compute, overrides, message):
 def test_bad_values_fail_before_compute(files, no_compute, overrides, message):
     cfg = TrainConfig.load(files[0], overrides)
     with pytest.raises(ConfigError, match=message):
-        cfg.validate()
+        cfg.resolve()
     with pytest.raises(ConfigError, match=message):
         trainer_lib.Trainer(cfg, progress=False)
 
@@ -134,7 +143,7 @@ def test_cli_reports_config_errors(files):
 def test_shipped_configs_fit_their_targets(name):
     cfg = TrainConfig.load(REPO / f"configs/train/{name}.yaml")
     tcfg = e3.TargetConfig.from_path(REPO / f"configs/models/{name}.json")
-    d = cfg.draft_config(tcfg)
+    d = draft_config(cfg, tcfg)
     assert d.hidden_size == tcfg.hidden_size == 7168
     assert d.num_attention_heads * d.head_dim == 7168 and d.head_dim % 2 == 0
     assert all(0 <= i < tcfg.num_hidden_layers for i in cfg.resolved_aux_ids(tcfg))
@@ -199,7 +208,7 @@ def test_missing_demo_data_says_how_to_make_it(tiny_target_dir, tmp_path, no_com
                             f"eval_prompts={REPO / 'demo/prompts.jsonl'}", "aux_layer_ids=[0, 1, 2]"])
     with pytest.raises(ConfigError, match=r"regenerated.jsonl does not exist. .*serve.py .*--emit training.*"
                                           r"stage 4 of `python tools/make_demo.py`"):
-        cfg.validate()
+        cfg.resolve()
 
 
 def test_a_new_run_never_exports_over_an_existing_draft(files, tmp_path, no_compute):
@@ -208,11 +217,11 @@ def test_a_new_run_never_exports_over_an_existing_draft(files, tmp_path, no_comp
     (shipped / "config.json").write_text("{}")
     cfg = TrainConfig.load(files[0], [f"export_dir={shipped}"])
     with pytest.raises(ConfigError, match=rf"export_dir {shipped} already exists .* never writes over a draft"):
-        cfg.validate()
-    TrainConfig.load(files[0], [f"export_dir={tmp_path / 'new_draft'}"]).validate()   # a new place is fine
+        cfg.resolve()
+    TrainConfig.load(files[0], [f"export_dir={tmp_path / 'new_draft'}"]).resolve()   # a new place is fine
     # a resumed run (checkpoints in out_dir) may find its own export there: the trainer leaves it be
     (tmp_path / "out" / "checkpoints").mkdir(parents=True)
-    cfg.validate()
+    cfg.resolve()
     # The shipped recipes name no export_dir over demo/: they export to out_dir/draft.
     for name in ("demo", "demo_quick", "peagle_demo"):
         recipe = TrainConfig.load(REPO / f"configs/train/{name}.yaml")
@@ -225,5 +234,5 @@ def test_the_quick_recipe_passes_its_checks(tmp_path, no_compute):
                                              {"role": "assistant", "content": "    pass"}]}) + "\n")
     cfg = TrainConfig.load(REPO / "configs/train/demo_quick.yaml",
                            [f"target={REPO / 'demo/target'}", f"data={data}", f"out_dir={tmp_path / 'run'}"])
-    cfg.validate()
+    cfg.resolve()
     assert cfg.resolved_export_dir == str(tmp_path / "run" / "draft") and cfg.eval_every == 0

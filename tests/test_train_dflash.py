@@ -24,6 +24,7 @@ from eagle3_jax.train import TrainConfig, run
 from eagle3_jax.train.dflash_trainer import DFlashTrainer, block_loss
 from eagle3_jax.train.step import micro_features
 from tests.test_train import predictable_target, predictable_target_dir  # noqa: F401  (a peaked tiny target)
+from tests.test_train_config import draft_config
 from tests.test_train_peagle import T, corpus, rows_file  # noqa: F401  (its target-written rows)
 
 torch = pytest.importorskip("torch")
@@ -303,7 +304,7 @@ def test_shipped_dflash_recipe_fits_the_demo_target():
     repo = Path(__file__).resolve().parent.parent
     cfg = TrainConfig.load(repo / "configs/train/demo_dflash.yaml")
     tcfg = e3.TargetConfig.from_path(repo / "demo/target")
-    d = cfg.draft_config(tcfg)
+    d = draft_config(cfg, tcfg)
     assert cfg.resolved_draft_kind == "dflash" and type(d).__name__ == "DFlashConfig"
     assert d.num_hidden_layers == 1 and d.block_size == 8 and d.hidden_size == tcfg.hidden_size
     assert cfg.resolved_aux_ids(tcfg) == (1, 11, 20) == d.aux_layer_ids   # the recipe's, as the chain draft

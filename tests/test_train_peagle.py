@@ -21,6 +21,7 @@ from eagle3_jax.drafts.peagle.objective import peagle_loss
 from eagle3_jax.train.peagle_trainer import PEagleTrainer
 from tests import spec_fixtures
 from tests.test_train import predictable_target, predictable_target_dir  # noqa: F401  (a peaked tiny target)
+from tests.test_train_config import draft_config
 
 T = 16
 # One set of shapes for every trainer here, so they share one compiled step.
@@ -196,7 +197,7 @@ def _peagle_file(tmp_path, **over):
 
 def test_draft_kind_settings(predictable_target_dir, rows_file, tmp_path):  # noqa: F811
     base = dict(target=str(predictable_target_dir), data=str(rows_file), out_dir=str(tmp_path / "o"))
-    check = lambda **kw: TrainConfig.from_dict({**base, **kw}).validate()  # noqa: E731
+    check = lambda **kw: TrainConfig.from_dict({**base, **kw}).resolve()  # noqa: E731
 
     assert TrainConfig.from_dict(base).resolved_draft_kind == "eagle3"   # the default is unchanged
     with pytest.raises(ConfigError, match=re.escape(f"draft_kind 'medusa' is not one of {drafts.NAMES}")):
@@ -205,9 +206,9 @@ def test_draft_kind_settings(predictable_target_dir, rows_file, tmp_path):  # no
     # A draft config file decides the kind and the sizes; a disagreeing draft_kind names both.
     peagle_file = _peagle_file(tmp_path)
     cfg = TrainConfig.from_dict({**base, "draft_config_file": peagle_file})
-    cfg.validate()
+    cfg.resolve()
     assert cfg.resolved_draft_kind == "peagle"
-    dcfg = cfg.draft_config()
+    dcfg = draft_config(cfg)
     assert type(dcfg).__name__ == "PEagleConfig" and dcfg.num_hidden_layers == 3 and dcfg.intermediate_size == 96
     assert dcfg.draft_vocab_size == 64 and dcfg.target_hidden_size == 64
     with pytest.raises(ConfigError, match=r"draft_kind is 'eagle3' but draft_config_file .* has architectures "
@@ -245,7 +246,7 @@ def test_shipped_peagle_recipe_fits_the_demo_target():
     repo = Path(__file__).resolve().parent.parent
     cfg = TrainConfig.load(repo / "configs/train/peagle_demo.yaml")
     tcfg = e3.TargetConfig.from_path(repo / "demo/target")
-    d = cfg.draft_config(tcfg)
+    d = draft_config(cfg, tcfg)
     assert cfg.resolved_draft_kind == "peagle" and type(d).__name__ == "PEagleConfig"
     assert d.num_hidden_layers == 4 and d.hidden_size == tcfg.hidden_size and d.head_dim % 2 == 0
     assert all(0 <= i < tcfg.num_hidden_layers for i in cfg.resolved_aux_ids(tcfg))

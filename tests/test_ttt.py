@@ -17,6 +17,11 @@ from tests.spec_fixtures import tiny_draft_config
 B, T, V, W, D = 2, 12, 256, 64, 64
 
 
+def target_signal(logits_BTV, loss_mask_BT, d2t_W, t2d_V, convention="ours", length_B=None) -> ttt.TargetSignal:
+    """``ttt.target_signal_from_hidden`` from the logits themselves."""
+    return ttt._signal(ttt._signal_fields(logits_BTV, d2t_W, t2d_V), loss_mask_BT, convention, length_B)
+
+
 @pytest.fixture(scope="module")
 def case():
     """A random draft (GQA 4/2, draft vocab 64 of 256 with a scattered map) and random target outputs."""
@@ -71,7 +76,7 @@ def naive_attend(prev, q_BTNH, k_BTGH, v_BTGH):
 def _loss_and_grads(case, attention, steps=STEPS):
     draft = case["draft"]
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
-    signal = ttt.target_signal(case["logits"], case["loss_mask"], draft.d2t[...], draft.t2d[...])
+    signal = target_signal(case["logits"], case["loss_mask"], draft.d2t[...], draft.t2d[...])
 
     def f(p):
         return ttt.ttt_loss(nnx.merge(graphdef, p, rest), case["aux"], case["ids"], signal, case["embed"],
@@ -155,7 +160,7 @@ def test_unrolled_steps_equal_the_serving_path_with_a_kv_cache(case):
 def test_target_signal_masks_and_restricts(case):
     draft = case["draft"]
     logits, mask = case["logits"], case["loss_mask"]
-    sig = ttt.target_signal(logits, mask, draft.d2t[...], draft.t2d[...])
+    sig = target_signal(logits, mask, draft.d2t[...], draft.t2d[...])
     target_ids = np.arange(W) + np.asarray(draft.d2t[...])
     np.testing.assert_allclose(sig.probs_BTW, jax.nn.softmax(np.asarray(logits)[..., target_ids], -1), rtol=1e-6)
     top = np.asarray(logits).argmax(-1)
@@ -169,7 +174,7 @@ def test_blockwise_attention_equals_dense_in_loss_and_gradients(case, results):
     the same loss and gradients as the dense attention, float32."""
     draft = case["draft"]
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
-    signal = ttt.target_signal(case["logits"], case["loss_mask"], draft.d2t[...], draft.t2d[...])
+    signal = target_signal(case["logits"], case["loss_mask"], draft.d2t[...], draft.t2d[...])
 
     def f(p):
         spec = ttt.LossSpec(steps=STEPS, attention="blockwise", attention_block=5, loss_chunk=5, remat=True)
@@ -193,7 +198,7 @@ def _assert_signal_in_chunks_equals_whole(case, chunk: int):
     head = jnp.asarray(rng.normal(size=(D, V)) * 0.3, jnp.float32)
     chunked_fn = jax.jit(ttt.target_signal_from_hidden, static_argnums=(5, 6))
     for convention in ttt.CONVENTIONS:
-        whole = ttt.target_signal(ttt.target_logits(hidden, head), case["loss_mask"], draft.d2t[...],
+        whole = target_signal(ttt.target_logits(hidden, head), case["loss_mask"], draft.d2t[...],
                                   draft.t2d[...], convention)
         chunked = chunked_fn(hidden, head, case["loss_mask"], draft.d2t[...], draft.t2d[...], convention, chunk)
         for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(whole)):
@@ -212,7 +217,7 @@ def test_sequence_parallel_loss_gradients_and_memory(case, results):
     compiled step's temporaries per device are well under the one-device program's."""
     draft = case["draft"]
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
-    signal = ttt.target_signal(case["logits"], case["loss_mask"], draft.d2t[...], draft.t2d[...])
+    signal = target_signal(case["logits"], case["loss_mask"], draft.d2t[...], draft.t2d[...])
     spec = ttt.LossSpec(steps=STEPS, attention="blockwise", attention_block=4, loss_chunk=2, remat=True)
 
     def f(p, aux, ids, sig):
@@ -237,7 +242,7 @@ def test_sequence_parallel_loss_gradients_and_memory(case, results):
     rng = np.random.default_rng(1)
     aux = jnp.asarray(rng.normal(size=(1, long_T, 3 * D)), jnp.float32)
     ids = jnp.asarray(rng.integers(0, V, (1, long_T)), jnp.int32)
-    sig = ttt.target_signal(jnp.asarray(rng.normal(size=(1, long_T, V)), jnp.float32),
+    sig = target_signal(jnp.asarray(rng.normal(size=(1, long_T, V)), jnp.float32),
                             jnp.ones((1, long_T), bool), draft.d2t[...], draft.t2d[...])
 
     def g(p, aux, ids, sig):

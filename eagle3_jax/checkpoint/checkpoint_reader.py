@@ -51,12 +51,10 @@ class _Tensors:
     def shape(self, name: str) -> Tuple[int, ...]:
         return self._info(name).shape
 
-    def dtype(self, name: str) -> np.dtype:
-        """numpy dtype of a tensor (ml_dtypes types for BF16 and F8)."""
+    def dtype(self, name: str) -> np.dtype:   # ml_dtypes types for BF16 and F8
         return self._info(name).dtype
 
-    def dtype_code(self, name: str) -> str:
-        """safetensors dtype code of a tensor, e.g. ``"BF16"``."""
+    def dtype_code(self, name: str) -> str:   # e.g. "BF16"
         return self._info(name).code
 
     def nbytes(self, name: str) -> int:
@@ -71,13 +69,12 @@ class _Tensors:
 
 class SafetensorsFile(_Tensors):
     """One ``.safetensors`` file: the header is validated in the constructor; the first :meth:`read`
-    opens the file and keeps the handle until :meth:`close`. Reading is thread-safe.
-    :meth:`keys` lists tensor names in file (data offset) order."""
+    opens the file and keeps the handle until :meth:`close`. Reading is thread-safe."""
 
     def __init__(self, path: PathLike):
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._fh = None  # raw (unbuffered) file object, opened lazily
+        self._fh = None  # raw (unbuffered), opened by the first read
         try:
             with open(self.path, "rb", buffering=0) as fh:
                 st = os.fstat(fh.fileno())
@@ -105,11 +102,6 @@ class SafetensorsFile(_Tensors):
     def _info(self, name: str) -> TensorInfo:
         self._check(name)
         return self._names[name]
-
-    @property
-    def is_open(self) -> bool:
-        """Whether a file handle is currently held."""
-        return self._fh is not None
 
     def read(self, name: str) -> np.ndarray:
         """Read one tensor from disk into a new array that owns its memory."""
@@ -293,11 +285,9 @@ class CheckpointReader(_Tensors):
         return self._file(name)._info(name)
 
     def total_bytes(self) -> int:
-        """Total tensor data bytes in the checkpoint."""
         return sum(self.nbytes(k) for k in self._names)
 
     def read(self, name: str) -> np.ndarray:
-        """Read one tensor into a new, owned array."""
         f = self._file(name)
         with self._lock:
             self._open_lru[f.path.name] = f

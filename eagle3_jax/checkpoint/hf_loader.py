@@ -31,12 +31,9 @@ def load_state(
     where: str = "",
     fill: dict | None = None,
 ) -> nnx.State:
-    """Fills ``abstract_state`` (from ``nnx.eval_shape``) with tensors named by ``rules``.
-
-    Every missing, unexpected or mis-shaped tensor is collected and reported in one
-    CheckpointError, so a user fixes a bad checkpoint in one pass rather than one key at a time.
-    ``fill`` gives values (path -> array) for parameters the checkpoint may omit.
-    """
+    """Fills ``abstract_state`` (from ``nnx.eval_shape``) with tensors named by ``rules``; every
+    missing, unexpected or mis-shaped tensor is reported in one CheckpointError, so a bad checkpoint
+    is fixed in one pass. ``fill`` gives values (path -> array) for parameters it may omit."""
     read = read or (lambda r, key: r.read(key))
     rules = list(rules)
     flat = {tuple(path): var for path, var in nnx.to_flat_state(abstract_state)}

@@ -171,10 +171,8 @@ def dequant_int4(packed: np.ndarray, scale: np.ndarray, shape, group: int = DEFA
 
 # ---------------------------------------------------------------------- reading
 def classify(reader, key: str) -> str:
-    """How the logical tensor ``key`` is stored: PLAIN, FP8 or INT4 (headers only).
-
-    Raises CheckpointError naming the tensor when its dtype cannot be read as a float weight.
-    """
+    """How the logical tensor ``key`` is stored: PLAIN, FP8 or INT4 (headers only); a CheckpointError
+    naming the tensor when its dtype cannot be read as a float weight."""
     if key + "_packed" in reader:
         codes = {s: reader.dtype_code(key + s) for s in ("_packed", "_scale", "_shape") if key + s in reader}
         missing = [key + s for s in ("_scale", "_shape") if key + s not in reader]
@@ -230,12 +228,10 @@ def read_dequantized(reader, key: str, dtype=None, scheme: QuantScheme | None = 
 
 def dequantizing_reader(hf_config: Mapping[str, Any] | None, dtype=None,
                         where: str = "config.json") -> Callable[[Any, str], np.ndarray]:
-    """A ``read=`` hook for ``hf_loader.load_state`` that follows config.json's quantization_config.
-
-    Plain tensors come back as stored, so the loader casts each to its own parameter's dtype
+    """A ``read=`` hook for ``hf_loader.load_state`` that follows config.json's quantization_config:
+    plain tensors come back as stored, so the loader casts each to its own parameter's dtype
     (routers stay float32 in a bf16 model); dequantized weights come back in ``dtype`` (the
-    model's), which keeps a stack of hundreds of dequantized experts from passing through float32.
-    """
+    model's), which keeps a stack of hundreds of dequantized experts from passing through float32."""
     scheme = QuantScheme.from_hf_config(hf_config, where)
     np_dtype = None if dtype is None else np.dtype(dtype)
 

@@ -34,11 +34,8 @@ def role(rule: Rule) -> str | None:
 
 
 def check_native_config(hf_config: Mapping[str, Any] | None, where: str) -> None:
-    """Refuses a quantization_config whose weights cannot be held natively, naming the field.
-
-    ``quant.QuantScheme`` has already refused what cannot be dequantized at all (other bit
-    widths, asymmetric); what is left here is what dequantizes fine but has no native kernel.
-    """
+    """Refuses a quantization_config whose weights cannot be held natively, naming the field: what
+    dequantizes fine (``quant.QuantScheme`` refuses the rest) but has no native kernel."""
     q = quant.quantization_config(hf_config)
     if not q or q.get("quant_method") != "compressed-tensors":
         return

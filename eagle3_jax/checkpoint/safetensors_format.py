@@ -1,20 +1,11 @@
 """The safetensors file format: dtype codes, byte sizes, shard names, and header validation.
 
-The format
-----------
-::
-
-    [8 bytes: N, unsigned little-endian]
-    [N bytes: UTF-8 JSON header, may be right-padded with spaces]
-    [data buffer]
-
-The header maps each tensor name to ``{"dtype": "F32", "shape": [..],
-"data_offsets": [begin, end]}`` with offsets relative to the start of the data
-buffer, plus an optional ``"__metadata__": {str: str}`` entry.  Tensor data is
-little-endian and C-contiguous.  As the format specification requires, the
-buffer must be entirely covered by the tensors: no holes, no overlaps, nothing
-after the last tensor.  :func:`read_header` enforces all of that, so a file our
-readers accept is a file the official implementation accepts too.
+A file is N (8 bytes, unsigned little-endian), an N-byte UTF-8 JSON header (maybe right-padded
+with spaces) mapping each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}``
+(relative to the data buffer) plus an optional ``"__metadata__": {str: str}``, then the data
+buffer, little-endian and C-contiguous. As the specification requires, the tensors must cover the
+buffer exactly: no holes, no overlaps, nothing after the last. :func:`read_header` enforces all
+of that, so a file our readers accept is a file the official implementation accepts too.
 """
 
 from __future__ import annotations
@@ -38,7 +29,6 @@ PathLike = Union[str, "os.PathLike[str]"]
 SINGLE_FILE_NAME = "model.safetensors"
 INDEX_FILE_NAME = "model.safetensors.index.json"
 
-#: safetensors dtype code -> numpy dtype (always little-endian).
 DTYPES: Dict[str, np.dtype] = {
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),
@@ -66,11 +56,8 @@ FIX = "the file is truncated or corrupt; re-download or re-convert it"
 
 
 def dtype_code(dtype: Any) -> str:
-    """Return the safetensors dtype code (``"F32"``, ``"BF16"``, ...) for a numpy dtype.
-
-    Byte order is ignored (the writer converts to little-endian).  Raises
-    :class:`CheckpointError` for dtypes the format cannot hold.
-    """
+    """The safetensors dtype code (``"F32"``, ``"BF16"``, ...) of a numpy dtype, whatever its byte
+    order (the writer converts to little-endian)."""
     dt = np.dtype(dtype)
     if dt.byteorder == ">":
         dt = dt.newbyteorder("<")
@@ -85,12 +72,8 @@ def dtype_code(dtype: Any) -> str:
 
 
 def parse_size(size: Union[str, int]) -> int:
-    """Parse a byte size such as ``"5GB"``, ``"512 MiB"``, ``"1.5GiB"`` or ``1000``.
-
-    Decimal units (KB, MB, GB, TB = 1000**k) and binary units (KiB, MiB, GiB,
-    TiB = 1024**k) are accepted, case-insensitively, as is ``B`` or a bare
-    number of bytes.  The result must be a whole, non-negative number of bytes.
-    """
+    """A byte size such as ``"5GB"``, ``"512 MiB"``, ``"1.5GiB"`` or ``1000`` (units case-insensitive;
+    the result a whole, non-negative number of bytes)."""
     if isinstance(size, bool) or not isinstance(size, (int, str)):
         raise ValueError(f"expected a byte size like '5GB' or an int, got {size!r}")
     if isinstance(size, int):
@@ -204,8 +187,7 @@ def read_header(fh, file_size: int, where: Path) -> Tuple[int, Dict[str, str], D
 
     infos = [_parse_entry(name, entry, _err) for name, entry in header.items()]
 
-    # Offsets must tile the buffer exactly: sorted by position, each tensor
-    # starts where the previous one ended, and the last ends at EOF.
+    # sorted by position, each tensor starts where the previous one ended, the last at EOF
     infos.sort(key=lambda t: (t.begin, t.end))
     for t in infos:
         if t.end > buffer_len:

@@ -27,21 +27,12 @@ _COPY_CHUNK = 64 * 2**20
 
 
 class CheckpointWriter:
-    """Stream tensors into a Hugging Face safetensors checkpoint directory.
-
-    ``add(name, array)`` appends the tensor's bytes to the current shard's temporary data file
-    at once (peak memory: about one tensor). When the next tensor would push the shard past
-    ``max_shard_bytes`` the shard is finished (header, then the data copied after it); a tensor
-    larger than the limit gets a shard of its own.
-
-    ``close()`` renames the shards to ``model-00001-of-0000N.safetensors`` (or
-    ``model.safetensors`` when there is only one) and, when sharded, writes the index last, so an
-    index on disk means the shards are complete. Leaving a ``with`` block by an exception deletes
-    the temporary files and writes nothing.
-
-    Files match the official writer's: compact header JSON with ``"__metadata__"`` first,
-    space-padded to a multiple of 8 bytes; tensors back to back in the order added (the official
-    writer sorts by dtype size, then name: add them in that order to reproduce its files).
+    """A shard is finished (header, then its temporary data file copied after it) when the next
+    tensor would push it past ``max_shard_bytes``; a larger tensor gets a shard of its own.
+    ``close()`` names the shards (``model.safetensors`` when only one) and writes the index last,
+    so an index on disk means the shards are complete; leaving a ``with`` block by an exception
+    deletes the temporary files and writes nothing. The official writer sorts tensors by dtype
+    size, then name: add them in that order to reproduce its files.
 
     ``metadata``: ``None`` writes ``{"format": "pt"}`` (what transformers expects); ``{}`` writes
     no ``__metadata__``; any other dict of str -> str is written to every shard's header.
@@ -93,7 +84,7 @@ class CheckpointWriter:
                 if p.name in (SINGLE_FILE_NAME, INDEX_FILE_NAME) or pat.fullmatch(p.name)]
 
     def add(self, name: str, array: Any) -> None:
-        """Write one tensor now.  ``array`` is anything ``np.asarray`` accepts."""
+        """``array``: anything ``np.asarray`` accepts."""
         if self._closed:
             raise CheckpointError(f"{self.directory}: add({name!r}) after close(); open a new writer")
         if not isinstance(name, str) or not name:
@@ -187,8 +178,7 @@ class CheckpointWriter:
         return list(self._written)
 
     @property
-    def files(self) -> List[Path]:
-        """Paths written by close() (empty before)."""
+    def files(self) -> List[Path]:   # written by close(), empty before
         return list(self._written)
 
     def abort(self) -> None:

@@ -1,13 +1,6 @@
-"""Writes that never leave a half-written result under the final name.
-
-* :func:`staged_dir` builds a directory as ``DST.tmp-XXXX`` beside DST and renames it to DST only
-  when the block finishes; a failure (or a kill) leaves no DST, and a failure removes the staging
-  directory too.
-* :func:`atomic_file` / :func:`write_json_atomic` do the same for one file (``PATH.tmp-PID`` then
-  ``os.replace``), so readers see either the old file or the new one, never a prefix.
-
-The staged directory gets an ordinary ``mkdir``'s permissions (``0o777 & ~umask``), not
-``tempfile.mkdtemp``'s private 0700: the finished checkpoint is meant to be shared.
+"""Writes that never leave a half-written result under the final name: a directory
+(:func:`staged_dir`) or one file (:func:`atomic_file`, :func:`write_json_atomic`), built beside it
+and renamed into place, so readers see the old result or the new one, never a prefix.
 """
 
 from __future__ import annotations
@@ -35,11 +28,8 @@ def current_umask() -> int:
 @contextlib.contextmanager
 def staged_dir(dst: PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yields a fresh, empty ``DST.tmp-XXXX`` beside DST; renamed to DST when the block succeeds.
-
-    DST must not exist unless ``overwrite``; then the old DST is swapped out only after the new one
-    is complete, and removed afterwards. On any exception the staging directory is deleted and DST
-    is left as it was.
-    """
+    DST must not exist unless ``overwrite``; then the old DST is swapped out only once the new one
+    is complete. On any exception the staging directory is deleted and DST is left as it was."""
     dst = Path(dst)
     if (dst.exists() or dst.is_symlink()) and not overwrite:
         raise CheckpointError(f"{dst} already exists; remove it, choose another output directory, "
@@ -47,6 +37,7 @@ def staged_dir(dst: PathLike, overwrite: bool = False) -> Iterator[Path]:
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".tmp-", dir=dst.parent))
     try:
+        # an ordinary mkdir's permissions, not mkdtemp's private 0700: the checkpoint is meant to be shared
         os.chmod(tmp, 0o777 & ~current_umask())
         yield tmp
         if dst.exists() or dst.is_symlink():

@@ -98,9 +98,8 @@ def _checkpointer():
 
 
 def _writing_checkpointer():
-    """Like _checkpointer, but saves host arrays without orbax's defensive deep copy (the writer
-    hands each array over and never touches it again), and in the background: the next part is
-    read and transposed while the previous one is written."""
+    """Without orbax's defensive deep copy of host arrays (the writer never touches one again), and
+    in the background: the next part is read and transposed while the previous one is written."""
     th = ocp.type_handlers
     registry = th.create_type_handler_registry(
         (np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False)),

@@ -268,39 +268,31 @@ class TargetConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"{where}: {name} must be a positive integer, found {v!r}")
-        if self.qk_rope_head_dim % 2:
-            raise ConfigError(f"{where}: qk_rope_head_dim must be even for rotary pairs, found {self.qk_rope_head_dim}")
-        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
-            raise ConfigError(f"{where}: q_lora_rank must be null or positive, found {self.q_lora_rank}")
-        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
-            raise ConfigError(
-                f"{where}: first_k_dense_replace={self.first_k_dense_replace} must lie in "
-                f"[0, num_hidden_layers={self.num_hidden_layers}]"
-            )
-        if self.scoring_func not in ("sigmoid", "softmax"):
-            raise ConfigError(f"{where}: scoring_func '{self.scoring_func}' unsupported; expected 'sigmoid' or 'softmax'")
-        if self.hidden_act != "silu":
-            raise ConfigError(f"{where}: hidden_act '{self.hidden_act}' unsupported; expected 'silu'")
-        if self.n_routed_experts > 0:
-            if self.moe_intermediate_size <= 0:
-                raise ConfigError(f"{where}: moe_intermediate_size must be positive, found {self.moe_intermediate_size}")
-            if self.n_routed_experts % self.n_group:
-                raise ConfigError(
-                    f"{where}: n_routed_experts={self.n_routed_experts} is not divisible by n_group={self.n_group}"
-                )
-            if self.topk_group > self.n_group:
-                raise ConfigError(f"{where}: topk_group={self.topk_group} exceeds n_group={self.n_group}")
-            per_group = self.n_routed_experts // self.n_group
-            if self.n_group > 1 and per_group < 2:
-                raise ConfigError(
-                    f"{where}: group-limited routing scores a group by its top-2 experts, so each of the "
-                    f"{self.n_group} groups needs >= 2 experts; found {per_group}"
-                )
-            if self.num_experts_per_tok > self.topk_group * per_group:
-                raise ConfigError(
-                    f"{where}: num_experts_per_tok={self.num_experts_per_tok} exceeds the "
-                    f"{self.topk_group} x {per_group} experts the group limit leaves"
-                )
-        for t in self.eos_token_ids:
-            if not 0 <= t < self.vocab_size:
-                raise ConfigError(f"{where}: eos_token_id {t} lies outside the vocab [0, {self.vocab_size})")
+        moe, per_group = self.n_routed_experts > 0, self.n_routed_experts // self.n_group
+        for ok, problem in (
+                (self.qk_rope_head_dim % 2 == 0,
+                 f"qk_rope_head_dim must be even for rotary pairs, found {self.qk_rope_head_dim}"),
+                (self.q_lora_rank is None or self.q_lora_rank > 0,
+                 f"q_lora_rank must be null or positive, found {self.q_lora_rank}"),
+                (0 <= self.first_k_dense_replace <= self.num_hidden_layers,
+                 f"first_k_dense_replace={self.first_k_dense_replace} must lie in "
+                 f"[0, num_hidden_layers={self.num_hidden_layers}]"),
+                (self.scoring_func in ("sigmoid", "softmax"),
+                 f"scoring_func '{self.scoring_func}' unsupported; expected 'sigmoid' or 'softmax'"),
+                (self.hidden_act == "silu", f"hidden_act '{self.hidden_act}' unsupported; expected 'silu'"),
+                (not moe or self.moe_intermediate_size > 0,
+                 f"moe_intermediate_size must be positive, found {self.moe_intermediate_size}"),
+                (not moe or self.n_routed_experts % self.n_group == 0,
+                 f"n_routed_experts={self.n_routed_experts} is not divisible by n_group={self.n_group}"),
+                (not moe or self.topk_group <= self.n_group,
+                 f"topk_group={self.topk_group} exceeds n_group={self.n_group}"),
+                (not moe or self.n_group == 1 or per_group >= 2,
+                 "group-limited routing scores a group by its top-2 experts, so each of the "
+                 f"{self.n_group} groups needs >= 2 experts; found {per_group}"),
+                (not moe or self.num_experts_per_tok <= self.topk_group * per_group,
+                 f"num_experts_per_tok={self.num_experts_per_tok} exceeds the "
+                 f"{self.topk_group} x {per_group} experts the group limit leaves"),
+                *((0 <= t < self.vocab_size, f"eos_token_id {t} lies outside the vocab [0, {self.vocab_size})")
+                  for t in self.eos_token_ids)):
+            if not ok:
+                raise ConfigError(f"{where}: {problem}")

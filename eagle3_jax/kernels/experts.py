@@ -33,10 +33,8 @@ from eagle3_jax.kernels.dequant import quantized_matmul, take_expert
 
 
 def sort_assignments(idx_MK, weights_MK, first_expert, num_local):
-    """(token per sorted assignment, its weight, rows per local expert), sorted by local expert.
-
-    Non-local assignments go last (key = num_local) with weight 0.
-    """
+    """(token per sorted assignment, its weight, rows per local expert), sorted by local expert;
+    non-local assignments go last (key = num_local) with weight 0."""
     M, K = idx_MK.shape
     local_A = idx_MK.reshape(-1) - first_expert
     is_local_A = (local_A >= 0) & (local_A < num_local)

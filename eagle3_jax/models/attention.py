@@ -15,7 +15,6 @@ from eagle3_jax.models.quantized import TILE_COLS, Fp8Linear, QuantLayout, linea
 
 def absorb_keys(q_nope_BTNO: jax.Array, kv_b, nope: int, tile: int = TILE_COLS) -> jax.Array:
     """q_lat = W_kᵀ q_nope per head: [B, T, N, nope] x kv_b's key part [C, N, nope] -> [B, T, N, C].
-
     An FP8 ``kv_b`` is dequantized a tile of latent columns at a time; each tile fills its own
     slice of q_lat (the contraction is over ``nope``, within a tile), so the result is exact."""
     if not isinstance(kv_b, Fp8Linear):
@@ -77,12 +76,10 @@ def attend_filled(q_lat_BTNC, q_rope_BTNP, cache: MLACache, layer: int, position
 
 
 class MLAttention(nnx.Module):
-    """Multi-head latent attention (DeepSeek-V2/V3) in the weight-absorbed form.
-
-    The cache holds the normalized latent c (C wide) and the rotated shared rope key (P wide).
-    Scores are q_nope·(W_k c) + q_rope·k_rope = (W_kᵀ q_nope)·c + q_rope·k_rope, so keys and
-    values are never expanded per head: the work per cached token is O(N·C), independent of H.
-    """
+    """Multi-head latent attention (DeepSeek-V2/V3) in the weight-absorbed form. The cache holds the
+    normalized latent c (C wide) and the rotated shared rope key (P wide). Scores are
+    q_nope·(W_k c) + q_rope·k_rope = (W_kᵀ q_nope)·c + q_rope·k_rope, so keys and values are never
+    expanded per head: the work per cached token is O(N·C), independent of H."""
 
     def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs | None, quant: QuantLayout | None = None):
         D, N = cfg.hidden_size, cfg.num_attention_heads

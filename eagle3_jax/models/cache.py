@@ -56,12 +56,10 @@ class MLACache:
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    """Draft cache: plain per-head keys and values of its one decoder layer, [B, S, G, H].
-
-    Slots before heads, as the projections produce them: a write scatters whole contiguous [G, H]
-    windows. Heads before slots made the TPU compiler copy the whole cache between layouts on every
-    draft call; blockwise attention's heads-major copy is one block's.
-    """
+    """Draft cache: plain per-head keys and values of its one decoder layer, [B, S, G, H]: slots
+    before heads, as the projections produce them, so a write scatters whole contiguous [G, H]
+    windows (heads before slots made the TPU compiler copy the whole cache between layouts on every
+    draft call; blockwise attention's heads-major copy is one block's)."""
 
     k_BSGH: jax.Array
     v_BSGH: jax.Array

@@ -87,11 +87,9 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, attn_factor: float)
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> jax.Array:
     """Rotates x [..., T, heads?, dim]; cos/sin broadcast as [..., T, 1, dim/2] by the caller.
-
     ``interleaved``: the pairs are (x0, x1), (x2, x3), ... (DeepSeek checkpoints). The output is
     laid out de-interleaved ([evens', odds']); queries and keys get the same permutation, so their
-    dot products are unchanged.
-    """
+    dot products are unchanged."""
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:

@@ -1,23 +1,12 @@
-"""Quantized weights held as they are stored: INT4 words or float8 values, plus their scales.
+"""Quantized weights held as they are stored, in the checkpoint's own ``[out, in]`` orientation (the
+words read from disk are the words held on the devices and written back, bit for bit); why, and how
+they are multiplied a tile at a time: docs/architecture.md, "Quantized weights".
 
-Two layouts, both kept in the checkpoint's own ``[out, in]`` orientation (so the words read from
-disk are the words held on the devices and the words written back, bit for bit):
-
-``Int4Stack``  routed experts, compressed-tensors ``pack-quantized`` (Kimi-K2.5):
-    ``packed`` int32 ``[E, out, ceil(in/8)]``: eight offset-binary nibbles per word, least
-    significant first; ``scale`` ``[E, out, ceil(in/group)]`` in the checkpoint's scale dtype.
+``Int4Stack``  ``packed`` int32 ``[E, out, ceil(in/8)]``, ``scale`` ``[E, out, ceil(in/group)]``:
     ``w[e, o, i] = (nibble(e, o, i) - 8) * scale[e, o, i // group]``.
-``Fp8Stack`` / ``Fp8Linear``  block-scaled FP8 (DeepSeek-V3, Kimi-K2):
-    ``weight`` float8_e4m3fn ``[(E,) out, in]``, ``scale_inv`` float32
-    ``[(E,) ceil(out/bo), ceil(in/bi)]``; ``w = weight * scale_inv[o // bo, i // bi]``.
-
-The formats' facts (nibble order, offset, default group and block) live in ``quant_format.py``.
-Values and scales carry the same logical axes, so the sharding table splits both the same way.
-Nothing here dequantizes a whole matrix for a matmul: ``tile_product`` (under
-``kernels/dequant.quantized_matmul``) and ``Fp8Linear.project`` / ``fold_in_tiles`` dequantize one
-tile at a time. Packed int32 words, not ``jnp.int4``: XLA:CPU allocates one byte per ``int4``.
+``Fp8Stack`` / ``Fp8Linear``  ``weight`` float8_e4m3fn ``[(E,) out, in]``, ``scale_inv`` float32
+    ``[(E,) ceil(out/bo), ceil(in/bi)]``: ``w = weight * scale_inv[o // bo, i // bi]``.
 """
-
 from __future__ import annotations
 
 import math

@@ -10,13 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from eagle3_jax import settings_io
-from eagle3_jax.config import MeshConfig, TargetConfig
+from eagle3_jax.config import DTYPES, MeshConfig, TargetConfig
 from eagle3_jax.drafts import DraftConfig, DraftKind
 from eagle3_jax.errors import ConfigError, SettingsError
 from eagle3_jax.settings_io import Layer
 from eagle3_jax.train.shapes import DFlashShape, DraftShape, PEagleShape
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 MODES = ("train", "prepare")
 HIDDEN_SOURCES = ("online", "offline")
 ATTENTIONS = ("efficient", "blockwise")
@@ -124,14 +123,6 @@ class TrainConfig:
     def resolved_draft_kind(self) -> str:
         return self._draft_file_and_kind()[1].name
 
-    def draft_config(self, tcfg: TargetConfig | None = None) -> DraftConfig:
-        """The draft config.json this run trains and exports (its kind's config class)."""
-        from eagle3_jax.train.draft_kind import build_draft_config
-
-        tcfg = tcfg or self.target_config()
-        file, kind = self._draft_file_and_kind()
-        return build_draft_config(self, tcfg, kind, file, self.resolved_aux_ids(tcfg, file))
-
     def to_dict(self, draft_kind: str | None = None) -> dict:
         """The settings as a checkpoint records them, ``draft_kind`` resolved (unset and the default
         kind are one kind to a resumed run)."""
@@ -159,10 +150,6 @@ class TrainConfig:
         return cls.from_layers(layers)
 
     # ------------------------------------------------------------------ validation
-    def validate(self) -> TargetConfig:
-        """``resolve``'s checks; the target's config."""
-        return self.resolve().target
-
     def resolve(self) -> "TrainPlan":
         """Every check that needs no model: files, ranges, the target's config.json and the draft's
         kind and config, each file read once; the run's ``TrainPlan``."""
@@ -180,8 +167,8 @@ class TrainConfig:
                 raise SettingsError(f"{name} '{getattr(self, name)}' is not one of {allowed}")
         for name in ("dtype", "target_dtype", "export_dtype"):
             v = getattr(self, name)
-            if v is not None and v not in DTYPE_NAMES:
-                raise SettingsError(f"{name} '{v}' is not supported; use one of {DTYPE_NAMES}")
+            if v is not None and v not in DTYPES:
+                raise SettingsError(f"{name} '{v}' is not supported; use one of {DTYPES}")
         for ok, problem in (
                 (self.max_len >= 3, f"max_len must be >= 3 (a token, its successor and one to predict), found "
                                     f"{self.max_len}"),

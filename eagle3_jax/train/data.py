@@ -38,11 +38,9 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def encode_chat(tok, messages: list[dict]) -> Example:
     """The whole conversation through the template; loss on the tokens each assistant turn adds.
-
     An assistant turn's tokens are those between the rendering of the conversation before it
     (with the generation prompt) and the rendering through it. Templates that rewrite earlier
-    turns (e.g. drop old reasoning) are handled by measuring against the full rendering's ids.
-    """
+    turns (e.g. drop old reasoning) are handled by measuring against the full rendering's ids."""
     full = tok.encode(tok.render_chat(messages, add_generation_prompt=False), add_special_tokens=False)
     mask = np.zeros((len(full),), bool)
     for k, m in enumerate(messages):

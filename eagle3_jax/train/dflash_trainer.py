@@ -1,20 +1,12 @@
 """The training loop for ``draft_kind: dflash``: the Trainer with a DFlash draft, blocks drawn for
-each batch, and SpecForge's DFlash loss (drafts/dflash/objective.py).
+each batch (on the host: step.host_draws), and SpecForge's DFlash loss (drafts/dflash/objective.py).
 
 The draft reads the target's token embedding and head, frozen, as SpecForge's trainer does; its own
-weights start random. It guesses over the target's whole vocab, so no vocab map is built. The
-export is SpecForge's ``DFlashDraftModel`` layout with the target layers and the MASK token id it
-was trained with.
-
-Pairing. The trainer's rows are what SpecForge's DFlash capture stores: token x_t and the target's
-states at t, unshifted. A block anchored at a holds x_a and MASK tokens at a+1.., reads the context
-before a, and offset j is scored against the row's own x_{a+j} (hard labels: the target's final
-states and logits are not read). Which blocks count: anchors where x_a and x_{a+1} are both loss
-tokens, up to ``dflash.num_anchors`` a row. The loss is SpecForge's over one device's batch: the
-weighted mean over every scored token of the micro-batch's rows; micro-batches are averaged, as
-its gradient accumulation does. Anchors are drawn on the host (step.host_draws).
+weights start random; it guesses over the target's whole vocab, so no vocab map is built. The export
+is SpecForge's ``DFlashDraftModel`` layout with the target layers and the MASK token id it was
+trained with. Rows are what SpecForge's DFlash capture stores (token x_t and the target's states at
+t, unshifted); micro-batches' losses are averaged, as its gradient accumulation does.
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -66,15 +58,12 @@ def block_loss(draft, embed_VD, lm_head_DV, aux_BSX, mb, spec: DFlashSpec):
 
 def dflash_train_step(params, opt_state, rest, embed_VD, lm_head_DV, tstate, batch, lr, *, graphdef, tgraph,
                       opt_spec: OptimizerSpec, aux_ids, spec: DFlashSpec):
-    """The DFlash optimizer step (step.optimizer_step); the batch carries ``anchor`` / ``keep`` from
-    draw_blocks."""
+    """The DFlash optimizer step; the batch carries ``anchor`` / ``keep`` from draw_blocks."""
 
     def objective(p, mb, aux_BSX, _):
         return block_loss(nnx.merge(graphdef, p, rest), embed_VD, lm_head_DV, aux_BSX, mb, spec)
 
-    params, opt_state, loss, metrics, grad_norm = optimizer_step(objective, params, opt_state, tstate, batch, lr,
-                                                                 tgraph, opt_spec, aux_ids, spec.target_chunk)
-    return params, opt_state, {"loss": loss, **metrics, "grad_norm": grad_norm}
+    return optimizer_step(objective, params, opt_state, tstate, batch, lr, tgraph, opt_spec, aux_ids, spec.target_chunk)
 
 
 class DFlashTrainer(Trainer):

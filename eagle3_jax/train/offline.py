@@ -41,7 +41,6 @@ SCALED = ("aux", "hidden")  # the arrays stored with a per-position scale when n
 # ---------------------------------------------------------------------- the target's side
 def target_features(tgraph, tstate, ids_BT, aux_ids: tuple[int, ...], chunk: int | None = None):
     """Runs the frozen target over ids [B, T] from position 0: (aux [B, T, X], final normed hidden [B, T, D]).
-
     ``chunk``: positions per target call, each attending over the cache the earlier ones filled (as
     chunked prefill does): the target's attention scores are [chunk, T] per head instead of [T, T]."""
     target = nnx.merge(tgraph, tstate)

@@ -88,18 +88,14 @@ def draw_rollouts(loss_mask_T: np.ndarray, spec: PEagleSpec, rng: np.random.Gene
 
 def peagle_train_step(params, opt_state, rest, lm_head_DV, tstate, batch, lr, *, graphdef, tgraph,
                       opt_spec: OptimizerSpec, aux_ids, spec: PEagleSpec):
-    """The P-EAGLE optimizer step (step.optimizer_step); the batch carries ``anchor`` / ``depth`` /
-    ``valid`` from draw_rollouts."""
+    """The P-EAGLE optimizer step; the batch carries ``anchor`` / ``depth`` / ``valid`` from draw_rollouts."""
 
     def objective(p, mb, aux_BTX, hidden_BTD):
         rows = shifted_rows(mb, aux_BTX, hidden_BTD, lm_head_DV, spec.convention)
         return peagle_loss(nnx.merge(graphdef, p, rest), *rows, num_depths=spec.cod.num_depths,
                            row_means=spec.convention == "specforge")
 
-    params, opt_state, loss, metrics, grad_norm = optimizer_step(objective, params, opt_state, tstate, batch, lr,
-                                                                 tgraph, opt_spec, aux_ids, spec.target_chunk)
-    return params, opt_state, {"loss": loss, "acc_sum": metrics["acc_sum"], "acc_total": metrics["acc_total"],
-                               "grad_norm": grad_norm}
+    return optimizer_step(objective, params, opt_state, tstate, batch, lr, tgraph, opt_spec, aux_ids, spec.target_chunk)
 
 
 class PEagleTrainer(Trainer):

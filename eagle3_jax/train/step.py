@@ -77,23 +77,22 @@ def train_step(params, opt_state, rest, embed_VD, lm_head_DV, tstate, batch, lr,
     """The EAGLE-3 (training-time test) optimizer step (``optimizer_step``)."""
 
     def objective(p, mb, aux_BTX, hidden_BTD):
-        return batch_loss(p, rest, embed_VD, lm_head_DV, aux_BTX, hidden_BTD, mb, graphdef=graphdef, spec=spec)
+        loss, m = batch_loss(p, rest, embed_VD, lm_head_DV, aux_BTX, hidden_BTD, mb, graphdef=graphdef, spec=spec)
+        return loss, {"ploss": m.pop("loss"), **m}   # the per-step losses
 
-    params, opt_state, loss, metrics, grad_norm = optimizer_step(objective, params, opt_state, tstate, batch, lr,
-                                                                 tgraph, opt_spec, aux_ids, spec.target_chunk)
+    params, opt_state, m = optimizer_step(objective, params, opt_state, tstate, batch, lr, tgraph, opt_spec, aux_ids,
+                                          spec.target_chunk)
     A = batch["ids"].shape[0]
-    if A > 1:
-        metrics = {k: v if k == "count" else v / A for k, v in metrics.items()}
-    return params, opt_state, {"loss": loss, "ploss": metrics["loss"], "acc": metrics["acc"],
-                               "acc_all": metrics["acc_all"], "accept": metrics["accept"],
-                               "count": metrics["count"], "grad_norm": grad_norm}
+    if A > 1:   # means over the micro-batches, not sums
+        m = {k: v if k in ("loss", "count", "grad_norm") else v / A for k, v in m.items()}
+    return params, opt_state, m
 
 
 def optimizer_step(objective, params, opt_state, tstate, batch, lr, tgraph, opt_spec: OptimizerSpec, aux_ids,
                    target_chunk):
     """One optimizer step at learning rate ``lr`` over batch arrays shaped [grad_accum, rows, ...]:
     ``objective(params, micro-batch, aux states, last hidden states) -> (loss, metrics)`` differentiated
-    on each micro-batch. Returns (params, opt_state, loss, summed metrics, grad_norm)."""
+    on each micro-batch. Returns (params, opt_state, {"loss", the summed metrics, "grad_norm"})."""
 
     def micro(mb):
         features = micro_features(mb, tgraph, tstate, aux_ids, target_chunk)
@@ -102,7 +101,8 @@ def optimizer_step(objective, params, opt_state, tstate, batch, lr, tgraph, opt_
 
     loss, metrics, grads = accumulate(micro, batch)
     updates, opt_state = opt_spec.build(lr).update(grads, opt_state, params)   # clipped AdamW
-    return optax.apply_updates(params, updates), opt_state, loss, metrics, optax.global_norm(grads)
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss, **metrics,
+                                                             "grad_norm": optax.global_norm(grads)}
 
 
 def batch_loss(params, rest, embed_VD, lm_head_DV, aux_BTX, hidden_BTD, mb, *, graphdef, spec: LossSpec):

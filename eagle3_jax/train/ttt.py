@@ -91,17 +91,12 @@ def _signal_fields(logits_BTV, d2t_W, t2d_V):
     return jax.nn.softmax(draft_BTW, axis=-1), on_draft_BTW, t2d_V[jnp.argmax(logits_BTV, axis=-1)]
 
 
-def target_signal(logits_BTV: jax.Array, loss_mask_BT: jax.Array, d2t_W: jax.Array, t2d_V: jax.Array,
-                  convention: str = "ours", length_B: jax.Array | None = None) -> TargetSignal:
-    """``length_B``: each row's tokens before its right padding (None: every row fills T)."""
-    return _signal(_signal_fields(logits_BTV, d2t_W, t2d_V), loss_mask_BT, convention, length_B)
-
-
 def target_signal_from_hidden(hidden_BTD: jax.Array, lm_head_DV: jax.Array, loss_mask_BT: jax.Array,
                               d2t_W: jax.Array, t2d_V: jax.Array, convention: str = "ours",
                               chunk: int | None = None, length_B: jax.Array | None = None) -> TargetSignal:
-    """``target_signal`` of the target's head on its final hidden states, ``chunk`` positions at a
-    time: the full-vocab logits [B, T, V] never exist at once."""
+    """The signal of the target's head on its final hidden states, ``chunk`` positions at a time (the
+    full-vocab logits [B, T, V] never exist at once); ``length_B``: each row's tokens before its right
+    padding (None: every row fills T)."""
     B, T, D = hidden_BTD.shape
     S, n, C = _seq_chunks(T, chunk)
     # chunk c of every shard's positions at once: [n, B*S, C, D]
@@ -168,7 +163,6 @@ def _shift(x_BT_, k: int, fill) -> jax.Array:
 def unroll_attend(block: int | None, prev, q_BTNH, k_BTGH, v_BTGH):
     """Step 0's keys causally, in the core's dense form (``block`` None) or blockwise over ``block``
     keys a step, plus one diagonal key per simulated step, merged into the same softmax.
-
     ``prev``: None at step 0, else (k0, v0, diagonal keys, diagonal values) of earlier steps."""
     B, T, N, H = q_BTNH.shape
     if prev is None:

@@ -38,11 +38,8 @@ def token_counts(examples: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size: 
 
 
 def build_vocab_map(counts: np.ndarray, draft_vocab_size: int) -> VocabMap:
-    """The ``draft_vocab_size`` most frequent tokens (ties: lower id first), ordered by target id.
-
-    With fewer distinct tokens than slots, the rest are filled with unseen ids from the lowest up,
-    so the map always has exactly ``draft_vocab_size`` entries.
-    """
+    """The ``draft_vocab_size`` most frequent tokens (ties: lower id first), ordered by target id;
+    with fewer distinct tokens than slots, unseen ids from the lowest up fill the rest."""
     counts = np.asarray(counts, np.int64)
     V = counts.shape[0]
     if not 1 <= draft_vocab_size <= V:
