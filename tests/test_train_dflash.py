@@ -153,7 +153,8 @@ def test_training_lowers_the_loss_and_the_draft_is_accepted(predictable_target_d
 
 
 def test_kill_and_resume_equals_uninterrupted_and_export_loads_strictly(predictable_target_dir,  # noqa: F811
-                                                                         predictable_target, rows_file, tmp_path):
+                                                                         predictable_target, rows_file, tmp_path,
+                                                                         monkeypatch):
     straight = DFlashTrainer(_config(predictable_target_dir, rows_file, tmp_path / "a"), progress=False)
     straight.train()
     straight.close()
@@ -186,6 +187,19 @@ def test_kill_and_resume_equals_uninterrupted_and_export_loads_strictly(predicta
     trained = dict(nnx.to_flat_state(nnx.state(resumed.draft_model())))
     for path, v in nnx.to_flat_state(nnx.state(loaded.model)):
         np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(trained[path][...]), err_msg=str(path))
+
+    # A multi-process run's export (the weights gathered to the host, the writer writes them as the
+    # same kind) writes the same files.
+    from eagle3_jax.train import trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod.distributed, "is_multi_process", lambda: True)
+    monkeypatch.setattr(trainer_mod.distributed, "is_writer", lambda: True)
+    gathered = tmp_path / "gathered"
+    resumed.export(str(gathered))
+    monkeypatch.undo()
+    assert json.loads((gathered / "config.json").read_text()) == hf
+    wg = load_file(str(gathered / "model.safetensors"))
+    assert wg.keys() == wb.keys() and all(np.array_equal(wg[k], wb[k]) for k in wb)
 
     # SpecForge's class takes it strictly and gives our blocks' logits.
     theirs = _specforge_draft(out)

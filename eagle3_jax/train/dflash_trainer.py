@@ -70,6 +70,7 @@ class DFlashTrainer(Trainer):
     train_step = staticmethod(dflash_train_step)
     step_spec = staticmethod(DFlashSpec.from_config)
     draw_row = staticmethod(draw_blocks)
+    loaded_class = LoadedDFlash
 
     def _wired_draft(self) -> DFlashDraft:
         cfg, n_aux = self.cfg, len(self.aux_ids)
@@ -79,9 +80,6 @@ class DFlashTrainer(Trainer):
               self.dcfg.num_hidden_layers, self.dcfg.block_size, list(self.aux_ids), mask_id, source)
         check_pairing(self.dcfg, self.tcfg, n_aux * self.tcfg.hidden_size, n_aux, None, None)
         return DFlashDraft(self.dcfg, n_aux, resolve_dtype(cfg.dtype), nnx.Rngs(cfg.seed))
-
-    def loaded_draft(self) -> LoadedDFlash:
-        return LoadedDFlash(self.draft_model(), self.target, self.aux_ids)
 
     def run_step(self, batch: dict) -> dict:
         m, lr = self.apply_step(batch)

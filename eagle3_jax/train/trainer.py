@@ -64,6 +64,8 @@ class TrainResult:
 class Trainer:
     """Builds what a run needs from a ``TrainConfig`` (and its ``TrainPlan``); resumes from its last checkpoint."""
 
+    loaded_class = LoadedDraft   # what serving and export see of the trained draft
+
     def __init__(self, cfg: TrainConfig, progress: bool = True, plan: TrainPlan | None = None):
         import orbax.checkpoint as ocp
 
@@ -262,7 +264,7 @@ class Trainer:
         return nnx.merge(self.graphdef, self.params, self.rest)
 
     def loaded_draft(self) -> LoadedDraft:
-        return LoadedDraft(self.draft_model(), self.target, self.aux_ids)
+        return self.loaded_class(self.draft_model(), self.target, self.aux_ids)
 
     def evaluate(self) -> dict:
         """Held-out acceptance through the serving loop (K = ``eval_draft_tokens``, greedy), overall and
@@ -294,8 +296,8 @@ class Trainer:
         # Every process gathers the full weights (a collective); process 0 writes them.
         params, rest = (jax.tree.map(distributed.fetch, t) for t in (self.params, self.rest))
         if distributed.is_writer():
-            save_draft(LoadedDraft(nnx.merge(self.graphdef, params, rest), self.target, self.aux_ids), path,
-                          dtype=self.cfg.export_dtype)
+            save_draft(self.loaded_class(nnx.merge(self.graphdef, params, rest), self.target, self.aux_ids), path,
+                       dtype=self.cfg.export_dtype)
         return path
 
     # ------------------------------------------------------------------ the loop
