@@ -14,8 +14,8 @@ of draft position j given position j-1's (``Acceptance``), learned from rows wit
 (``calibration.CalibrationStore``), else from a short probe (``session.probe_costs``); the first K
 is the one they choose, or the user's ``k_table`` entry. Before every run the best K is compared
 with the current one and takes over only if its predicted gain exceeds MARGIN plus SWITCH_Z
-standard errors. The Ks compared are those up to the largest measured one (the probe measures the
-largest K too): a K between measured ones is priced on the line through its measured neighbours,
+standard errors. The Ks compared are those up to the largest measured one (at batch 1 the probe
+measures the largest K too, ``session.probe_ks``): a K between measured ones is priced on the line through its measured neighbours,
 none beyond them, so a job compiles a K only when it chooses it, and never one the model had to
 guess from outside what was measured, apart from bounded exploration (see the constants).
 """
@@ -105,7 +105,7 @@ class Costs:
 
     ``calibrated``: K -> c(K) of the Ks a calibration measured; ``admit``: a(K) with and without
     the draft (keys True / False). A K the calibration did not measure is priced on the line
-    through the measured Ks >= 1. Live runs replace a calibrated figure K by K, and scale the
+    through its nearest measured Ks >= 1. Live runs replace a calibrated figure K by K, and scale the
     others by how the live ones compare with theirs (the machine's load drifts)."""
 
     def __init__(self, calibrated: dict[int, float], admit: dict[bool, float] | None = None,
