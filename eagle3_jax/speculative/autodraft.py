@@ -15,9 +15,10 @@ of draft position j given position j-1's (``Acceptance``), learned from rows wit
 is the one they choose, or the user's ``k_table`` entry. Before every run the best K is compared
 with the current one and takes over only if its predicted gain exceeds MARGIN plus SWITCH_Z
 standard errors. The Ks compared are those up to the largest measured one (at batch 1 the probe
-measures the largest K too, ``session.probe_ks``): a K between measured ones is priced on the line through its measured neighbours,
-none beyond them, so a job compiles a K only when it chooses it, and never one the model had to
-guess from outside what was measured, apart from bounded exploration (see the constants).
+measures the largest K too, ``session.probe_ks``): a K between measured ones is priced on the line
+through its measured neighbours, none beyond them, so a job compiles a K only when it chooses it,
+and never one the model had to guess from outside what was measured, apart from bounded
+exploration (see the constants).
 """
 
 from __future__ import annotations
