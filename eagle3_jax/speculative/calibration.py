@@ -17,7 +17,7 @@ import platform
 
 from eagle3_jax.checkpoint.staging import write_json_atomic
 
-# 2: probes measure the largest K too; a version-1 file, without it, is probed afresh.
+# 2: a batch-1 probe measures the largest K too; a version-1 file, without it, is probed afresh.
 VERSION = 2
 
 

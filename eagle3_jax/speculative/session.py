@@ -169,8 +169,8 @@ class DecodeSession:
                 acc.carry(carried["accepted"], carried["offered"])
         if shape not in self._costs:
             record = store.costs(shape_key) if store is not None else None
-            self._costs[shape] = (Costs.from_record(record) if record else
-                                  probe_costs(self, program, sp, probe_ks(self.max_draft_tokens, program.batch_size)))
+            ks = probe_ks(self.max_draft_tokens, program.batch_size)
+            self._costs[shape] = Costs.from_record(record) if record else probe_costs(self, program, sp, ks)
         on_update = (lambda policy: store.update(shape_key, setting_key, policy)) if store is not None else None
         return AutoDraft(self._costs[shape], self.max_draft_tokens, self._acceptance[setting], program.batch_size,
                          program.max_new_tokens, self.k_table.get(program.batch_size), on_update)

@@ -7,6 +7,7 @@ is SpecForge's ``DFlashDraftModel`` layout with the target layers and the MASK t
 trained with. Rows are what SpecForge's DFlash capture stores (token x_t and the target's states at
 t, unshifted); micro-batches' losses are averaged, as its gradient accumulation does.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
