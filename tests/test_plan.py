@@ -93,8 +93,6 @@ def test_compiled_arguments_are_params_plus_state(plan):
     assert hi == lo == counted + (mem.output - mem.alias) + mem.temp
 
 
-@pytest.mark.xfail(strict=True, reason="open: under data-parallel attention 1080 bytes of the donated loop state "
-                   "(of 22290 on this mesh) no longer come back in place; which array changes layout is not found yet")
 def test_donated_loop_state_comes_back_in_place(plan):
     assert plan.programs["decode"].alias == plan.state_bytes()
 

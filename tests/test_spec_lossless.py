@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import eagle3_jax as e3
+from eagle3_jax.metrics import compile_log
 
 
 @pytest.fixture(scope="module")
@@ -73,5 +74,13 @@ def test_spec_on_8_device_mesh_matches_one_device(tiny_target_dir, trained_draft
     mesh = e3.make_mesh(mesh_spec)
     target = e3.load_target(tiny_target_dir, mesh=mesh)
     draft = e3.load_draft(trained_draft_dir, target)
-    res = e3.Generator(target, draft, num_draft_tokens=3, max_len=40).generate(prompts, **settings)
+    mark = compile_log().count
+    # 2 rows for 4 prompts, 2 rounds a run: the loop program runs on states that admissions returned
+    # and on states it returned itself
+    res = e3.Generator(target, draft, num_draft_tokens=3, max_len=40, batch_size=2).generate(
+        prompts, rounds_per_sync=2, **settings)
     assert res.tokens == reference.tokens
+    # The loop state keeps one layout between the programs: the loop program is not compiled a second
+    # time for the layout an admission returned (it is compiled, or loaded from the suite's cache, once).
+    programs = {name: f["compiled"] + f["from_cache"] for name, f in compile_log().since(mark).by_function.items()}
+    assert programs["jit(run_rounds)"] == 1, programs

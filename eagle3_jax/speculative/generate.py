@@ -315,7 +315,7 @@ def admit_rows(tgraph, tstate, dgraph, dstate, state: LoopState, rows_A, prompt_
     key, k_new = jax.random.split(state.key)
     fresh = _prefill(target, draft, prompt_AT, prompt_len_A, k_new, sp, program,
                      capacity=prompt_capacity(prompt_AT.shape[1], program))
-    return _scatter_rows(rows_A, fresh, dataclasses.replace(state, key=key))
+    return _laid_out(_scatter_rows(rows_A, fresh, dataclasses.replace(state, key=key)))
 
 
 _DRAFT_FIELDS = ("dcache", "dhidden_BD", "dlogits_BW")
@@ -359,8 +359,8 @@ def run_rounds(tgraph, tstate, dgraph, dstate, state: LoopState, max_rounds, sto
         free = running_B.shape[0] - jnp.sum(running_B)
         return jnp.any(running_B) & (r < max_rounds) & (free < stop_free)
 
-    state, _ = jax.lax.while_loop(cond, lambda c: (body(c[0]), c[1] + 1), (state, jnp.int32(0)))
-    return state
+    state, _ = jax.lax.while_loop(cond, lambda c: (_laid_out(body(c[0])), c[1] + 1), (_laid_out(state), jnp.int32(0)))
+    return _laid_out(state)
 
 
 FINISH_IDLE = 4  # an empty row of a continuous batch
@@ -371,7 +371,29 @@ def blank_state(tgraph, tstate, dgraph, dstate, key, sp: Sampling, *, program: D
     """A loop state with every row idle, ready for ``admit_rows``."""
     target, draft = merge_models(tgraph, tstate, dgraph, dstate)
     B = program.batch_size
-    # Its contents never matter (idle rows do not advance and admission overwrites a row whole);
-    # a one-token prefill is simply the cheapest way to build the layout.
-    state = _prefill(target, draft, jnp.zeros((B, 1), jnp.int32), jnp.ones((B,), jnp.int32), key, sp, program)
-    return dataclasses.replace(state, finish_B=jnp.full((B,), FINISH_IDLE, jnp.int32))
+    # Its contents never matter (idle rows do not advance, and admission overwrites a row whole), so
+    # it is zeros shaped as a one-token prefill's state: that prefill is traced for its shapes only,
+    # never compiled.
+    shapes = jax.eval_shape(lambda: _prefill(target, draft, jnp.zeros((B, 1), jnp.int32), jnp.ones((B,), jnp.int32),
+                                             key, sp, program))
+    state = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), dataclasses.replace(shapes, key=None))
+    return _laid_out(dataclasses.replace(state, key=key, lengths_B=jnp.ones((B,), jnp.int32),
+                                         finish_B=jnp.full((B,), FINISH_IDLE, jnp.int32)))
+
+
+def _laid_out(state: LoopState) -> LoopState:
+    """The loop state in the sharding table's layout, leaf by leaf: the caches by their ``AXES``, the
+    draft's seed by ``LOOP_STATE_AXES``, every other per-row array batch-first (the key is left
+    alone: a replicated scalar). ``blank_state``, ``admit_rows`` and every round of ``run_rounds``
+    return it so; left to the compiler, the layouts of the small per-row arrays differ between the
+    three programs, and each program then compiles again for the other's layout, and a donated
+    state does not come back in place."""
+    def pin(path, x):
+        if isinstance(x, (MLACache, KVCache)):
+            return x.laid_out()
+        name = jax.tree_util.keystr(path).lstrip(".")
+        if name == "key":
+            return x
+        return constrain(x, LOOP_STATE_AXES.get(name, ("batch",) + (None,) * (x.ndim - 1)))
+
+    return jax.tree_util.tree_map_with_path(pin, state, is_leaf=lambda x: isinstance(x, (MLACache, KVCache)))
