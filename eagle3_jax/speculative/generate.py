@@ -381,19 +381,22 @@ def blank_state(tgraph, tstate, dgraph, dstate, key, sp: Sampling, *, program: D
                                          finish_B=jnp.full((B,), FINISH_IDLE, jnp.int32)))
 
 
-def _laid_out(state: LoopState) -> LoopState:
-    """The loop state in the sharding table's layout, leaf by leaf: the caches by their ``AXES``, the
-    draft's seed by ``LOOP_STATE_AXES``, every other per-row array batch-first (the key is left
-    alone: a replicated scalar). ``blank_state``, ``admit_rows`` and every round of ``run_rounds``
-    return it so; left to the compiler, the layouts of the small per-row arrays differ between the
-    three programs, and each program then compiles again for the other's layout, and a donated
-    state does not come back in place."""
-    def pin(path, x):
-        if isinstance(x, (MLACache, KVCache)):
-            return x.laid_out()
-        name = jax.tree_util.keystr(path).lstrip(".")
-        if name == "key":
-            return x
-        return constrain(x, LOOP_STATE_AXES.get(name, ("batch",) + (None,) * (x.ndim - 1)))
+def state_axes(path, x) -> tuple | None:
+    """Logical axes of the loop-state leaf at ``path`` (a ``tree_map_with_path`` path): the caches'
+    and the draft seed's from ``LOOP_STATE_AXES``, every other per-row array batch-first; None for
+    the key (a replicated scalar). ``_laid_out`` and the planner's abstract state both follow it."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return None
+    return LOOP_STATE_AXES.get(jax.tree_util.keystr(path).lstrip("."), ("batch",) + (None,) * (x.ndim - 1))
 
-    return jax.tree_util.tree_map_with_path(pin, state, is_leaf=lambda x: isinstance(x, (MLACache, KVCache)))
+
+def _laid_out(state: LoopState) -> LoopState:
+    """The loop state pinned leaf by leaf to ``state_axes``. ``blank_state``, ``admit_rows`` and every
+    round of ``run_rounds`` return it so; left to the compiler, the layouts of the small per-row
+    arrays differ between the three programs, and each program then compiles again for the other's
+    layout, and a donated state does not come back in place."""
+    def pin(path, x):
+        axes = state_axes(path, x)
+        return x if axes is None else constrain(x, axes)
+
+    return jax.tree_util.tree_map_with_path(pin, state)

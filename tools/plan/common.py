@@ -15,12 +15,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.sharding import sharding_for, state_shardings
 from eagle3_jax.speculative import generate as gen
-from eagle3_jax.speculative.generate import LOOP_STATE_AXES
 from tools.tpu import CompiledStats, compile_stats
 
 # One compiled program's bytes per device, cost and times (the same record for CPU and TPU compiles).
@@ -138,19 +136,10 @@ def _sds(mesh, shape, dtype, axes=None):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_for(mesh, axes, shape))
 
 
-def abstract_state(mesh, batch: int, shapes: Any) -> Any:
-    """The loop state's ShapeDtypeStructs with the shardings the table gives them."""
-
-    def one(path, s):
-        name = jax.tree_util.keystr(path).lstrip(".")
-        axes = LOOP_STATE_AXES.get(name)
-        if axes is None and s.ndim and s.shape[0] == batch:
-            axes = ("batch",) + (None,) * (s.ndim - 1)
-        if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
-            return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
-        return _sds(mesh, s.shape, s.dtype, axes)
-
-    return jax.tree_util.tree_map_with_path(one, shapes)
+def abstract_state(mesh, shapes: Any) -> Any:
+    """The loop state's ShapeDtypeStructs with the shardings ``generate.state_axes`` gives them."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, s: _sds(mesh, s.shape, s.dtype, gen.state_axes(path, s)), shapes)
 
 
 def sampling_args(mesh) -> gen.Sampling:

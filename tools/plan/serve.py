@@ -292,7 +292,7 @@ class Setup:
         t0 = time.perf_counter()
         shapes = gen.blank_state.eval_shape(t[0], t[1], d[0], d[1], self.key, self.sp, **(static or self.static))
         (log or (lambda m: None))(f"traced the loop state ({dtype}) in {time.perf_counter() - t0:.1f} s")
-        return abstract_state(self.mesh, self.settings.batch, shapes)
+        return abstract_state(self.mesh, shapes)
 
 
 def setup(s: PlanSettings) -> Setup:
