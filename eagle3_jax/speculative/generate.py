@@ -382,19 +382,17 @@ def blank_state(tgraph, tstate, dgraph, dstate, key, sp: Sampling, *, program: D
 
 
 def state_axes(path, x) -> tuple | None:
-    """Logical axes of the loop-state leaf at ``path`` (a ``tree_map_with_path`` path): the caches'
-    and the draft seed's from ``LOOP_STATE_AXES``, every other per-row array batch-first; None for
-    the key (a replicated scalar). ``_laid_out`` and the planner's abstract state both follow it."""
+    """Logical axes of a loop-state leaf (``tree_map_with_path``): ``LOOP_STATE_AXES``'s, else
+    batch-first; None for the key, replicated. Also the planner's (``tools/plan``)."""
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         return None
     return LOOP_STATE_AXES.get(jax.tree_util.keystr(path).lstrip("."), ("batch",) + (None,) * (x.ndim - 1))
 
 
 def _laid_out(state: LoopState) -> LoopState:
-    """The loop state pinned leaf by leaf to ``state_axes``. ``blank_state``, ``admit_rows`` and every
-    round of ``run_rounds`` return it so; left to the compiler, the layouts of the small per-row
-    arrays differ between the three programs, and each program then compiles again for the other's
-    layout, and a donated state does not come back in place."""
+    """The loop state pinned to ``state_axes``, as ``blank_state``, ``admit_rows`` and every round of
+    ``run_rounds`` return it: left to the compiler, the small per-row arrays' layouts differ between
+    the three, each program compiles again for another's, and a donated state is not reused."""
     def pin(path, x):
         axes = state_axes(path, x)
         return x if axes is None else constrain(x, axes)
