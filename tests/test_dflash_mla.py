@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -272,8 +271,8 @@ def test_training_step_loss_and_gradients_equal_the_oracles(predictable_target_d
                                                             rows_file, tmp_path):  # noqa: F811
     """``train.py``'s DFlash step on an MLA draft file (full and sliding layers): its loss and every
     gradient equal the oracle's autograd under SpecForge's ``OnlineDFlashModel``; the step runs."""
-    from tests.test_train_dflash import _config, _dflash_file, _online_specforge
-    from eagle3_jax.train.dflash_trainer import DFlashTrainer, block_loss
+    from tests.test_train_dflash import _config, _dflash_file, _online_specforge, block_loss_and_grads
+    from eagle3_jax.train.dflash_trainer import DFlashTrainer
     from eagle3_jax.train.step import micro_features
 
     mla = {**MLA, "dflash_config": {"target_layer_ids": [0, 1, 2], "attention_mode": "mla",
@@ -291,12 +290,10 @@ def test_training_step_loss_and_gradients_equal_the_oracles(predictable_target_d
                                                  strict=True)
     assert not missing and not unexpected
     online = _online_specforge(theirs, predictable_target, trainer.dcfg.mask_token_id)
-    graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
+    params, loss_and_grads = block_loss_and_grads(trainer, draft)
     mb = {k: v[0] for k, v in batch.items()}
     aux, _ = micro_features(mb, trainer.target.graphdef, trainer.target.state, trainer.aux_ids, cfg.target_chunk)
-    (loss, _), grads = jax.value_and_grad(
-        lambda p: block_loss(nnx.merge(graphdef, p, rest), trainer.embed_VD, trainer.lm_head_DV, aux, mb,
-                             trainer.spec), has_aux=True)(params)
+    (loss, _), grads = loss_and_grads(params, aux, mb)
     width = int(np.asarray(mb["keep"]).sum(1).max())
     anchors = torch.as_tensor(np.asarray(mb["anchor"], np.int64)[:, :width])
     keep = torch.as_tensor(np.asarray(mb["keep"])[:, :width])

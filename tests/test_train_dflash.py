@@ -87,6 +87,17 @@ def _online_specforge(theirs, target, mask_id, gamma=None):
                                     attention_backend="sdpa", num_anchors=ANCHORS, loss_decay_gamma=gamma)
 
 
+def block_loss_and_grads(trainer, draft):
+    """(the draft's parameters, jitted (params, aux, micro-batch) -> ((loss, metrics), grads)) of
+    the step's objective: one compiled program, not hundreds of eager ops."""
+    graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
+
+    def loss(p, aux, mb):
+        return block_loss(nnx.merge(graphdef, p, rest), trainer.embed_VD, trainer.lm_head_DV, aux, mb, trainer.spec)
+
+    return params, jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+
 @pytest.mark.parametrize("gamma,chunk", [(None, 0), (3.0, 4)])
 def test_step_loss_and_gradients_equal_specforges(predictable_target_dir, predictable_target,  # noqa: F811
                                                   rows_file, tmp_path, gamma, chunk):  # noqa: F811
@@ -103,14 +114,12 @@ def test_step_loss_and_gradients_equal_specforges(predictable_target_dir, predic
     trainer.export(tmp_path / "start")
     theirs = _specforge_draft(tmp_path / "start")
     online = _online_specforge(theirs, predictable_target, trainer.dcfg.mask_token_id, gamma)
-    graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
+    params, loss_and_grads = block_loss_and_grads(trainer, draft)
     losses = []
     for a in range(batch["ids"].shape[0]):
         mb = {k: v[a] for k, v in batch.items()}
         aux, _ = micro_features(mb, trainer.target.graphdef, trainer.target.state, trainer.aux_ids, cfg.target_chunk)
-        (loss, _), grads = jax.value_and_grad(
-            lambda p: block_loss(nnx.merge(graphdef, p, rest), trainer.embed_VD, trainer.lm_head_DV, aux, mb,
-                                 trainer.spec), has_aux=True)(params)
+        (loss, _), grads = loss_and_grads(params, aux, mb)
         width = int(np.asarray(mb["keep"]).sum(1).max())   # SpecForge's blocks a row: the most any row keeps
         anchors = torch.as_tensor(np.asarray(mb["anchor"], np.int64)[:, :width])
         keep = torch.as_tensor(np.asarray(mb["keep"])[:, :width])
