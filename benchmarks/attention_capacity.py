@@ -41,16 +41,15 @@ def main():
     B, R = args.batch, args.rounds
 
     pair = DemoPair.load(str(REPO / "demo"), B)
-    ss = SamplingSettings(0.0)
-    sp = ss.traced()
+    # max_new_tokens above what R rounds can emit, so no row stops on its budget mid-measure
+    sp = SamplingSettings(0.0).traced(R * (max(ks) + 1) + 1)
     setups = {}
     for cap in caps:
         gen = e3.Generator(pair.target, pair.draft, num_draft_tokens=max(ks), max_len=cap, batch_size=B)
         session = gen.session
         ids, lengths, _ = session.pack_prompts({b: pair.prompt_ids[b % len(pair.prompt_ids)] for b in range(B)},
                                                B, prompt_len=pair.prompt_len)
-        # max_new_tokens above what R rounds can emit, so no row stops on its budget mid-measure
-        prog = session.program(B, R * (max(ks) + 1) + 1, ss)
+        prog = session.program(B)
         setups[cap] = (session, prog, ids, lengths)
 
     def timed(cap, k):

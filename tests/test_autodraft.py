@@ -282,13 +282,13 @@ def test_acceptance_is_learned_per_sampling_setting(tiny_target, draft, monkeypa
     monkeypatch.setattr(session_mod, "probe_costs", probe)
     session = session_mod.DecodeSession(tiny_target, draft, "auto", max_len=40, max_draft_tokens=2)
     greedy, hot = SamplingSettings(0.0), SamplingSettings(1.0)
-    p1, p1_hot, p2_hot = session.program(1, 8, greedy), session.program(1, 8, hot), session.program(2, 8, hot)
-    a_greedy = session.policy(p1, greedy.traced(), greedy)
+    p1, p2 = session.program(1), session.program(2)
+    a_greedy = session.policy(p1, greedy.traced(8), greedy, 8)
     a_greedy.observe(run_of(2, 10, 1.0, 10, 30, [10, 10]))          # greedy: every draft token accepted
-    a_hot = session.policy(p1_hot, hot.traced(), hot)
+    a_hot = session.policy(p1, hot.traced(8), hot, 8)
     assert a_hot.acceptance is not a_greedy.acceptance and a_hot.acceptance.offered.sum() == 0
-    assert session.policy(p2_hot, hot.traced(), hot).acceptance is a_hot.acceptance
-    again = session.policy(p1, greedy.traced(), greedy)   # a new job on the same shape: what was learned stays
+    assert session.policy(p2, hot.traced(8), hot, 8).acceptance is a_hot.acceptance
+    again = session.policy(p1, greedy.traced(8), greedy, 8)   # a new job on the same shape: what was learned stays
     assert again.acceptance is a_greedy.acceptance and again.costs is a_greedy.costs
     assert sorted(probed) == [1, 1, 2]
 
@@ -383,8 +383,8 @@ def test_admitting_without_the_draft(tiny_target, draft):
     from eagle3_jax.speculative.generate import admit_rows, blank_state, run_rounds
 
     session = session_mod.DecodeSession(tiny_target, draft, "auto", 40, max_draft_tokens=2)
-    program = session.program(2, 8, SamplingSettings())
-    sp = SamplingSettings().traced()
+    program = session.program(2)
+    sp = SamplingSettings().traced(8)
     models = session.models()
     rng = np.random.default_rng(6)
     ids = jnp.asarray(rng.integers(2, 256, size=(1, 16)), jnp.int32)

@@ -51,8 +51,8 @@ def test_compiled_caches_hold_one_row_per_device(tiny_target_dir, trained_draft_
     with jax.set_mesh(mesh):
         program = generate_loop.lower(
             target.graphdef, target.state, draft.graphdef, draft.state, jnp.zeros((B, 8), jnp.int32),
-            jnp.full((B,), 8, jnp.int32), jax.random.key(0), SamplingSettings().traced(),
-            program=DecodeProgram(batch_size=B, max_len=CAPACITY, max_new_tokens=8, num_draft_tokens=2,
+            jnp.full((B,), 8, jnp.int32), jax.random.key(0), SamplingSettings().traced(8),
+            program=DecodeProgram(batch_size=B, max_len=CAPACITY, num_draft_tokens=2,
                                   aux_layer_ids=draft.aux_layer_ids)).compile()
     out = {jax.tree_util.keystr(p).lstrip("."): (s, x.shape) for (p, s), x in zip(
         jax.tree_util.tree_leaves_with_path(program.output_shardings), jax.tree_util.tree_leaves(program.out_info))}

@@ -17,11 +17,11 @@ def run(target, draft, prompts, chunk, k=3, max_new=12, capacity=48):
     lengths = np.array([len(p) for p in prompts], np.int32)
     for b, p in enumerate(prompts):
         ids[b, :len(p)] = p
-    sp = SamplingSettings().traced()
+    sp = SamplingSettings().traced(max_new)
     out = generate_loop(target.graphdef, target.state, draft.graphdef if draft else None,
                         draft.state if draft else None, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(0),
                         sp, program=DecodeProgram(
-                            batch_size=len(prompts), max_len=capacity, max_new_tokens=max_new,
+                            batch_size=len(prompts), max_len=capacity,
                             num_draft_tokens=k if draft else 0, aux_layer_ids=draft.aux_layer_ids if draft else (),
                             prefill_chunk=chunk))
     n = np.asarray(out.n_out_B)
@@ -52,9 +52,9 @@ def test_admitting_rows_into_a_running_state_in_chunks(tiny_target, trained_draf
 
     draft = e3.load_draft(trained_draft_dir, tiny_target)
     want, _ = run(tiny_target, draft, prompts, None)
-    sp = SamplingSettings().traced()
+    sp = SamplingSettings().traced(12)
     models = (tiny_target.graphdef, tiny_target.state, draft.graphdef, draft.state)
-    program = DecodeProgram(batch_size=len(prompts), max_len=48, max_new_tokens=12, num_draft_tokens=3,
+    program = DecodeProgram(batch_size=len(prompts), max_len=48, num_draft_tokens=3,
                             aux_layer_ids=draft.aux_layer_ids, prefill_chunk=5)
     state = blank_state(*models, jax.random.key(0), sp, program=program)
     for rows in ([0, 2], [1, 3]):
@@ -73,7 +73,7 @@ def test_admitting_rows_into_a_running_state_in_chunks(tiny_target, trained_draf
 
 def test_generator_passes_its_prefill_chunk_to_the_program(tiny_target, prompts):
     chunked = e3.Generator(tiny_target, None, max_len=48, prefill_chunk=4)
-    assert chunked.session.program(len(prompts), 12, SamplingSettings()).prefill_chunk == 4
+    assert chunked.session.program(len(prompts)).prefill_chunk == 4
     assert chunked.generate(prompts, 12).tokens == e3.Generator(tiny_target, None, max_len=48).generate(prompts, 12).tokens
     with pytest.raises(e3.ConfigError, match="prefill_chunk must be >= 1"):
         e3.Generator(tiny_target, None, prefill_chunk=0)

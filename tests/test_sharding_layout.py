@@ -38,12 +38,12 @@ def compiled():
     target = e3.build_target(cfg, mesh=mesh)
     draft = e3.build_draft(spec_fixtures.tiny_draft_config(cfg), target)
     with jax.set_mesh(mesh):
-        sp = SamplingSettings().traced()
+        sp = SamplingSettings().traced(8)
         ids = jnp.zeros((B, T), jnp.int32)
         lengths = jnp.full((B,), T, jnp.int32)
         program = generate_loop.lower(
             target.graphdef, target.state, draft.graphdef, draft.state, ids, lengths, jax.random.key(0), sp,
-            program=DecodeProgram(batch_size=B, max_len=CAPACITY, max_new_tokens=8, num_draft_tokens=K,
+            program=DecodeProgram(batch_size=B, max_len=CAPACITY, num_draft_tokens=K,
                                   aux_layer_ids=draft.aux_layer_ids)).compile()
     return mesh, target, draft, program
 

@@ -35,6 +35,17 @@ def test_refill_equals_one_at_a_time(tiny_target, trained_draft_dir, prompts):
     assert eng.stats.mean_accept_length > 1.2
 
 
+def test_another_token_budget_compiles_nothing(tiny_target, trained_draft_dir, prompts):
+    """max_new_tokens is traced, not compiled in: a job with another budget reuses every program of
+    the first (same rows, capacity and K), and its greedy output is the longer budget's prefix."""
+    draft = e3.load_draft(trained_draft_dir, tiny_target)
+    gen = e3.Generator(tiny_target, draft, num_draft_tokens=3, max_len=48)
+    longer = gen.generate(prompts[:1], 20)
+    shorter = gen.generate(prompts[:1], 9)
+    assert gen.last_compiled_programs == 0
+    assert shorter.tokens[0] == longer.tokens[0][:9] and shorter.finish_reasons == ["length"]
+
+
 def test_prompt_too_long_is_refused(tiny_target):
     eng = Engine(tiny_target, None, max_len=8, batch_size=1, max_new_tokens=2)
     with pytest.raises(e3.ConfigError, match="max_len - 1 = 7"):

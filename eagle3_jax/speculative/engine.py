@@ -64,8 +64,11 @@ class Engine:
             raise ConfigError(f"max_admit_rows must be >= 1, found {max_admit_rows}")
         self.session = session or DecodeSession(target, draft, num_draft_tokens, max_len, max_draft_tokens,
                                                  prefill_chunk, calibration, k_table)
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
+        self.max_new_tokens = int(max_new_tokens)
         self.sampling = SamplingSettings(temperature, top_p, top_k, seed, tuple(eos_token_ids))
-        self.program = self.session.program(batch_size, max_new_tokens, self.sampling)
+        self.program = self.session.program(batch_size)
         self.batch_size = self.program.batch_size
         self.max_draft_tokens = self.session.max_draft_tokens
         self.rounds_per_sync = rounds_per_sync
@@ -123,9 +126,9 @@ class Engine:
         models = session.models()
         # target-only runs and admissions are called without the draft's weights (admit_rows, run_rounds)
         target_models = models[:2] + (None, None)
-        sp = self.sampling.traced()
+        sp = self.sampling.traced(self.max_new_tokens)
         if self.policy is None:
-            self.policy = session.policy(program, sp, self.sampling)
+            self.policy = session.policy(program, sp, self.sampling, self.max_new_tokens)
         policy = self.policy
         # A sized collection (a list of requests) says when the last one has been admitted, so a
         # single wave is known as one before its first run; an iterator only once it runs dry (no
@@ -179,7 +182,7 @@ class Engine:
                     # end, no syncs. Else a bounded run, which with prompts waiting ends once
                     # refill_rows more rows are free.
                     final = exhausted and policy.settled(batch)
-                    max_rounds = program.max_new_tokens if final else self.rounds_per_sync
+                    max_rounds = self.max_new_tokens if final else self.rounds_per_sync
                     stop_free = B + 1 if exhausted else B - int(running_B.sum()) + self.refill_rows
                     # host scalars, not jnp ones: an eager jnp.int32 is a dispatch of its own (~0.25 ms)
                     state = run_rounds(*(models if k else target_models), state, np.int32(max_rounds),

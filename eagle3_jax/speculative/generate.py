@@ -65,13 +65,12 @@ class DecodeProgram:
     which leave a draft's state untouched); ``max_draft_tokens`` the largest K of the session, which
     fixes the loop state's layout, so programs of every K <= it run on the same state;
     ``max_len`` the per-row capacity of the caches (prompt + generation); ``aux_layer_ids`` the
-    target layers whose outputs feed the draft (empty without a draft). Greedy vs sampling is not
-    part of it (the traced ``Sampling.greedy``), so one program serves both.
+    target layers whose outputs feed the draft (empty without a draft). Greedy vs sampling and the
+    token budget are not part of it (traced in ``Sampling``), so one program serves every value.
     """
 
     batch_size: int
     max_len: int
-    max_new_tokens: int
     num_draft_tokens: int
     aux_layer_ids: tuple[int, ...]
     # Prompt positions per target call in prefill (``prefill.py``); None runs the whole block at once.
@@ -101,14 +100,15 @@ LOOP_STATE_AXES = {
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling settings as traced scalars (one compiled program serves every value, greedy included:
-    ``greedy`` selects, with ``lax.cond``, the argmax path that draws no random numbers)."""
+    """A job's sampling settings and token budget, traced: one program serves every value (``greedy``
+    selects, with ``lax.cond``, the argmax path that draws no random numbers)."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     eos_E: jax.Array
     greedy: jax.Array   # bool scalar: temperature 0
+    max_new_tokens: jax.Array   # int32 scalar: the most tokens a row emits (the loop's tokens are max_len wide)
 
 
 def _split(key, num: int, sp: Sampling):
@@ -160,7 +160,7 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
     ``capacity``: slots of the caches it builds (default the program's ``max_len``; an admission
     builds only the prompt block's, see ``admit_rows``)."""
     K = program.max_draft_tokens   # the layout's width, also when the draft is left out (admit_rows)
-    max_len, max_new_tokens = program.max_len, program.max_new_tokens
+    max_len = program.max_len
     B, T = prompt_BT.shape
     rows_B = jnp.arange(B)
     tcache = target.init_cache(B, capacity or max_len)   # laid out by the sharding table (cache.py)
@@ -176,11 +176,11 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
     key, k0 = _split(key, 2, sp)
     first_B = _choose(k0, target.logits(last_hidden_BD[:, None])[:, 0], sp)
 
-    max_new_B = jnp.full((B,), max_new_tokens, jnp.int32)
+    max_new_B = jnp.full((B,), sp.max_new_tokens, jnp.int32)
     room_B = max_len - prompt_len_B
     budget_B = jnp.minimum(max_new_B, room_B)
     state = LoopState(
-        tokens_BN=constrain(jnp.zeros((B, max_new_tokens), jnp.int32), ("batch", None)),
+        tokens_BN=constrain(jnp.zeros((B, max_len), jnp.int32), ("batch", None)),
         n_out_B=jnp.zeros((B,), jnp.int32), budget_B=budget_B,
         budget_is_max_new_B=max_new_B <= room_B,
         finish_B=jnp.where(budget_B > 0, RUNNING, FINISH_CAPACITY).astype(jnp.int32),

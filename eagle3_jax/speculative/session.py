@@ -8,7 +8,6 @@ K policy and the statistics.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -67,9 +66,10 @@ class SamplingSettings:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def traced(self) -> Sampling:
+    def traced(self, max_new_tokens: int) -> Sampling:
         return Sampling(jnp.float32(max(self.temperature, 1e-6)), jnp.int32(self.top_k), jnp.float32(self.top_p),
-                        jnp.asarray(list(self.eos_token_ids) or [-1], jnp.int32), jnp.bool_(self.greedy))
+                        jnp.asarray(list(self.eos_token_ids) or [-1], jnp.int32), jnp.bool_(self.greedy),
+                        jnp.int32(max_new_tokens))
 
 
 def bucket_prompt_len(longest: int, max_len: int) -> int:
@@ -138,28 +138,26 @@ class DecodeSession:
         """The mesh context every program of this session runs in."""
         return mesh_context(self.mesh)
 
-    def program(self, batch_size: int, max_new_tokens: int, sampling: SamplingSettings) -> DecodeProgram:
+    def program(self, batch_size: int) -> DecodeProgram:
         """The program of one batch shape (rows rounded up to a multiple of the mesh's data axis); its
         K is the fixed K, or K_max under auto (whose runs switch with ``program.with_draft_tokens``)."""
-        if max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, found {batch_size}")
         data = axis_size(self.mesh, "batch")
         return DecodeProgram(
-            batch_size=-(-batch_size // data) * data, max_len=self.max_len, max_new_tokens=int(max_new_tokens),
+            batch_size=-(-batch_size // data) * data, max_len=self.max_len,
             num_draft_tokens=self.max_draft_tokens, max_draft_tokens=self.max_draft_tokens,
             aux_layer_ids=self.draft.aux_layer_ids if self.draft is not None else (),
             prefill_chunk=self.prefill_chunk)
 
-    def policy(self, program: DecodeProgram, sp, sampling: SamplingSettings):
+    def policy(self, program: DecodeProgram, sp, sampling: SamplingSettings, max_new_tokens: int):
         """What chooses K for each run of one job on this program: ``FixedK``, or under auto an
         ``AutoDraft`` on the session's costs of this batch shape and greedy-or-sampled, and its
         acceptance of this sampling setting across batch shapes. Both start from the calibration
         when there is one; a shape without is probed, once per session."""
         if not self.auto:
             return FixedK(program.num_draft_tokens)
-        shape = (dataclasses.replace(program, max_new_tokens=0), sampling.greedy)
+        shape = (program, sampling.greedy)
         setting = (sampling.temperature, sampling.top_p, sampling.top_k)
         store = self.calibration
         shape_key, setting_key = CalibrationStore.shape_key(program, sampling.greedy), CalibrationStore.setting_key(sampling)
@@ -173,7 +171,7 @@ class DecodeSession:
             self._costs[shape] = Costs.from_record(record) if record else probe_costs(self, program, sp, ks)
         on_update = (lambda policy: store.update(shape_key, setting_key, policy)) if store is not None else None
         return AutoDraft(self._costs[shape], self.max_draft_tokens, self._acceptance[setting], program.batch_size,
-                         program.max_new_tokens, self.k_table.get(program.batch_size), on_update)
+                         max_new_tokens, self.k_table.get(program.batch_size), on_update)
 
     def models(self) -> tuple:
         """(target graphdef, target state, draft graphdef, draft state): the loop's leading arguments

@@ -41,7 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=4, help="K, draft tokens per round")
     p.add_argument("--prompt-len", type=int, default=1024,
                    help="prompt block the prefill program admits for every row at once")
-    p.add_argument("--max-new", type=int, default=None, help="output buffer per row (default max_len - prompt_len)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="weights and caches")
     p.add_argument("--compile-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="dtype the programs are compiled in to measure temporaries (XLA:CPU computes 2-byte dots "
@@ -169,7 +168,7 @@ def main(argv=None) -> int:
         for mesh in meshes:
             settings = serve.PlanSettings(
                 model=args.model, mesh=mesh, batch=args.batch, max_len=args.max_len,
-                num_draft_tokens=args.num_draft_tokens, prompt_len=args.prompt_len, max_new_tokens=args.max_new,
+                num_draft_tokens=args.num_draft_tokens, prompt_len=args.prompt_len,
                 dtype=args.dtype, compile_dtype=args.compile_dtype, expert_bits=bits, draft=args.draft,
                 programs=tuple(p.strip() for p in args.programs.split(",") if p.strip()),
                 moe_kernel=args.moe_kernel, train=args.train,

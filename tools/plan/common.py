@@ -32,7 +32,6 @@ class PlanSettings:
     max_len: int = 8192
     num_draft_tokens: int = 4
     prompt_len: int = 1024
-    max_new_tokens: int | None = None         # default: max_len - prompt_len
     dtype: str = "bfloat16"
     compile_dtype: str = "float32"
     expert_bits: tuple[int, ...] = (16,)
@@ -144,7 +143,7 @@ def abstract_state(mesh, shapes: Any) -> Any:
 
 def sampling_args(mesh) -> gen.Sampling:
     return gen.Sampling(_sds(mesh, (), jnp.float32), _sds(mesh, (), jnp.int32), _sds(mesh, (), jnp.float32),
-                        _sds(mesh, (1,), jnp.int32, (None,)), _sds(mesh, (), jnp.bool_))
+                        _sds(mesh, (1,), jnp.int32, (None,)), _sds(mesh, (), jnp.bool_), _sds(mesh, (), jnp.int32))
 
 
 

@@ -207,7 +207,7 @@ def compile_cut(settings, layers: int, cells: list[tuple[int, int]], grid: GridS
     out = {}
     for b in sorted({b for b, _ in cells}):
         s = dataclasses.replace(settings, batch=b, max_len=grid.capacity, num_draft_tokens=max(grid.ks),
-                                prompt_len=1, max_new_tokens=None, layers=layers, programs=(), train=False)
+                                prompt_len=1, layers=layers, programs=(), train=False)
         su = serve.setup(s)
         # Rows of attention (and of its uncounted cache trips) per chip, as the sharding table splits them.
         rows = sharding_for(su.mesh, ("attn_batch",), (b,)).shard_shape((b,))[0]

@@ -311,9 +311,7 @@ def setup(s: PlanSettings) -> Setup:
     aux_ids = resolve_aux_ids(dcfg, cfg)
     check_pairing(dcfg, cfg, len(aux_ids) * cfg.hidden_size, len(aux_ids), None, None)
     B, S, K = s.batch, s.max_len, s.num_draft_tokens
-    max_new_tokens = s.max_new_tokens if s.max_new_tokens is not None else S - s.prompt_len
-    static = dict(program=gen.DecodeProgram(batch_size=B, max_len=S, max_new_tokens=max_new_tokens,
-                                            num_draft_tokens=K, aux_layer_ids=aux_ids))
+    static = dict(program=gen.DecodeProgram(batch_size=B, max_len=S, num_draft_tokens=K, aux_layer_ids=aux_ids))
     key = jax.eval_shape(lambda: jax.random.key(0))
     return Setup(
         settings=s, cfg=cfg, dcfg=dcfg, draft_source=draft_source, aux_ids=aux_ids, mesh=mesh,
