@@ -157,8 +157,8 @@ def prompt_capacity(T: int, program: DecodeProgram) -> int:
 def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program: DecodeProgram,
              capacity: int | None = None) -> LoopState:
     """Runs the prompts through the target (and the draft) and emits each row's first token.
-    ``capacity``: slots of the caches it builds (default the program's ``max_len``; an admission
-    builds only the prompt block's, see ``admit_rows``)."""
+    ``capacity``: slots of the caches and of the token buffer it builds (default the program's
+    ``max_len``; an admission builds only the prompt block's, see ``admit_rows``)."""
     K = program.max_draft_tokens   # the layout's width, also when the draft is left out (admit_rows)
     max_len = program.max_len
     B, T = prompt_BT.shape
@@ -180,7 +180,7 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
     room_B = max_len - prompt_len_B
     budget_B = jnp.minimum(max_new_B, room_B)
     state = LoopState(
-        tokens_BN=constrain(jnp.zeros((B, max_len), jnp.int32), ("batch", None)),
+        tokens_BN=constrain(jnp.zeros((B, capacity or max_len), jnp.int32), ("batch", None)),
         n_out_B=jnp.zeros((B,), jnp.int32), budget_B=budget_B,
         budget_is_max_new_B=max_new_B <= room_B,
         finish_B=jnp.where(budget_B > 0, RUNNING, FINISH_CAPACITY).astype(jnp.int32),
@@ -324,8 +324,8 @@ _DRAFT_FIELDS = ("dcache", "dhidden_BD", "dlogits_BW")
 def _scatter_rows(rows_A, new: LoopState, old: LoopState) -> LoopState:
     """old[rows_A] = new, row by row (out-of-range rows dropped); the key stays old's, and so does
     the draft state where ``new`` has none. The target cache keeps layers first and batch second;
-    everything else is batch-first. ``new``'s caches may hold fewer slots than ``old``'s: they fill
-    the rows' first slots."""
+    everything else is batch-first. ``new``'s caches and tokens may hold fewer slots than ``old``'s:
+    they fill the rows' first slots (what lies past a row's count is never read)."""
 
     def put(axis):
         def scatter(o, n):
