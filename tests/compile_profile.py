@@ -7,7 +7,9 @@ Each worker (pytest-xdist) writes ``DIR/<worker>.json`` (DIR: $COMPILE_PROFILE_D
 build/compile_profile): per test, the seconds and count of each jitted function's tracing,
 lowering and XLA compilation, read from the timings JAX logs at DEBUG level. A program loaded from
 the persistent compilation cache logs no compilation, so a cold run (empty cache) shows what a
-fresh clone pays. Child processes (README commands, multi-host workers) are not seen.
+fresh clone pays. Child processes (README commands, multi-host workers) are not seen. It slows
+the run (JAX's DEBUG records are formatted, and pytest captures them): use its shares, not its
+total time.
 """
 
 from __future__ import annotations
