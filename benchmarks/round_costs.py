@@ -135,7 +135,8 @@ def random_models(config: str, layers: int | None, dtype: str, quant_override: d
 def state_for(models: Models, batch: int, capacity: int, context: int, k_max: int):
     """A loop state of ``batch`` running rows with ``context`` filled slots (contents zero), and the
     session's program and greedy sampling settings."""
-    program = gen.DecodeProgram(batch_size=batch, max_len=capacity, num_draft_tokens=k_max, aux_layer_ids=models.aux_ids)
+    program = gen.DecodeProgram(batch_size=batch, max_len=capacity, num_draft_tokens=k_max,
+                                aux_layer_ids=models.aux_ids)
     sp = gen.Sampling(jnp.float32(0), jnp.int32(0), jnp.float32(1), jnp.array([-1], jnp.int32), jnp.bool_(True),
                       jnp.int32(capacity - context))
     (tg, ts), (dg, ds) = models.target, models.draft

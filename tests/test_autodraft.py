@@ -283,12 +283,12 @@ def test_acceptance_is_learned_per_sampling_setting(tiny_target, draft, monkeypa
     session = session_mod.DecodeSession(tiny_target, draft, "auto", max_len=40, max_draft_tokens=2)
     greedy, hot = SamplingSettings(0.0), SamplingSettings(1.0)
     p1, p2 = session.program(1), session.program(2)
-    a_greedy = session.policy(p1, greedy.traced(8), greedy, 8)
+    a_greedy = session.policy(p1, greedy, 8)
     a_greedy.observe(run_of(2, 10, 1.0, 10, 30, [10, 10]))          # greedy: every draft token accepted
-    a_hot = session.policy(p1, hot.traced(8), hot, 8)
+    a_hot = session.policy(p1, hot, 8)
     assert a_hot.acceptance is not a_greedy.acceptance and a_hot.acceptance.offered.sum() == 0
-    assert session.policy(p2, hot.traced(8), hot, 8).acceptance is a_hot.acceptance
-    again = session.policy(p1, greedy.traced(8), greedy, 8)   # a new job on the same shape: what was learned stays
+    assert session.policy(p2, hot, 8).acceptance is a_hot.acceptance
+    again = session.policy(p1, greedy, 8)   # a new job on the same shape: what was learned stays
     assert again.acceptance is a_greedy.acceptance and again.costs is a_greedy.costs
     assert sorted(probed) == [1, 1, 2]
 

@@ -128,7 +128,7 @@ class Engine:
         target_models = models[:2] + (None, None)
         sp = self.sampling.traced(self.max_new_tokens)
         if self.policy is None:
-            self.policy = session.policy(program, sp, self.sampling, self.max_new_tokens)
+            self.policy = session.policy(program, self.sampling, self.max_new_tokens)
         policy = self.policy
         # A sized collection (a list of requests) says when the last one has been admitted, so a
         # single wave is known as one before its first run; an iterator only once it runs dry (no

@@ -150,7 +150,7 @@ class DecodeSession:
             aux_layer_ids=self.draft.aux_layer_ids if self.draft is not None else (),
             prefill_chunk=self.prefill_chunk)
 
-    def policy(self, program: DecodeProgram, sp, sampling: SamplingSettings, max_new_tokens: int):
+    def policy(self, program: DecodeProgram, sampling: SamplingSettings, max_new_tokens: int):
         """What chooses K for each run of one job on this program: ``FixedK``, or under auto an
         ``AutoDraft`` on the session's costs of this batch shape and greedy-or-sampled, and its
         acceptance of this sampling setting across batch shapes. Both start from the calibration
@@ -168,7 +168,7 @@ class DecodeSession:
         if shape not in self._costs:
             record = store.costs(shape_key) if store is not None else None
             ks = probe_ks(self.max_draft_tokens, program.batch_size)
-            self._costs[shape] = Costs.from_record(record) if record else probe_costs(self, program, sp, ks)
+            self._costs[shape] = Costs.from_record(record) if record else probe_costs(self, program, sampling.traced(max_new_tokens), ks)
         on_update = (lambda policy: store.update(shape_key, setting_key, policy)) if store is not None else None
         return AutoDraft(self._costs[shape], self.max_draft_tokens, self._acceptance[setting], program.batch_size,
                          max_new_tokens, self.k_table.get(program.batch_size), on_update)
