@@ -24,7 +24,7 @@ import numpy as np
 import eagle3_jax as e3
 from eagle3_jax.serve.demo import DemoPair
 from eagle3_jax.speculative.generate import admit_rows, blank_state, run_rounds
-from eagle3_jax.speculative.session import SamplingSettings
+from eagle3_jax.speculative.session import SamplingSettings, target_only
 
 
 def main():
@@ -55,7 +55,7 @@ def main():
     def timed(cap, k):
         session, prog, ids, lengths = setups[cap]
         models = session.models()
-        run_models = models if k else models[:2] + (None, None)
+        run_models = models if k else target_only(models)
         rows = np.arange(B, dtype=np.int32)
         with session.activate():
             st = blank_state(*models, jax.random.key(0), sp, program=prog)

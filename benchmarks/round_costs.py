@@ -38,6 +38,7 @@ from _common import REPO, load_average, machine, parse_list, table
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -132,15 +133,18 @@ def random_models(config: str, layers: int | None, dtype: str, quant_override: d
     return Models(what + (f", {layout.name}" if layout else ""), target, draft, cfg, dcfg, aux, dt)
 
 
+def aux_ids(models: Models) -> np.ndarray:
+    return np.asarray(models.aux_ids, np.int32)
+
+
 def state_for(models: Models, batch: int, capacity: int, context: int, k_max: int):
     """A loop state of ``batch`` running rows with ``context`` filled slots (contents zero), and the
     session's program and greedy sampling settings."""
-    program = gen.DecodeProgram(batch_size=batch, max_len=capacity, num_draft_tokens=k_max,
-                                aux_layer_ids=models.aux_ids)
+    program = gen.DecodeProgram(batch_size=batch, max_len=capacity, num_draft_tokens=k_max)
     sp = gen.Sampling(jnp.float32(0), jnp.int32(0), jnp.float32(1), jnp.array([-1], jnp.int32), jnp.bool_(True),
                       jnp.int32(capacity - context))
     (tg, ts), (dg, ds) = models.target, models.draft
-    shapes = gen.blank_state.eval_shape(tg, ts, dg, ds, jax.random.key(0), sp, program=program)
+    shapes = gen.blank_state.eval_shape(tg, ts, dg, ds, aux_ids(models), jax.random.key(0), sp, program=program)
 
     def make():
         zeros = jax.tree.map(lambda s: jax.random.key(0) if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key)
@@ -192,7 +196,8 @@ def run_cell(models: Models, batch: int, k: int, args, chip: Chip) -> dict:
     tg, dg = StaticGraph(models.target[0]), StaticGraph(models.draft[0])
     ts, ds = models.target[1], models.draft[1]
     kept = {}
-    rc = rounds.compile_round(((tg, ts), (dg, ds)), make(), sp, program, k, models.cfg.num_hidden_layers, keep=kept)
+    rc = rounds.compile_round(((tg, ts), (dg, ds, aux_ids(models))), make(), sp, program, k,
+                              models.cfg.num_hidden_layers, keep=kept)
     axes = {".".join(map(str, p)): getattr(v, "axes", None) for p, v in nnx.to_flat_state(ts)}
     whole = NamedSharding(Mesh(jax.devices()[:1], ("one",)), P())   # one device: every array whole
     abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=whole), ts)
@@ -202,7 +207,8 @@ def run_cell(models: Models, batch: int, k: int, args, chip: Chip) -> dict:
     counted = rounds.counted_cost(rc, pair, shape)
     priced = rounds.priced_cell(counted, pair.experts(), uncounted.moe_layers(models.cfg), batch * (k + 1),
                                 UNIFORM, chip)
-    run, draft_state = kept["compiled"], ds if k else None   # called with the traced arguments only
+    # called with the traced arguments only
+    run, draft_state, aux = kept["compiled"], ds if k else None, aux_ids(models) if k else None
     aux_width = len(models.aux_ids) * models.cfg.hidden_size
     frozen = make()   # the draft's part runs on a state of its own (a round donates its state)
 
@@ -213,11 +219,11 @@ def run_cell(models: Models, batch: int, k: int, args, chip: Chip) -> dict:
     # and "draft share" compares like with like.
     times, cpu, draft_times = [], [], []
     for _ in range(args.repeats):
-        state = run(ts, draft_state, make(), sp)   # a warm-up round
+        state = run(ts, draft_state, aux, make(), sp)   # a warm-up round
         jax.block_until_ready(state)
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.rounds):
-            state = run(ts, draft_state, state, sp)
+            state = run(ts, draft_state, aux, state, sp)
         jax.block_until_ready(state)
         times.append((time.perf_counter() - t0) / args.rounds)
         cpu.append((time.process_time() - c0) / args.rounds)

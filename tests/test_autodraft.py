@@ -394,7 +394,7 @@ def test_admitting_without_the_draft(tiny_target, draft):
         state = admit_rows(*models, state, jnp.asarray([0], jnp.int32), ids, lengths, sp, program=program)
         state = run_rounds(*models, state, jnp.int32(2), jnp.int32(3), sp, program=program)
         rest = (jnp.asarray([1], jnp.int32), ids, lengths, sp)
-        without = models[:2] + (None, None)
+        without = session_mod.target_only(models)
         lowered = {k: admit_rows.lower(*m, state, *rest, program=program) for k, m in ((0, without), (2, models))}
         copy = functools.partial(jax.tree_util.tree_map, jnp.copy)   # admit_rows donates its state
         drafted = admit_rows(*models, copy(state), *rest, program=program)

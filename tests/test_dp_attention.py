@@ -50,10 +50,10 @@ def test_compiled_caches_hold_one_row_per_device(tiny_target_dir, trained_draft_
     draft = e3.load_draft(trained_draft_dir, target)
     with jax.set_mesh(mesh):
         program = generate_loop.lower(
-            target.graphdef, target.state, draft.graphdef, draft.state, jnp.zeros((B, 8), jnp.int32),
+            target.graphdef, target.state, draft.graphdef, draft.state, jnp.asarray(draft.aux_layer_ids),
+            jnp.zeros((B, 8), jnp.int32),
             jnp.full((B,), 8, jnp.int32), jax.random.key(0), SamplingSettings().traced(8),
-            program=DecodeProgram(batch_size=B, max_len=CAPACITY, num_draft_tokens=2,
-                                  aux_layer_ids=draft.aux_layer_ids)).compile()
+            program=DecodeProgram(batch_size=B, max_len=CAPACITY, num_draft_tokens=2)).compile()
     out = {jax.tree_util.keystr(p).lstrip("."): (s, x.shape) for (p, s), x in zip(
         jax.tree_util.tree_leaves_with_path(program.output_shardings), jax.tree_util.tree_leaves(program.out_info))}
     for name, row_dim in (("tcache.latent_LBSC", 1), ("tcache.rope_LBSP", 1), ("dcache.k_BSGH", 0),

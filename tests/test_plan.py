@@ -82,13 +82,14 @@ def test_cache_bytes(plan):
 
 def test_compiled_arguments_are_params_plus_state(plan):
     """XLA's per-device argument size is exactly what the plan counts, less the input the loop never
-    reads (the draft's t2d map), plus max_rounds, stop_free, the EOS ids, temperature, top-k, top-p
-    (4 bytes each) and the greedy flag (1 byte): one program serves greedy and sampling."""
+    reads (the draft's t2d map), plus max_rounds, stop_free, the EOS ids, temperature, top-k, top-p,
+    the draft's aux layer ids (4 bytes each) and the greedy flag (1 byte): one program serves greedy
+    and sampling, and every wiring of the draft."""
     mem = plan.programs["decode"]
     counted = plan.param_bytes() + plan.state_bytes()
     unread = sum(leaf.device_bytes for leaf in plan.draft_params if leaf.path == "draft.t2d")
     assert unread > 0
-    assert mem.argument == counted - unread + 6 * 4 + 1
+    assert mem.argument == counted - unread + 6 * 4 + 4 * len(plan.aux_ids) + 1
     hi, lo = plan.totals("decode")
     assert hi == lo == counted + (mem.output - mem.alias) + mem.temp
 

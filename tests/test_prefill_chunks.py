@@ -19,11 +19,11 @@ def run(target, draft, prompts, chunk, k=3, max_new=12, capacity=48):
         ids[b, :len(p)] = p
     sp = SamplingSettings().traced(max_new)
     out = generate_loop(target.graphdef, target.state, draft.graphdef if draft else None,
-                        draft.state if draft else None, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(0),
+                        draft.state if draft else None, jnp.asarray(draft.aux_layer_ids) if draft else None,
+                        jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(0),
                         sp, program=DecodeProgram(
                             batch_size=len(prompts), max_len=capacity,
-                            num_draft_tokens=k if draft else 0, aux_layer_ids=draft.aux_layer_ids if draft else (),
-                            prefill_chunk=chunk))
+                            num_draft_tokens=k if draft else 0, prefill_chunk=chunk))
     n = np.asarray(out.n_out_B)
     return [np.asarray(out.tokens_BN)[b, :n[b]].tolist() for b in range(len(prompts))], np.asarray(out.finish_B)
 
@@ -53,9 +53,8 @@ def test_admitting_rows_into_a_running_state_in_chunks(tiny_target, trained_draf
     draft = e3.load_draft(trained_draft_dir, tiny_target)
     want, _ = run(tiny_target, draft, prompts, None)
     sp = SamplingSettings().traced(12)
-    models = (tiny_target.graphdef, tiny_target.state, draft.graphdef, draft.state)
-    program = DecodeProgram(batch_size=len(prompts), max_len=48, num_draft_tokens=3,
-                            aux_layer_ids=draft.aux_layer_ids, prefill_chunk=5)
+    models = (tiny_target.graphdef, tiny_target.state, draft.graphdef, draft.state, jnp.asarray(draft.aux_layer_ids))
+    program = DecodeProgram(batch_size=len(prompts), max_len=48, num_draft_tokens=3, prefill_chunk=5)
     state = blank_state(*models, jax.random.key(0), sp, program=program)
     for rows in ([0, 2], [1, 3]):
         ids = np.zeros((len(rows), 16), np.int32)

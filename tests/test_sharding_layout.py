@@ -42,9 +42,9 @@ def compiled():
         ids = jnp.zeros((B, T), jnp.int32)
         lengths = jnp.full((B,), T, jnp.int32)
         program = generate_loop.lower(
-            target.graphdef, target.state, draft.graphdef, draft.state, ids, lengths, jax.random.key(0), sp,
-            program=DecodeProgram(batch_size=B, max_len=CAPACITY, num_draft_tokens=K,
-                                  aux_layer_ids=draft.aux_layer_ids)).compile()
+            target.graphdef, target.state, draft.graphdef, draft.state, jnp.asarray(draft.aux_layer_ids), ids,
+            lengths, jax.random.key(0), sp, program=DecodeProgram(batch_size=B, max_len=CAPACITY,
+                                                                  num_draft_tokens=K)).compile()
     return mesh, target, draft, program
 
 

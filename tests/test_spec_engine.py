@@ -46,6 +46,35 @@ def test_another_token_budget_compiles_nothing(tiny_target, trained_draft_dir, p
     assert shorter.tokens[0] == longer.tokens[0][:9] and shorter.finish_reasons == ["length"]
 
 
+def test_a_rewired_draft_compiles_nothing_and_taps_the_layers_it_names(tiny_target, trained_draft_dir, prompts):
+    """The aux layer ids are traced, not compiled in: the same weights wired to other target layers
+    (what the doctor measures) reuse every program of the first wiring, stay lossless, and really
+    read the other layers (the trained wiring is accepted more; the traced selection of the aux
+    states gives the constant one's layers, in its order: equal up to the rounding of two programs
+    fused differently)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from eagle3_jax.drafts import LoadedDraft
+
+    draft = e3.load_draft(trained_draft_dir, tiny_target)
+    trained = e3.Generator(tiny_target, draft, num_draft_tokens=3, max_len=48).generate(prompts, 20)
+    rewired = LoadedDraft(draft.model, tiny_target, (2, 0, 1))
+    gen = e3.Generator(tiny_target, rewired, num_draft_tokens=3, max_len=48)
+    other = gen.generate(prompts, 20)
+    assert gen.last_compiled_programs == 0
+    assert other.tokens == trained.tokens
+    assert other.stats.mean_accept_length < trained.stats.mean_accept_length
+
+    ids_BT = jnp.asarray([prompts[0][:6]], jnp.int32)
+    cache = tiny_target.init_cache(1, 8)
+    traced = jax.jit(lambda ids_N: nnx.merge(tiny_target.graphdef, tiny_target.state)(
+        ids_BT, jnp.arange(6)[None], cache, ids_N).aux_BTX)(jnp.asarray([2, 0, 1], jnp.int32))
+    constant = tiny_target.forward(ids_BT, aux_layer_ids=(2, 0, 1)).aux_hidden
+    np.testing.assert_allclose(np.asarray(traced), np.asarray(constant), rtol=0, atol=1e-5)
+
+
 def test_prompt_too_long_is_refused(tiny_target):
     eng = Engine(tiny_target, None, max_len=8, batch_size=1, max_new_tokens=2)
     with pytest.raises(e3.ConfigError, match="max_len - 1 = 7"):

@@ -92,17 +92,22 @@ class Target(nnx.Module):
         return constrain(out.astype(jnp.float32), ("attn_batch", "seq", "vocab"))
 
     def __call__(self, ids_BT: jax.Array, positions_BT: jax.Array, cache: MLACache,
-                 aux_layer_ids: Sequence[int] = ()) -> TargetStep:
-        """Runs T new tokens per row at the given absolute positions, writing them into the cache."""
+                 aux_layer_ids: Sequence[int] | jax.Array | None = ()) -> TargetStep:
+        """Runs T new tokens per row at the given absolute positions, writing them into the cache.
+        ``aux_layer_ids`` may be traced: one compiled program then serves every wiring of a draft."""
         x_BTD = constrain(self.embed(ids_BT), ROWS)
         cos_BTP, sin_BTP = rope_cos_sin(positions_BT, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attn_factor)
-        aux_layer_ids = tuple(aux_layer_ids)
-        aux = [None] * len(aux_layer_ids)
+        ids_N = jnp.asarray(() if aux_layer_ids is None else aux_layer_ids, jnp.int32)
+        B, T, D = x_BTD.shape
+        N = ids_N.shape[0]
+        # Each layer's output is selected into the aux slots whose id names it (with constant ids the
+        # selects fold away; traced, they fill one buffer, laid out as the concatenation it returns).
+        aux_BTND = jnp.zeros((B, T, N, D), x_BTD.dtype)
         for i, layer in enumerate(self.layers):
             # Each layer writes its new slots straight into the (donated) stacked cache.
             x_BTD, cache = layer(x_BTD, positions_BT, cos_BTP, sin_BTP, cache, i, self.softmax_scale)
-            for n, want in enumerate(aux_layer_ids):
-                if want == i:
-                    aux[n] = x_BTD
-        aux_BTX = jnp.concatenate(aux, axis=-1) if aux else None
+            if N:
+                aux_BTND = jnp.where((ids_N == i)[:, None], x_BTD[:, :, None], aux_BTND)
+        # The aux states concatenated in the order of the ids.
+        aux_BTX = aux_BTND.reshape(B, T, N * D) if N else None
         return TargetStep(hidden_BTD=self.norm(x_BTD), aux_BTX=aux_BTX, cache=cache)

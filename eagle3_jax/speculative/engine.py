@@ -23,7 +23,7 @@ from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import CompileTally, GenerationStats, check_acceptance, compile_log
 from eagle3_jax.speculative.generate import RUNNING, admit_rows, blank_state, run_rounds
 from eagle3_jax.speculative.policy import Batch, Run
-from eagle3_jax.speculative.session import DecodeSession, SamplingSettings
+from eagle3_jax.speculative.session import DecodeSession, SamplingSettings, target_only
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class Engine:
         mark = log.count
         models = session.models()
         # target-only runs and admissions are called without the draft's weights (admit_rows, run_rounds)
-        target_models = models[:2] + (None, None)
+        target_models = target_only(models)
         sp = self.sampling.traced(self.max_new_tokens)
         if self.policy is None:
             self.policy = session.policy(program, self.sampling, self.max_new_tokens)

@@ -64,15 +64,14 @@ class DecodeProgram:
     ``num_draft_tokens`` is K, the draft tokens per round of this program (0: target-only rounds,
     which leave a draft's state untouched); ``max_draft_tokens`` the largest K of the session, which
     fixes the loop state's layout, so programs of every K <= it run on the same state;
-    ``max_len`` the per-row capacity of the caches (prompt + generation); ``aux_layer_ids`` the
-    target layers whose outputs feed the draft (empty without a draft). Greedy vs sampling and the
-    token budget are not part of it (traced in ``Sampling``), so one program serves every value.
+    ``max_len`` the per-row capacity of the caches (prompt + generation). Greedy vs sampling, the
+    token budget (traced in ``Sampling``) and the draft's aux layer ids (a traced argument beside the
+    draft's state) are not part of it, so one program serves every value.
     """
 
     batch_size: int
     max_len: int
     num_draft_tokens: int
-    aux_layer_ids: tuple[int, ...]
     # Prompt positions per target call in prefill (``prefill.py``); None runs the whole block at once.
     prefill_chunk: int | None = None
     max_draft_tokens: int | None = None   # None: num_draft_tokens
@@ -154,7 +153,7 @@ def prompt_capacity(T: int, program: DecodeProgram) -> int:
     return min(padded, program.max_len)
 
 
-def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program: DecodeProgram,
+def _prefill(target, draft, aux_ids_N, prompt_BT, prompt_len_B, key, sp: Sampling, program: DecodeProgram,
              capacity: int | None = None) -> LoopState:
     """Runs the prompts through the target (and the draft) and emits each row's first token.
     ``capacity``: slots of the caches and of the token buffer it builds (default the program's
@@ -165,7 +164,7 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
     rows_B = jnp.arange(B)
     tcache = target.init_cache(B, capacity or max_len)   # laid out by the sharding table (cache.py)
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    want_aux = program.aux_layer_ids if draft is not None else ()
+    want_aux = aux_ids_N if draft is not None else None
     chunk = program.prefill_chunk
     if chunk is None or chunk >= T:
         out = target(prompt_BT, positions_BT, tcache, want_aux)
@@ -211,9 +210,8 @@ def _prefill(target, draft, prompt_BT, prompt_len_B, key, sp: Sampling, program:
     return state
 
 
-def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
+def _round_fn(target, draft, aux_ids_N, sp: Sampling, program: DecodeProgram):
     """One round of the loop body: speculative with a draft, plain decoding without."""
-    aux_ids = program.aux_layer_ids
     embed_VD = target.embed_tokens[...]
     kind = drafts.of_module(draft) if draft is not None else None   # how it proposes and catches up
 
@@ -237,7 +235,7 @@ def _round_fn(target, draft, sp: Sampling, program: DecodeProgram):
 
         ids_BK1 = jnp.concatenate([s.last_B[:, None], drafts_BK], axis=1)
         pos_BK1 = s.lengths_B[:, None] + jnp.arange(K + 1, dtype=jnp.int32)[None, :]
-        tout = target(ids_BK1, pos_BK1, s.tcache, aux_ids)
+        tout = target(ids_BK1, pos_BK1, s.tcache, aux_ids_N)
         logits_BK1V = target.logits(tout.hidden_BTD)
         def rejection(k, logits_BK1V, q_BKW):
             p_BK1V = target_probs(logits_BK1V, sp.temperature, sp.top_k, sp.top_p)
@@ -287,33 +285,33 @@ _STATIC = ("tgraph", "dgraph", "program")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def generate_loop(tgraph, tstate, dgraph, dstate, prompt_BT, prompt_len_B, key, sp: Sampling, *,
+def generate_loop(tgraph, tstate, dgraph, dstate, aux_ids_N, prompt_BT, prompt_len_B, key, sp: Sampling, *,
                   program: DecodeProgram) -> LoopState:
     """Prefill + rounds until every row is done, in one program."""
     target, draft = merge_models(tgraph, tstate, dgraph, dstate)
-    state = _prefill(target, draft, prompt_BT, prompt_len_B, key, sp, program)
-    body = _round_fn(target, draft, sp, program)
+    state = _prefill(target, draft, aux_ids_N, prompt_BT, prompt_len_B, key, sp, program)
+    body = _round_fn(target, draft, aux_ids_N, sp, program)
     return jax.lax.while_loop(lambda s: jnp.any(s.finish_B == RUNNING), body, state)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
-def admit_rows(tgraph, tstate, dgraph, dstate, state: LoopState, rows_A, prompt_AT, prompt_len_A, sp: Sampling,
-               *, program: DecodeProgram) -> LoopState:
+def admit_rows(tgraph, tstate, dgraph, dstate, aux_ids_N, state: LoopState, rows_A, prompt_AT, prompt_len_A,
+               sp: Sampling, *, program: DecodeProgram) -> LoopState:
     """Prefills A new prompts (A = ``rows_A.shape[0]``) and writes them into rows ``rows_A`` of the
     running state; every other row is untouched. Only the admitted rows are prefilled, so admitting
     one prompt costs a one-row prefill, not a whole batch. An entry of ``rows_A`` that is out of
     range (``>= batch_size``) is padding: its prefill is computed and dropped.
 
-    Called without the draft (``dgraph``, ``dstate`` None), only the target prefills and the rows'
-    draft state is left stale, as after a target-only round: K = 0 under auto costs what having no
-    draft costs.
+    Called without the draft (``dgraph``, ``dstate``, ``aux_ids_N`` None), only the target prefills
+    and the rows' draft state is left stale, as after a target-only round: K = 0 under auto costs
+    what having no draft costs.
 
     The new rows' caches span only the prompt block's slots (a full-capacity one would be a second
     copy of the state's caches), written over the rows' first slots; the slots past them keep an
     earlier occupant's entries, masked by position like any stale slot."""
     target, draft = merge_models(tgraph, tstate, dgraph, dstate)
     key, k_new = jax.random.split(state.key)
-    fresh = _prefill(target, draft, prompt_AT, prompt_len_A, k_new, sp, program,
+    fresh = _prefill(target, draft, aux_ids_N, prompt_AT, prompt_len_A, k_new, sp, program,
                      capacity=prompt_capacity(prompt_AT.shape[1], program))
     return _laid_out(_scatter_rows(rows_A, fresh, dataclasses.replace(state, key=key)))
 
@@ -343,15 +341,15 @@ def _scatter_rows(rows_A, new: LoopState, old: LoopState) -> LoopState:
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
-def run_rounds(tgraph, tstate, dgraph, dstate, state: LoopState, max_rounds, stop_free, sp: Sampling,
+def run_rounds(tgraph, tstate, dgraph, dstate, aux_ids_N, state: LoopState, max_rounds, stop_free, sp: Sampling,
                *, program: DecodeProgram) -> LoopState:
     """At most ``max_rounds`` rounds; stops early when no row is running, or once ``stop_free`` rows
     are not running (finished or idle), so that a caller with prompts waiting refills freed rows
     instead of letting them idle to the end of the run (pass batch_size + 1 to never stop early).
-    Target-only rounds (K = 0) may be run without the draft (``dgraph``, ``dstate`` None) on a
+    Target-only rounds (K = 0) may be run without the draft (``dgraph``, ``dstate``, ``aux_ids_N`` None) on a
     state that has draft fields: they pass through untouched, and no draft weights are handed in."""
     target, draft = merge_models(tgraph, tstate, dgraph, dstate)
-    body = _round_fn(target, draft, sp, program)
+    body = _round_fn(target, draft, aux_ids_N, sp, program)
 
     def cond(c):
         s, r = c
@@ -367,15 +365,15 @@ FINISH_IDLE = 4  # an empty row of a continuous batch
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def blank_state(tgraph, tstate, dgraph, dstate, key, sp: Sampling, *, program: DecodeProgram) -> LoopState:
+def blank_state(tgraph, tstate, dgraph, dstate, aux_ids_N, key, sp: Sampling, *, program: DecodeProgram) -> LoopState:
     """A loop state with every row idle, ready for ``admit_rows``."""
     target, draft = merge_models(tgraph, tstate, dgraph, dstate)
     B = program.batch_size
     # Its contents never matter (idle rows do not advance, and admission overwrites a row whole), so
     # it is zeros shaped as a one-token prefill's state: that prefill is traced for its shapes only,
     # never compiled.
-    shapes = jax.eval_shape(lambda: _prefill(target, draft, jnp.zeros((B, 1), jnp.int32), jnp.ones((B,), jnp.int32),
-                                             key, sp, program))
+    shapes = jax.eval_shape(lambda: _prefill(target, draft, aux_ids_N, jnp.zeros((B, 1), jnp.int32),
+                                             jnp.ones((B,), jnp.int32), key, sp, program))
     state = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), dataclasses.replace(shapes, key=None))
     return _laid_out(dataclasses.replace(state, key=key, lengths_B=jnp.ones((B,), jnp.int32),
                                          finish_B=jnp.full((B,), FINISH_IDLE, jnp.int32)))

@@ -49,4 +49,4 @@ def chunked_target(target, prompt_BT, prompt_len_B, tcache, aux_ids, chunk):
 
     h0 = jnp.zeros((B, target.cfg.hidden_size), target.dtype)
     (tcache, last_hidden_BD), aux_BTX = scan_chunks(step, (tcache, h0), prompt_BT, chunk)
-    return last_hidden_BD, tcache, aux_BTX if aux_ids else None
+    return last_hidden_BD, tcache, aux_BTX if aux_ids is not None else None

@@ -80,6 +80,11 @@ def bucket_prompt_len(longest: int, max_len: int) -> int:
     return min(bucket, max_len - 1)
 
 
+def target_only(models: tuple) -> tuple:
+    """``DecodeSession.models()`` without the draft: what target-only runs and admissions are called with."""
+    return models[:2] + (None, None, None)
+
+
 class DecodeSession:
     """A target and an optional draft, validated once, with the mesh and statistics their programs share."""
 
@@ -147,7 +152,6 @@ class DecodeSession:
         return DecodeProgram(
             batch_size=-(-batch_size // data) * data, max_len=self.max_len,
             num_draft_tokens=self.max_draft_tokens, max_draft_tokens=self.max_draft_tokens,
-            aux_layer_ids=self.draft.aux_layer_ids if self.draft is not None else (),
             prefill_chunk=self.prefill_chunk)
 
     def policy(self, program: DecodeProgram, sampling: SamplingSettings, max_new_tokens: int):
@@ -174,12 +178,14 @@ class DecodeSession:
                          max_new_tokens, self.k_table.get(program.batch_size), on_update)
 
     def models(self) -> tuple:
-        """(target graphdef, target state, draft graphdef, draft state): the loop's leading arguments
-        (graphdefs wrapped once per session as ``StaticGraph``, so a call does not rehash them)."""
+        """(target graphdef, target state, draft graphdef, draft state, aux layer ids): the loop's
+        leading arguments (graphdefs wrapped once per session as ``StaticGraph``, so a call does not
+        rehash them; the ids traced, so drafts wired to other layers share the programs)."""
         d = self.draft
         if self._static is None:
             self._static = (StaticGraph(self.target.graphdef), StaticGraph(d.graphdef) if d else None)
-        return (self._static[0], self.target.state, self._static[1], d.state if d else None)
+        return (self._static[0], self.target.state, self._static[1], d.state if d else None,
+                np.asarray(d.aux_layer_ids, np.int32) if d else None)
 
     # ---------------------------------------------------------------- prompts
     def check_prompt(self, prompt: Sequence[int], name: str = "a prompt") -> None:
@@ -246,7 +252,7 @@ def probe_costs(session, program, sp, ks) -> Costs:
     rows = np.arange(B, dtype=np.int32)
 
     def timed(k: int) -> tuple[float, float]:
-        run_models = models if k else models[:2] + (None, None)   # as the Engine runs K = 0
+        run_models = models if k else target_only(models)   # as the Engine runs K = 0
         state = blank_state(*models, jax.random.key(0), sp, program=program)
         jax.block_until_ready(state)
         t = time.perf_counter()

@@ -29,10 +29,10 @@ from tools.plan.roofline import HloCosts, hlo_costs
 
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "program"), donate_argnames=("state",))
-def one_round(tgraph, tstate, dgraph, dstate, state, sp, *, program: gen.DecodeProgram):
+def one_round(tgraph, tstate, dgraph, dstate, aux_ids_N, state, sp, *, program: gen.DecodeProgram):
     """One trip of the decode loop's body on ``state`` (all rows, running or not)."""
     target, draft = merge_models(tgraph, tstate, dgraph, dstate)
-    return gen._round_fn(target, draft, sp, program)(state)
+    return gen._round_fn(target, draft, aux_ids_N, sp, program)(state)
 
 
 @dataclass(frozen=True)
@@ -62,14 +62,14 @@ def round_program(static_program: gen.DecodeProgram, k: int) -> gen.DecodeProgra
 def compile_round(models, state, sp, program: gen.DecodeProgram, k: int, layers: int, keep: dict | None = None
                   ) -> RoundCost:
     """Compiles ``one_round`` at ``k`` draft tokens on abstract (or concrete) ``models``
-    ((tgraph, tstate), (dgraph, dstate)) and ``state``; ``program`` is the session's program
+    ((tgraph, tstate), (dgraph, dstate, aux layer ids)) and ``state``; ``program`` is the session's program
     (its ``max_draft_tokens`` fixes the state's layout). ``keep``, a dict, receives the compiled
     program under "compiled" (to run it: called with the traced arguments only)."""
-    (tg, ts), (dg, ds) = models
+    (tg, ts), (dg, ds, aux) = models
     if k == 0:
-        dg = ds = None
+        dg = ds = aux = None
     seen = {}
-    mem = compile_stats(one_round, (tg, ts, dg, ds, state, sp), dict(program=program.with_draft_tokens(k)),
+    mem = compile_stats(one_round, (tg, ts, dg, ds, aux, state, sp), dict(program=program.with_draft_tokens(k)),
                         name=f"round_k{k}", inspect=lambda c: seen.update(hlo=hlo_costs(c.as_text()), compiled=c))
     if keep is not None:
         keep["compiled"] = seen["compiled"]
@@ -221,7 +221,7 @@ def compile_cut(settings, layers: int, cells: list[tuple[int, int]], grid: GridS
                 key = Store.key(settings, layers, b, k, grid)
                 rc = store.get(key) if store else None
                 if rc is None:
-                    rc = compile_round(((tg, ts), (dg, ds)), state, su.sp, su.static["program"], k, layers)
+                    rc = compile_round(((tg, ts), (dg, ds, su.aux)), state, su.sp, su.static["program"], k, layers)
                     if store:
                         store.put(key, rc)
                 shape = uncounted.Shape(rows=rows, k=k, context=grid.context, capacity=grid.capacity)

@@ -273,6 +273,7 @@ class Setup:
     compiled: jnp.dtype
     static: dict
     key: jax.ShapeDtypeStruct
+    aux: jax.ShapeDtypeStruct   # the draft's aux layer ids, a traced argument of every program
     sp: gen.Sampling
 
     def models(self, dtype):
@@ -290,7 +291,8 @@ class Setup:
     def loop_state(self, t, d, dtype, log=None, static=None):
         """The abstract loop state of ``static`` (default: the plan's program) for models ``t``, ``d``."""
         t0 = time.perf_counter()
-        shapes = gen.blank_state.eval_shape(t[0], t[1], d[0], d[1], self.key, self.sp, **(static or self.static))
+        shapes = gen.blank_state.eval_shape(t[0], t[1], d[0], d[1], self.aux, self.key, self.sp,
+                                            **(static or self.static))
         (log or (lambda m: None))(f"traced the loop state ({dtype}) in {time.perf_counter() - t0:.1f} s")
         return abstract_state(self.mesh, shapes)
 
@@ -311,7 +313,7 @@ def setup(s: PlanSettings) -> Setup:
     aux_ids = resolve_aux_ids(dcfg, cfg)
     check_pairing(dcfg, cfg, len(aux_ids) * cfg.hidden_size, len(aux_ids), None, None)
     B, S, K = s.batch, s.max_len, s.num_draft_tokens
-    static = dict(program=gen.DecodeProgram(batch_size=B, max_len=S, num_draft_tokens=K, aux_layer_ids=aux_ids))
+    static = dict(program=gen.DecodeProgram(batch_size=B, max_len=S, num_draft_tokens=K))
     key = jax.eval_shape(lambda: jax.random.key(0))
     return Setup(
         settings=s, cfg=cfg, dcfg=dcfg, draft_source=draft_source, aux_ids=aux_ids, mesh=mesh,
@@ -321,6 +323,7 @@ def setup(s: PlanSettings) -> Setup:
         layout=layout_from_config(cfg) if s.weights == "native" else None,
         planned=jnp.dtype(resolve_dtype(s.dtype)), compiled=jnp.dtype(resolve_dtype(compile_dtype(s))),
         static=static, key=jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, P())),
+        aux=jax.ShapeDtypeStruct((len(aux_ids),), jnp.int32, sharding=NamedSharding(mesh, P())),
         sp=sampling_args(mesh))
 
 
@@ -351,7 +354,7 @@ def plan(s: PlanSettings, log=None) -> Plan:
         scalar = lambda: _sds(mesh, (), jnp.int32)  # noqa: E731
         for name in s.programs:
             if name == "decode":
-                args = (tg, ts, dg, ds, state, scalar(), scalar(), sp)
+                args = (tg, ts, dg, ds, su.aux, state, scalar(), scalar(), sp)
                 log(f"compiling {name} ({PROGRAM_DOC[name]}) ...")
                 mem = compile_program(name, gen.run_rounds, args, static, hbm)
                 log(f"  lowered in {mem.lower_s:.1f} s, compiled in {mem.compile_s:.1f} s")
@@ -363,13 +366,14 @@ def plan(s: PlanSettings, log=None) -> Plan:
                     result.rounds[0] = compile_program("decode_k0", gen.run_rounds, args, k0, hbm)
             elif name == "prefill":
                 A = s.admit_rows or B
-                args = (tg, ts, dg, ds, state, _sds(mesh, (A,), jnp.int32, ("batch",)),
+                args = (tg, ts, dg, ds, su.aux, state, _sds(mesh, (A,), jnp.int32, ("batch",)),
                         _sds(mesh, (A, s.prompt_len), jnp.int32, ("batch", None)),
                         _sds(mesh, (A,), jnp.int32, ("batch",)), sp)
                 result.programs[name] = _compile_prefill(result, name, gen.admit_rows, args, static, log)
             else:
                 result.programs[name] = _compile_prefill(result, name, gen.generate_loop,
-                                                         (tg, ts, dg, ds, prompt, rows, su.key, sp), static, log)
+                                                         (tg, ts, dg, ds, su.aux, prompt, rows, su.key, sp), static,
+                                                         log)
         if s.train:
             result.train = plan_train(s, su.cfg, su.dcfg, su.aux_ids, mesh, (tg, ts), planned, compiled, log)
     return result
