@@ -94,20 +94,26 @@ class Target(nnx.Module):
     def __call__(self, ids_BT: jax.Array, positions_BT: jax.Array, cache: MLACache,
                  aux_layer_ids: Sequence[int] | jax.Array | None = ()) -> TargetStep:
         """Runs T new tokens per row at the given absolute positions, writing them into the cache.
-        ``aux_layer_ids`` may be traced: one compiled program then serves every wiring of a draft."""
+        ``aux_layer_ids``: a sequence of ints is compiled in; an array is traced, so that one
+        compiled program serves every wiring of a draft (the decode programs pass one)."""
         x_BTD = constrain(self.embed(ids_BT), ROWS)
         cos_BTP, sin_BTP = rope_cos_sin(positions_BT, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attn_factor)
-        ids_N = jnp.asarray(() if aux_layer_ids is None else aux_layer_ids, jnp.int32)
+        traced = isinstance(aux_layer_ids, jax.Array)
+        ids = aux_layer_ids if traced else tuple(aux_layer_ids or ())
         B, T, D = x_BTD.shape
-        N = ids_N.shape[0]
-        # Each layer's output is selected into the aux slots whose id names it (with constant ids the
-        # selects fold away; traced, they fill one buffer, laid out as the concatenation it returns).
+        N = len(ids)
+        # Traced ids: each layer's output is selected into the slots whose id names it, in a buffer
+        # laid out as the concatenation returned. Constant ids: the outputs they name, concatenated.
         aux_BTND = jnp.zeros((B, T, N, D), x_BTD.dtype)
+        aux = [None] * N
         for i, layer in enumerate(self.layers):
             # Each layer writes its new slots straight into the (donated) stacked cache.
             x_BTD, cache = layer(x_BTD, positions_BT, cos_BTP, sin_BTP, cache, i, self.softmax_scale)
-            if N:
-                aux_BTND = jnp.where((ids_N == i)[:, None], x_BTD[:, :, None], aux_BTND)
-        # The aux states concatenated in the order of the ids.
-        aux_BTX = aux_BTND.reshape(B, T, N * D) if N else None
+            if traced:
+                aux_BTND = jnp.where((ids == i)[:, None], x_BTD[:, :, None], aux_BTND)
+            else:
+                aux = [x_BTD if want == i else a for want, a in zip(ids, aux)]
+        if not N:
+            return TargetStep(hidden_BTD=self.norm(x_BTD), aux_BTX=None, cache=cache)
+        aux_BTX = aux_BTND.reshape(B, T, N * D) if traced else jnp.concatenate(aux, axis=-1)
         return TargetStep(hidden_BTD=self.norm(x_BTD), aux_BTX=aux_BTX, cache=cache)
