@@ -104,7 +104,7 @@ class Target(nnx.Module):
         N = len(ids)
         # Traced ids: each layer's output is selected into the slots whose id names it, in a buffer
         # laid out as the concatenation returned. Constant ids: the outputs they name, concatenated.
-        aux_BTND = jnp.zeros((B, T, N, D), x_BTD.dtype)
+        aux_BTND = jnp.zeros((B, T, N, D), x_BTD.dtype) if traced else None
         aux = [None] * N
         for i, layer in enumerate(self.layers):
             # Each layer writes its new slots straight into the (donated) stacked cache.

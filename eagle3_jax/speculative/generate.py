@@ -346,8 +346,9 @@ def run_rounds(tgraph, tstate, dgraph, dstate, aux_ids_N, state: LoopState, max_
     """At most ``max_rounds`` rounds; stops early when no row is running, or once ``stop_free`` rows
     are not running (finished or idle), so that a caller with prompts waiting refills freed rows
     instead of letting them idle to the end of the run (pass batch_size + 1 to never stop early).
-    Target-only rounds (K = 0) may be run without the draft (``dgraph``, ``dstate``, ``aux_ids_N`` None) on a
-    state that has draft fields: they pass through untouched, and no draft weights are handed in."""
+    Target-only rounds (K = 0) may be run without the draft (``dgraph``, ``dstate``, ``aux_ids_N``
+    None) on a state that has draft fields: they pass through untouched, and no draft weights are
+    handed in."""
     target, draft = merge_models(tgraph, tstate, dgraph, dstate)
     body = _round_fn(target, draft, aux_ids_N, sp, program)
 
