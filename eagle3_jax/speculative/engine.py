@@ -18,7 +18,7 @@ from typing import Iterable, Iterator, Sequence
 import jax
 import numpy as np
 
-from eagle3_jax.distributed import fetch_all
+from eagle3_jax.distributed import fetch, fetch_all
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import CompileTally, GenerationStats, check_acceptance, compile_log
 from eagle3_jax.speculative.generate import RUNNING, admit_rows, blank_state, run_rounds
@@ -195,7 +195,9 @@ class Engine:
                     delta = {name: np.where(running_B.reshape((B,) + (1,) * (x.ndim - 1)), x - seen[name], 0)
                              for name, x in now.items()}
                     seen = now
-                    results = session.row_results(state, done, program.max_draft_tokens)
+                    # The tokens (B x capacity) cross to the host only when a row has finished.
+                    results = session.row_results(fetch(state.tokens_BN), dict(now, finish=finish), done,
+                                                  program.max_draft_tokens) if done else []
                     timed = log.count == compiles
                     run = Run(k=k, seconds=time.perf_counter() - t if timed else None,
                               admit_seconds=admit_seconds if timed else None,

@@ -22,7 +22,7 @@ from eagle3_jax.metrics import GenerationStats
 from eagle3_jax.sharding import axis_size, mesh_context
 from eagle3_jax.speculative.autodraft import AUTO, DEFAULT_MAX_DRAFT_TOKENS, Acceptance, AutoDraft, Costs
 from eagle3_jax.speculative.calibration import CalibrationStore
-from eagle3_jax.speculative.generate import FINISH_NAMES, DecodeProgram, LoopState, Sampling
+from eagle3_jax.speculative.generate import FINISH_NAMES, DecodeProgram, Sampling
 from eagle3_jax.speculative.policy import FixedK
 from eagle3_jax.speculative.static_graph import StaticGraph
 
@@ -219,19 +219,19 @@ class DecodeSession:
         return ids, lengths, given
 
     # ---------------------------------------------------------------- results
-    def row_results(self, state: LoopState, rows: Sequence[int], num_draft_tokens: int):
-        """Per-row results of a loop state, fetched to the host: a list of
-        (tokens, finish reason, GenerationStats of that row) for each row in ``rows``."""
-        tokens, n_out, finish, rounds, round_tokens, accepted = (fetch(x) for x in (
-            state.tokens_BN, state.n_out_B, state.finish_B, state.rounds_B, state.round_tokens_B,
-            state.accepted_BK))
+    def row_results(self, tokens_BN: np.ndarray, host: dict, rows: Sequence[int], num_draft_tokens: int):
+        """Per-row results from host copies of a loop state (``tokens_BN`` and ``host``'s "emitted",
+        "finish", "rounds", "round_tokens", "accepted"): a list of (tokens, finish reason,
+        GenerationStats of that row) for each row in ``rows``."""
+        n_out, finish, rounds, round_tokens, accepted = (
+            host[k] for k in ("emitted", "finish", "rounds", "round_tokens", "accepted"))
         out = []
         for b in rows:
             stats = GenerationStats(
                 rounds=int(rounds[b]), tokens=int(n_out[b]), round_tokens=int(round_tokens[b]), seconds=0.0,
                 accepted_per_position=[int(a) for a in accepted[b, :num_draft_tokens]],
                 per_row_accept_length=[float(round_tokens[b] / rounds[b]) if rounds[b] else float("nan")])
-            out.append((tokens[b, : n_out[b]].tolist(), FINISH_NAMES.get(int(finish[b]), "error"), stats))
+            out.append((tokens_BN[b, : n_out[b]].tolist(), FINISH_NAMES.get(int(finish[b]), "error"), stats))
         return out
 
 
