@@ -76,6 +76,10 @@ BENCHES = (
           "refill batching (the serve engine) vs static batches on mixed output lengths",
           quick_args=("--prompts", "4", "--batch", "2", "--max-new-tokens", "8", "--rounds-per-sync", "4",
                       "--repeats", "1")),
+    Bench("admissions", "benchmarks/admissions.py",
+          "the serve engine's prefill calls per admission (the whole batch or the refill size) against padding to "
+          "powers of two: programs compiled, first-pass compile seconds and tok/s, refill.py's workload",
+          quick_args=("--prompts", "4", "--batch", "2", "--max-new-tokens", "8", "--repeats", "1")),
     Bench("target_decode", "benchmarks/target_decode.py",
           "greedy target-only decode: ours vs transformers' generate(), same weights, token agreement",
           quick_args=("--new-tokens", "4", "--prompt-len", "8", "--batches", "1", "--repeats", "1",

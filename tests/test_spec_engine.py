@@ -82,14 +82,37 @@ def test_prompt_too_long_is_refused(tiny_target):
 
 
 @pytest.mark.parametrize("with_draft", [True, False])
-def test_several_admissions_per_sync_equal_one_at_a_time(tiny_target, trained_draft_dir, prompts, with_draft):
-    """Rows finish together and are refilled together: admissions of 1..4 rows, some padded (3 -> 4)."""
+def test_several_admissions_per_sync_equal_one_at_a_time(tiny_target, trained_draft_dir, prompts, with_draft,
+                                                          monkeypatch):
+    """Rows finish together and are refilled together: admissions of 1..4 rows, by prefill calls of
+    the whole batch (or max_admit_rows) or of the refill size only."""
+    from eagle3_jax.speculative import engine as engine_module
+
     draft = e3.load_draft(trained_draft_dir, tiny_target) if with_draft else None
     many = prompts + [p[::-1] for p in prompts]
     one = e3.Generator(tiny_target, draft, num_draft_tokens=2, max_len=40)
     expected = [one.generate([p], 7).tokens[0] for p in many]
-    for max_admit_rows in (None, 3):   # 3: four free rows are admitted by two prefill calls (3 + 1)
+    calls = []   # (rows per call, rows admitted) of each prefill call
+
+    def recorded(*args, **kw):
+        rows_A = args[6]
+        calls.append((len(rows_A), int((rows_A < 4).sum())))
+        return admit_rows(*args, **kw)
+
+    admit_rows = engine_module.admit_rows
+    monkeypatch.setattr(engine_module, "admit_rows", recorded)
+    for max_admit_rows, sizes in ((None, {1, 4}), (3, {1, 3})):   # 3: four free rows are admitted as 3 + 1
+        calls.clear()
         eng = Engine(tiny_target, draft, num_draft_tokens=2, max_len=40, batch_size=4, max_new_tokens=7,
                      rounds_per_sync=2, max_admit_rows=max_admit_rows)
         got = {f.key: f.tokens for f in eng.run(Request(str(i), p) for i, p in enumerate(many))}
         assert [got[str(i)] for i in range(len(many))] == expected, max_admit_rows
+        assert {a for a, _ in calls} == sizes and sum(n for _, n in calls) == len(many), (max_admit_rows, calls)
+
+
+def test_admission_calls_use_two_row_counts():
+    from eagle3_jax.speculative.engine import admission_calls
+
+    assert [admission_calls(n, 8, 1) for n in range(1, 9)] == [[1], [1, 1], [1, 1, 1], [1] * 4] + [[8]] * 4
+    assert admission_calls(16, 32, 4) == [4] * 4 and admission_calls(17, 32, 4) == [32]
+    assert admission_calls(4, 3, 1) == [3, 1] and admission_calls(2, 3, 1) == [3]

@@ -40,6 +40,19 @@ class Finished:
     stats: GenerationStats   # this prompt's own rounds, tokens and per-position acceptance
 
 
+def admission_calls(n: int, whole: int, part: int) -> list[int]:
+    """Rows per prefill call (padding included) that admit ``n`` rows: a call of ``whole`` rows (the
+    batch, or ``max_admit_rows``) while it would be more than half used, then calls of ``part`` (the
+    refill size). An engine so compiles two admission programs per prompt block, not one per power
+    of two up to the batch: on an accelerator each is minutes of compiling for a large target, and
+    a few rows admitted together are the rare case (a bounded run ends once ``part`` rows are free)."""
+    calls = []
+    while n > 0:
+        calls.append(whole if n > whole // 2 else part)
+        n -= calls[-1]
+    return calls
+
+
 class Engine:
     """Continuous batching: a thin front end over ``DecodeSession`` that keeps ``batch_size`` rows busy.
 
@@ -107,14 +120,15 @@ class Engine:
         return self.compiles.programs
 
     def _admit(self, models, state, new: dict[int, list[int]], sp):
-        """Prefills only the admitted rows: A = the next power of two >= len(new) (capped at the
-        batch), so admissions compile at most log2(batch) + 1 programs per prompt bucket (twice
-        under auto: with and without the draft); the padding entries point past the last row and
-        are dropped."""
-        A = min(1 << (len(new) - 1).bit_length(), self.batch_size)
-        rows = list(new) + [self.batch_size] * (A - len(new))
-        ids, lengths, _ = self.session.pack_prompts(dict(enumerate(new.values())), A, self.prompt_len)
-        return admit_rows(*models, state, np.asarray(rows, np.int32), ids, lengths, sp, program=self.program)
+        """Prefills only the admitted rows, in calls of ``admission_calls`` rows each; the padding
+        entries point past the last row and are dropped."""
+        pending = list(new.items())
+        for A in admission_calls(len(pending), self.max_admit_rows, min(self.refill_rows, self.max_admit_rows)):
+            part, pending = dict(pending[:A]), pending[A:]
+            rows = list(part) + [self.batch_size] * (A - len(part))
+            ids, lengths, _ = self.session.pack_prompts(dict(enumerate(part.values())), A, self.prompt_len)
+            state = admit_rows(*models, state, np.asarray(rows, np.int32), ids, lengths, sp, program=self.program)
+        return state
 
     def run(self, requests: Iterable[Request]) -> Iterator[Finished]:
         """Yields each request's result as soon as its row finishes (completion order)."""
@@ -168,10 +182,7 @@ class Engine:
                     k = policy.next_k(batch)
                     compiles, t = log.count, time.perf_counter()
                     if new:
-                        admitted = list(new.items())
-                        for i in range(0, len(admitted), self.max_admit_rows):
-                            state = self._admit(models if k else target_models, state,
-                                                dict(admitted[i:i + self.max_admit_rows]), sp)
+                        state = self._admit(models if k else target_models, state, new, sp)
                         for counts in seen.values():
                             counts[admitted_B] = 0
                         jax.block_until_ready(state)   # the admission's share of the run's time
