@@ -14,6 +14,19 @@ import eagle3_jax as e3  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# The suite compiles hundreds of programs and runs each briefly: XLA:CPU's LLVM optimizations cost
+# more compile time than they save in run time (about a quarter of a decode program's compile on
+# the 2-core CPU, and the suite spends most of its time compiling). Unoptimized programs compute
+# the same functions; the tests compare them with each other and with references as before. The
+# files in OPTIMIZED assert what the compiler reports (TPU compiles, memory analyses) and compile as
+# users do. Child processes (serve.py, train.py, the multi-host workers, the README's commands)
+# inherit their test file's setting through the environment, so what a child writes is compared
+# with what was computed in-process alike. JAX_DISABLE_MOST_OPTIMIZATIONS set before the suite
+# starts (0 or 1) decides for every file instead.
+SUITE_PICKS_OPTIMIZATION = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") is None
+OPTIMIZED = ("test_tpu_compile.py", "test_roofline.py", "test_plan.py", "test_plan_quant.py", "test_quant_native.py",
+             "test_ttt.py")
+
 # A persistent compilation cache for the suite: each test file's in-memory programs are dropped when
 # it ends (below), and pytest-xdist workers do not share memory, so without it every file and worker
 # recompiles the shared shapes. EAGLE3_TEST_XLA_CACHE moves it; "off" disables it.
@@ -93,14 +106,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _drop_compiled_programs():
+def _drop_compiled_programs(request):
     """Each test file's compiled programs are dropped when it ends: a worker that keeps every program
     of the suite runs out of memory mappings (vm.max_map_count, 65530 by default) and XLA:CPU's
-    code allocator then crashes the worker (seen once with the 24-layer demo pair)."""
+    code allocator then crashes the worker (seen once with the 24-layer demo pair). A file starts
+    with the compiler optimizing or not (OPTIMIZED, above)."""
+    if SUITE_PICKS_OPTIMIZATION:
+        optimize = request.path.name in OPTIMIZED
+        os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0" if optimize else "1"   # for child processes
+        jax.config.update("jax_disable_most_optimizations", not optimize)
     yield
     import gc
-
-    import jax
 
     jax.clear_caches()
     gc.collect()
