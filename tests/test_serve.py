@@ -342,12 +342,12 @@ def test_prefill_memory_bounds_keep_the_output(tmp_path, models, target_dir, tra
                                                 monkeypatch):
     """--admit-rows 1 --prefill-chunk 4 (what tools.plan uses to make prefill fit) change how prompts
     are admitted, never the tokens."""
-    from eagle3_jax.speculative.engine import Engine
+    from eagle3_jax.speculative import engine
 
-    admitted = []   # rows per prefill call the engine made
-    original = Engine._admit
-    monkeypatch.setattr(Engine, "_admit", lambda self, models_, state, new, sp: (
-        admitted.append((len(new), self.session.prefill_chunk)), original(self, models_, state, new, sp))[1])
+    admitted = []   # (rows, prefill chunk) of each prefill call the engine made
+    original = engine.admit_rows
+    monkeypatch.setattr(engine, "admit_rows", lambda *args, program, **kw: (
+        admitted.append((len(args[6]), program.prefill_chunk)), original(*args, program=program, **kw))[1])
     inp = write_jsonl(tmp_path / "in.jsonl", prompt_rows())
     out, metrics = tmp_path / "out.jsonl", tmp_path / "metrics.json"
     assert serve(models, target_dir, inp, out, trained_draft_dir, metrics=metrics, admit_rows=1, prefill_chunk=4) == 0
