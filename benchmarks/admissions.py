@@ -33,7 +33,9 @@ from refill import pick_stop_ids
 
 
 def power_of_two_calls(n: int, whole: int, part: int) -> list[int]:
-    """The rule before ``admission_calls``: calls of ``whole`` rows, the last padded to a power of two."""
+    """The rule before ``admission_calls``: calls of ``whole`` rows, the last padded to a power of two.
+    The old rule capped the padding at the batch, this at ``whole``: the same here, where
+    ``max_admit_rows`` is left at its default (the batch)."""
     calls = []
     while n > 0:
         calls.append(min(1 << (min(n, whole) - 1).bit_length(), whole))

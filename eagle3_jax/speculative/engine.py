@@ -44,8 +44,9 @@ def admission_calls(n: int, whole: int, part: int) -> list[int]:
     """Rows per prefill call (padding included) that admit ``n`` rows: a call of ``whole`` rows (the
     batch, or ``max_admit_rows``) while it would be more than half used, then calls of ``part`` (the
     refill size). An engine so compiles two admission programs per prompt block, not one per power
-    of two up to the batch: on an accelerator each is minutes of compiling for a large target, and
-    a few rows admitted together are the rare case (a bounded run ends once ``part`` rows are free)."""
+    of two up to the batch: each is a compile of the whole target, and a few rows admitted together
+    are the rare case (a bounded run ends once ``part`` rows are free). Where ``whole`` is not a power
+    of two this can pad more than that rule did (13 rows of 24: one 24-row call, not 16)."""
     calls = []
     while n > 0:
         calls.append(whole if n > whole // 2 else part)
