@@ -1,11 +1,14 @@
-"""How the serve engine splits an admission into prefill calls, against the rule it replaced, in one run.
+"""How the serve engine shapes its admissions, against the rules it replaced, in one run.
 
 Each distinct (rows per call, prompt block) of an admission is a program compiled for the whole
-target. ``current`` is ``engine.admission_calls`` (a call of the whole batch while it is more than
-half used, else calls of the refill size); ``power of two`` padded each admission to the next power
-of two (one program per power of two up to the batch, per prompt block). Workload: refill.py's
-(held-out demo prompts, stop ids that end ~3/4 of the answers early, so rows are refilled a few at
-a time), greedy, target-only and with the demo's EAGLE-3 draft.
+target. ``power of two`` padded each admission's rows to the next power of two (one program per
+power of two up to the batch, per prompt block); ``two row counts`` is ``engine.admission_calls``
+(a call of the whole batch while it is more than half used, else calls of the refill size) with
+each call at its prompts' own bucket; ``current`` adds ``session.AdmissionBlocks`` (a call pads
+its prompts to a block already compiled, up to ``PAD_TO_COMPILED`` times its bucket, until that
+padding has cost a compile's worth of prefill). Workload: refill.py's (held-out demo prompts, stop
+ids that end ~3/4 of the answers early, so rows are refilled a few at a time), greedy, target-only
+and with the demo's EAGLE-3 draft.
 
 Per mode and rule: the admission programs the job called, the seconds its first pass compiled
 (in-memory caches cleared before it, no persistent cache), then ``--repeats`` interleaved timed
@@ -29,6 +32,7 @@ import eagle3_jax as e3
 from _common import REPO, describe, load_average, machine, table
 from eagle3_jax.serve.demo import DemoPair
 from eagle3_jax.speculative import engine as engine_module
+from eagle3_jax.speculative import session as session_module
 from refill import pick_stop_ids
 
 
@@ -43,7 +47,9 @@ def power_of_two_calls(n: int, whole: int, part: int) -> list[int]:
     return calls
 
 
-RULES = {"power of two": power_of_two_calls, "current": engine_module.admission_calls}
+# name -> (how an admission splits into calls, PAD_TO_COMPILED: 1 runs each call at its own bucket)
+RULES = {"power of two": (power_of_two_calls, 1), "two row counts": (engine_module.admission_calls, 1),
+         "current": (engine_module.admission_calls, session_module.PAD_TO_COMPILED)}
 
 
 def run(rule, target, draft, K, cap, prompts, B, N, eos):
@@ -55,7 +61,8 @@ def run(rule, target, draft, K, cap, prompts, B, N, eos):
         shapes.add((len(args[6]), args[7].shape[1], args[2] is not None))
         return admit(*args, **kw)
 
-    engine_module.admission_calls, engine_module.admit_rows = rule, recorded
+    engine_module.admission_calls, session_module.PAD_TO_COMPILED = rule
+    engine_module.admit_rows = recorded
     try:
         eng = engine_module.Engine(target, draft=draft, num_draft_tokens=K, max_len=cap, batch_size=B,
                                    max_new_tokens=N, eos_token_ids=eos)
@@ -63,7 +70,8 @@ def run(rule, target, draft, K, cap, prompts, B, N, eos):
         got = {f.key: f.tokens for f in eng.run([engine_module.Request(str(i), p) for i, p in enumerate(prompts)])}
         seconds = time.perf_counter() - t
     finally:
-        engine_module.admission_calls, engine_module.admit_rows = RULES["current"], admit
+        engine_module.admission_calls, session_module.PAD_TO_COMPILED = RULES["current"]
+        engine_module.admit_rows = admit
     return [got[str(i)] for i in range(len(prompts))], shapes, eng.compile_seconds, seconds
 
 
@@ -89,19 +97,20 @@ def main():
         for name, rule in RULES.items():
             jax.clear_caches()   # each rule's first pass compiles all it calls
             first[name] = run(rule, target, draft, K, cap, prompts, B, N, eos)
-        run(RULES["power of two"], target, draft, K, cap, prompts, B, N, eos)   # compiled again, untimed
+        for name in list(RULES)[:-1]:   # compiled again (the caches were cleared since), untimed
+            run(RULES[name], target, draft, K, cap, prompts, B, N, eos)
         secs = {name: [] for name in RULES}
         for rep in range(args.repeats):
             for name in (RULES if rep % 2 == 0 else reversed(list(RULES))):
                 secs[name].append(run(RULES[name], target, draft, K, cap, prompts, B, N, eos)[3])
         tokens = sum(len(t) for t in first["current"][0])
-        same = sum(a == b for a, b in zip(first["current"][0], first["power of two"][0]))
+        same = {name: sum(a == b for a, b in zip(first[name][0], first["power of two"][0])) for name in RULES}
         base = statistics.median(secs["power of two"])
         for name in RULES:
             med = statistics.median(secs[name])
             rows.append((mode, name, len(first[name][1]), f"{first[name][2]:.1f}", f"{tokens / med:.1f}",
                          f"{base / med:.2f}", f"{min(secs[name]):.2f}-{max(secs[name]):.2f}",
-                         f"{same}/{len(prompts)}"))
+                         f"{same[name]}/{len(prompts)}"))
 
     print(f"# admissions  machine: {machine()}, jax {jax.__version__} ({jax.default_backend()}), {load_average()}")
     print(f"# {describe(pair)}")

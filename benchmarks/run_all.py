@@ -77,8 +77,9 @@ BENCHES = (
           quick_args=("--prompts", "4", "--batch", "2", "--max-new-tokens", "8", "--rounds-per-sync", "4",
                       "--repeats", "1")),
     Bench("admissions", "benchmarks/admissions.py",
-          "the serve engine's prefill calls per admission (the whole batch or the refill size) against padding to "
-          "powers of two: programs compiled, first-pass compile seconds and tok/s, refill.py's workload",
+          "the serve engine's admission shapes (calls of the whole batch or the refill size, prompts padded to a "
+          "compiled block) against the rules before: programs compiled, first-pass compile seconds and tok/s, "
+          "refill.py's workload",
           quick_args=("--prompts", "4", "--batch", "2", "--max-new-tokens", "8", "--repeats", "1")),
     Bench("target_decode", "benchmarks/target_decode.py",
           "greedy target-only decode: ours vs transformers' generate(), same weights, token agreement",

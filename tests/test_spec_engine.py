@@ -110,6 +110,49 @@ def test_several_admissions_per_sync_equal_one_at_a_time(tiny_target, trained_dr
         assert {a for a, _ in calls} == sizes and sum(n for _, n in calls) == len(many), (max_admit_rows, calls)
 
 
+def test_refills_pad_to_a_compiled_prompt_block(tiny_target, trained_draft_dir, monkeypatch):
+    """Prompts of buckets 16, 24 and 32 (max_len 48): the first admission compiles block 32, and every
+    refill pads to it (at most twice its own bucket) instead of compiling a block per bucket; the
+    tokens are those of one-at-a-time generation at each prompt's own block."""
+    from eagle3_jax.speculative import engine as engine_module
+
+    draft = e3.load_draft(trained_draft_dir, tiny_target)
+    one = e3.Generator(tiny_target, draft, num_draft_tokens=3, max_len=48)
+    # prompts that continue the trained-on ones along the target's own greedy text, so the draft is accepted
+    base = np.random.default_rng(0).integers(2, tiny_target.config.vocab_size, size=(5, 6)).tolist()
+    many = [(b + one.generate([b], 24).tokens[0])[:n] for b, n in zip(base, (30, 20, 10, 25, 12))]
+    expected = [one.generate([p], 20).tokens[0] for p in many]
+    blocks = set()   # (rows per call, prompt block) of each prefill call
+    admit_rows = engine_module.admit_rows
+
+    def recorded(*args, **kw):
+        blocks.add((len(args[6]), args[7].shape[1]))
+        return admit_rows(*args, **kw)
+
+    monkeypatch.setattr(engine_module, "admit_rows", recorded)
+    eng = Engine(tiny_target, draft, num_draft_tokens=3, max_len=48, batch_size=2, max_new_tokens=20, rounds_per_sync=3)
+    got = {f.key: f.tokens for f in eng.run(Request(str(i), p) for i, p in enumerate(many))}
+    assert [got[str(i)] for i in range(len(many))] == expected
+    assert blocks == {(2, 32), (1, 32)}, blocks
+
+
+def test_admission_blocks_pad_to_a_compiled_block_until_padding_costs_a_compile():
+    from eagle3_jax.speculative.session import AdmissionBlocks
+
+    blocks, p = AdmissionBlocks(), "program"
+    assert blocks.block(p, True, 1, 16) == 16   # nothing compiled
+    blocks.ran(p, True, 8, 16, 32, 2.0, compiled_seconds=10.0)
+    assert blocks.block(p, True, 1, 16) == 32 and blocks.block(p, False, 1, 16) == 16   # the draft's kind apart
+    blocks.ran(p, True, 1, 48, 48, 1.0, compiled_seconds=10.0)
+    assert blocks.block(p, True, 1, 24) == 48   # this row count's own program first
+    assert blocks.block(p, True, 1, 64) == 64 and blocks.block(p, True, 8, 12) == 12   # never smaller, at most 2x
+    for _ in range(4):   # 4 x 4 s x (32 - 16) / 32 = 8 s of padding: less than the compile
+        assert blocks.block(p, True, 4, 16) == 32
+        blocks.ran(p, True, 4, 16, 32, 4.0, compiled_seconds=None)
+    blocks.ran(p, True, 4, 16, 32, 4.0, compiled_seconds=None)   # 10 s: a compile's worth
+    assert blocks.block(p, True, 4, 16) == 16 and blocks.block(p, True, 2, 16) == 32
+
+
 def test_admission_calls_use_two_row_counts():
     from eagle3_jax.speculative.engine import admission_calls
 

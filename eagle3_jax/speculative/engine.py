@@ -18,12 +18,12 @@ from typing import Iterable, Iterator, Sequence
 import jax
 import numpy as np
 
-from eagle3_jax.distributed import fetch, fetch_all
+from eagle3_jax.distributed import broadcast_json, fetch, fetch_all
 from eagle3_jax.errors import ConfigError
 from eagle3_jax.metrics import CompileTally, GenerationStats, check_acceptance, compile_log
 from eagle3_jax.speculative.generate import RUNNING, admit_rows, blank_state, run_rounds
 from eagle3_jax.speculative.policy import Batch, Run
-from eagle3_jax.speculative.session import DecodeSession, SamplingSettings, target_only
+from eagle3_jax.speculative.session import DecodeSession, SamplingSettings, bucket_prompt_len, target_only
 
 
 @dataclass(frozen=True)
@@ -121,14 +121,24 @@ class Engine:
         return self.compiles.programs
 
     def _admit(self, models, state, new: dict[int, list[int]], sp):
-        """Prefills only the admitted rows, in calls of ``admission_calls`` rows each; the padding
-        entries point past the last row and are dropped."""
-        pending = list(new.items())
+        """Prefills only the admitted rows, in calls of ``admission_calls`` rows each, at the prompt
+        block ``session.admission_blocks`` picks; the padding entries point past the last row and are
+        dropped."""
+        pending, log, blocks = list(new.items()), compile_log(), self.session.admission_blocks
         for A in admission_calls(len(pending), self.max_admit_rows, min(self.refill_rows, self.max_admit_rows)):
             part, pending = dict(pending[:A]), pending[A:]
             rows = list(part) + [self.batch_size] * (A - len(part))
-            ids, lengths, _ = self.session.pack_prompts(dict(enumerate(part.values())), A, self.prompt_len)
-            state = admit_rows(*models, state, np.asarray(rows, np.int32), ids, lengths, sp, program=self.program)
+            prompts = dict(enumerate(part.values()))
+            shape = (self.program, models[2] is not None, A, bucket_prompt_len(max(map(len, prompts.values())),
+                                                                               self.session.max_len))
+            # process 0's block on every process: the timings behind it differ, the program called must not
+            T = self.prompt_len or broadcast_json(blocks.block(*shape))
+            ids, lengths, _ = self.session.pack_prompts(prompts, A, T)
+            mark, t = log.count, time.perf_counter()
+            state = jax.block_until_ready(admit_rows(*models, state, np.asarray(rows, np.int32), ids, lengths, sp,
+                                                     program=self.program))
+            if self.prompt_len is None:
+                blocks.ran(*shape, T, time.perf_counter() - t, log.since(mark).seconds if log.count > mark else None)
         return state
 
     def run(self, requests: Iterable[Request]) -> Iterator[Finished]:

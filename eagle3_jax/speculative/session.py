@@ -8,6 +8,7 @@ K policy and the statistics.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -30,6 +31,8 @@ from eagle3_jax.speculative.static_graph import StaticGraph
 # geometrically from PROMPT_BUCKET (16, 24, 32, 48, 64, 96, ...), so there are O(log max_len) of
 # them and a prompt is padded by < 50 %.
 PROMPT_BUCKET = 16
+# AdmissionBlocks: the most an admission pads its prompts' bucket to reuse a compiled block.
+PAD_TO_COMPILED = 2
 # ``probe_costs``: PROBE_REPEATS interleaved admissions and runs of PROBE_ROUNDS rounds per K of ``probe_ks``.
 PROBE_ROUNDS = 8
 PROBE_REPEATS = 3
@@ -78,6 +81,41 @@ def bucket_prompt_len(longest: int, max_len: int) -> int:
     while bucket < longest:
         bucket = bucket * 3 // 2 if bucket & (bucket - 1) == 0 else bucket * 4 // 3
     return min(bucket, max_len - 1)
+
+
+class AdmissionBlocks:
+    """Which prompt block an admission runs at. Each (rows, block, with the draft or not) is a program
+    of the whole target; refills, a prompt or two at a time at varied lengths, would compile one per
+    bucket they meet. So an admission pads its prompts to a block already compiled, at most
+    PAD_TO_COMPILED times its own bucket, until the padding of that shape has cost as much prefill
+    time as the last admission compile took (a rent-or-buy rule: a long job pays at most one compile's
+    worth of padding per shape before it compiles the shape's own block, a short one no compile)."""
+
+    def __init__(self):
+        self.compiled: dict[tuple, set[tuple[int, int]]] = {}   # (program, drafted) -> {(rows, block)}
+        self.padding: dict[tuple, float] = {}   # (program, drafted, rows, bucket) -> seconds padded so far
+        self.compile_seconds = math.inf   # the last admission compile's (none seen yet: pad)
+
+    def block(self, program, drafted: bool, rows: int, bucket: int) -> int:
+        """The smallest fitting block compiled for these rows; else (a compile either way) the smallest
+        fitting one of another row count, the lengths this session met; else ``bucket``."""
+        if self.padding.get((program, drafted, rows, bucket), 0.0) >= self.compile_seconds:
+            return bucket
+        fits = {(a == rows, T) for a, T in self.compiled.get((program, drafted), ())
+                if bucket <= T <= PAD_TO_COMPILED * bucket}
+        own = [T for same, T in fits if same]
+        return min(own) if own else min((T for _, T in fits), default=bucket)
+
+    def ran(self, program, drafted: bool, rows: int, bucket: int, block: int, seconds: float,
+            compiled_seconds: float | None) -> None:
+        """An admission at ``block`` took ``seconds``; ``compiled_seconds``: what compiling it took
+        (None: nothing was compiled). Prefill time is taken as proportional to the block."""
+        self.compiled.setdefault((program, drafted), set()).add((rows, block))
+        if compiled_seconds is not None:
+            self.compile_seconds = compiled_seconds
+        elif block > bucket:
+            key = (program, drafted, rows, bucket)
+            self.padding[key] = self.padding.get(key, 0.0) + seconds * (block - bucket) / block
 
 
 def target_only(models: tuple) -> tuple:
@@ -132,6 +170,7 @@ class DecodeSession:
         # costs per batch shape (autodraft.Costs).
         self._acceptance: dict[tuple, Acceptance] = {}
         self._costs: dict[tuple, Costs] = {}
+        self.admission_blocks = AdmissionBlocks()
         self.calibration = calibration
         self.k_table = {int(b): int(k) for b, k in (k_table or {}).items()}
         self._static = None   # the graphdefs as StaticGraph, made on first use
