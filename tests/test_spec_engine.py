@@ -153,6 +153,27 @@ def test_admission_blocks_pad_to_a_compiled_block_until_padding_costs_a_compile(
     assert blocks.block(p, True, 4, 16) == 16 and blocks.block(p, True, 2, 16) == 32
 
 
+def test_every_process_runs_process_0s_choice_of_k(tiny_target, trained_draft_dir, prompts, monkeypatch):
+    """Under several processes each run takes process 0's K and run length (a policy's own choice rests
+    on timings, which differ between processes). One process here, its broadcast replaced by one
+    that answers K = 0: the engine runs target-only rounds, and gives target-only's tokens."""
+    from eagle3_jax.speculative import engine as engine_module
+
+    offered = []
+
+    def process_0(obj):
+        offered.append(obj)
+        return [0, obj[1]] if isinstance(obj, list) else obj
+
+    monkeypatch.setattr(engine_module, "broadcast_json", process_0)
+    draft = e3.load_draft(trained_draft_dir, tiny_target)
+    eng = Engine(tiny_target, draft, num_draft_tokens=3, max_len=48, batch_size=2, max_new_tokens=20, rounds_per_sync=3)
+    got = {f.key: f.tokens for f in eng.run(Request(str(i), p) for i, p in enumerate(prompts))}
+    plain = e3.Generator(tiny_target, None, max_len=48)
+    assert [got[str(i)] for i in range(len(prompts))] == [plain.generate([p], 20).tokens[0] for p in prompts]
+    assert [3, True] in offered and eng.speculative_stats.rounds == 0
+
+
 def test_admission_calls_use_two_row_counts():
     from eagle3_jax.speculative.engine import admission_calls
 

@@ -190,7 +190,10 @@ class Engine:
                     batch = Batch(running_B, admitted_B, drafted_B & ~admitted_B, exhausted)
                     # K is chosen before admitting, so that rows admitted for a target-only run skip the
                     # draft's prefill: K = 0 then costs what having no draft costs.
-                    k = policy.next_k(batch)
+                    k, settled = policy.next_k(batch), policy.settled(batch)
+                    # Process 0's choice on every process: a policy's rests on timings, which differ
+                    # between processes; the programs run and their lengths must not.
+                    k, settled = broadcast_json([int(k), bool(settled)])
                     compiles, t = log.count, time.perf_counter()
                     if new:
                         state = self._admit(models if k else target_models, state, new, sp)
@@ -203,7 +206,7 @@ class Engine:
                     # The policy's K holding for these rows (and nothing left to admit): one run to the
                     # end, no syncs. Else a bounded run, which with prompts waiting ends once
                     # refill_rows more rows are free.
-                    final = exhausted and policy.settled(batch)
+                    final = exhausted and settled
                     max_rounds = self.max_new_tokens if final else self.rounds_per_sync
                     stop_free = B + 1 if exhausted else B - int(running_B.sum()) + self.refill_rows
                     # host scalars, not jnp ones: an eager jnp.int32 is a dispatch of its own (~0.25 ms)
