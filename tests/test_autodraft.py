@@ -243,6 +243,32 @@ def test_generator_auto_probes_once_per_shape_and_matches_target_only(tiny_targe
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_probe_admits_as_the_job_does(tiny_target, draft, monkeypatch):
+    """An auto job's cost probe admits in the job's calls (max_admit_rows rows) at its first prompts'
+    block, so that the job's admissions run programs the probe compiled, not two of the probe's own."""
+    from eagle3_jax.speculative import engine as engine_mod, generate as generate_mod
+
+    monkeypatch.setattr(session_mod, "PROBE_REPEATS", 1)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(2, 256, size=n).tolist() for n in (20, 18, 17)]   # all in bucket 24
+    expected = e3.Generator(tiny_target, None, max_len=48).generate(prompts, 8).tokens
+    calls, real = [], generate_mod.admit_rows
+
+    def admit_rows(*args, **kw):   # (models x 5, state, rows, ids, ...): the call's (rows, block)
+        calls.append(args[7].shape)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(generate_mod, "admit_rows", admit_rows)   # the probe's
+    monkeypatch.setattr(engine_mod, "admit_rows", admit_rows)     # the engine's
+    eng = Engine(tiny_target, draft, num_draft_tokens="auto", max_draft_tokens=2, max_len=48, batch_size=2,
+                 max_new_tokens=8, max_admit_rows=1)
+    done = {f.key: f.tokens for f in eng.run([Request(str(i), p) for i, p in enumerate(prompts)])}
+    assert [done[str(i)] for i in range(3)] == expected
+    assert eng.draft_choice.table_source == "probe"
+    probe_calls = 2 * 2 * len(session_mod.probe_ks(2, 2))   # 2 calls of 1 row, (1 + PROBE_REPEATS) per K
+    assert len(calls) > probe_calls and set(calls) == {(1, bucket_prompt_len(20, 48))}, calls
+
+
 def test_acceptance_is_learned_only_from_rows_with_a_current_draft(tiny_target, draft, monkeypatch):
     """A prompt admitted for a target-only run and speculated later drafts from a stale state: its
     rounds emit the right tokens but teach auto nothing; a prompt admitted with the draft does."""
@@ -275,7 +301,7 @@ def test_acceptance_is_learned_per_sampling_setting(tiny_target, draft, monkeypa
     setting (shared across batch sizes) and round costs per batch shape and greedy-or-sampled."""
     probed = []
 
-    def probe(session, program, sp, ks):
+    def probe(session, program, sp, ks, admission):
         probed.append(program.batch_size)
         return Costs({k: 1.0 for k in ks})
 

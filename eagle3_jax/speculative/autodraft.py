@@ -182,8 +182,8 @@ class Costs:
     def admission(self, drafted: bool) -> float:
         """Seconds per admitted row, with the draft's prefill or without. A kind not admitted in this
         job is priced from the kind that was, by the calibration's ratio between the two: the
-        prompts of a job set the level (a probe's 16-token prompts are far cheaper to prefill than
-        a job's), the calibration only the draft's share."""
+        prompts of a job set the level (the calibration was measured at some earlier job's prompt
+        block), the calibration only the draft's share."""
         own, other = (self._admitted(d) for d in (drafted, not drafted))
         if own is not None:
             return own

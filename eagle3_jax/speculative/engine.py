@@ -141,6 +141,13 @@ class Engine:
                 blocks.ran(*shape, T, time.perf_counter() - t, log.since(mark).seconds if log.count > mark else None)
         return state
 
+    def _first_admission(self, new: dict[int, list[int]]) -> tuple[int, int]:
+        """(rows per call, prompt block) of a job's first admission, whose prompts are ``new``: where
+        an auto job's cost probe admits, so that the probe compiles the job's first admission
+        programs instead of two of its own."""
+        first = list(new.values())[:self.max_admit_rows]
+        return self.max_admit_rows, self.prompt_len or bucket_prompt_len(max(map(len, first)), self.session.max_len)
+
     def run(self, requests: Iterable[Request]) -> Iterator[Finished]:
         """Yields each request's result as soon as its row finishes (completion order)."""
         session, program, B = self.session, self.program, self.batch_size
@@ -152,9 +159,6 @@ class Engine:
         # target-only runs and admissions are called without the draft's weights (admit_rows, run_rounds)
         target_models = target_only(models)
         sp = self.sampling.traced(self.max_new_tokens)
-        if self.policy is None:
-            self.policy = session.policy(program, self.sampling, self.max_new_tokens)
-        policy = self.policy
         # A sized collection (a list of requests) says when the last one has been admitted, so a
         # single wave is known as one before its first run; an iterator only once it runs dry (no
         # look-ahead: that would take a request before a row is free for it).
@@ -188,6 +192,10 @@ class Engine:
                     admitted_B = np.zeros(B, bool)
                     admitted_B[list(new)] = True
                     batch = Batch(running_B, admitted_B, drafted_B & ~admitted_B, exhausted)
+                    if self.policy is None:   # made once the first prompts are in: see _first_admission
+                        self.policy = session.policy(program, self.sampling, self.max_new_tokens,
+                                                     self._first_admission(new))
+                    policy = self.policy
                     # K is chosen before admitting, so that rows admitted for a target-only run skip the
                     # draft's prefill: K = 0 then costs what having no draft costs.
                     k, settled = policy.next_k(batch), policy.settled(batch)
@@ -199,7 +207,6 @@ class Engine:
                         state = self._admit(models if k else target_models, state, new, sp)
                         for counts in seen.values():
                             counts[admitted_B] = 0
-                        jax.block_until_ready(state)   # the admission's share of the run's time
                     admit_seconds = time.perf_counter() - t
                     taught_B = (drafted_B | admitted_B) & running_B if k else np.zeros(B, bool)
                     drafted_B = (drafted_B | admitted_B) & running_B if k else drafted_B & ~running_B
@@ -237,7 +244,8 @@ class Engine:
                         session.stats = GenerationStats.combine([session.stats, stats])
                         session.stats.seconds = seconds_before + time.perf_counter() - start
                         yield fin
-            policy.finish()
+            if self.policy is not None:
+                self.policy.finish()
             if session.draft is not None:
                 check_acceptance(self.speculative_stats, self.max_draft_tokens, context="batch generation")
         finally:

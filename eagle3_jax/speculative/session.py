@@ -193,11 +193,13 @@ class DecodeSession:
             num_draft_tokens=self.max_draft_tokens, max_draft_tokens=self.max_draft_tokens,
             prefill_chunk=self.prefill_chunk)
 
-    def policy(self, program: DecodeProgram, sampling: SamplingSettings, max_new_tokens: int):
+    def policy(self, program: DecodeProgram, sampling: SamplingSettings, max_new_tokens: int,
+               admission: tuple[int, int] | None = None):
         """What chooses K for each run of one job on this program: ``FixedK``, or under auto an
         ``AutoDraft`` on the session's costs of this batch shape and greedy-or-sampled, and its
         acceptance of this sampling setting across batch shapes. Both start from the calibration
-        when there is one; a shape without is probed, once per session."""
+        when there is one; a shape without is probed, once per session, admitting as ``admission``
+        says (``probe_costs``)."""
         if not self.auto:
             return FixedK(program.num_draft_tokens)
         shape = (program, sampling.greedy)
@@ -211,7 +213,8 @@ class DecodeSession:
         if shape not in self._costs:
             record = store.costs(shape_key) if store is not None else None
             ks = probe_ks(self.max_draft_tokens, program.batch_size)
-            self._costs[shape] = Costs.from_record(record) if record else probe_costs(self, program, sampling.traced(max_new_tokens), ks)
+            self._costs[shape] = Costs.from_record(record) if record else probe_costs(self, program, sampling.traced(max_new_tokens), ks,
+                                                                                              admission)
         on_update = (lambda policy: store.update(shape_key, setting_key, policy)) if store is not None else None
         return AutoDraft(self._costs[shape], self.max_draft_tokens, self._acceptance[setting], program.batch_size,
                          max_new_tokens, self.k_table.get(program.batch_size), on_update)
@@ -274,28 +277,39 @@ class DecodeSession:
         return out
 
 
-def probe_costs(session, program, sp, ks) -> Costs:
+def probe_costs(session, program, sp, ks, admission: tuple[int, int] | None = None) -> Costs:
     """Times ``ks`` on a scratch state of ``program``, admission and rounds each: one untimed pass
     per K (it compiles), then PROBE_REPEATS interleaved ones, the fewest seconds of each (other load
     on the machine only ever adds time). Random prompts: a MoE round costs what its distinct
-    experts cost; identical rows would be too cheap."""
+    experts cost; identical rows would be too cheap.
+
+    ``admission``: (rows per prefill call, prompt block) of the job's admissions (None: the whole
+    batch at the smallest bucket). Each admission program is a compile of the whole target, so the
+    probe fills every row in calls of the job's shape, and the job's first admission then runs a
+    program the probe compiled; the prompts stay PROMPT_BUCKET tokens long, so the rounds are timed
+    from the same positions at any block."""
     from eagle3_jax.speculative.generate import admit_rows, blank_state, run_rounds
 
     start = time.perf_counter()
     models = session.models()
     B = program.batch_size
+    A, T = admission or (B, min(PROMPT_BUCKET, session.max_len - 1))
     rng = np.random.default_rng(0)
-    T = min(16, session.max_len - 1)
-    prompts = {b: rng.integers(0, session.target.config.vocab_size, T).tolist() for b in range(B)}
-    ids, lengths, _ = session.pack_prompts(prompts, B)
-    rows = np.arange(B, dtype=np.int32)
+    length = min(PROMPT_BUCKET, T)
+    # rows past the last one (B) are the padding entries admit_rows drops
+    calls = [(np.minimum(np.arange(first, first + A), B).astype(np.int32),
+              session.pack_prompts({i: rng.integers(0, session.target.config.vocab_size, length).tolist()
+                                    for i in range(A)}, A, T)[:2])
+             for first in range(0, B, A)]
 
     def timed(k: int) -> tuple[float, float]:
         run_models = models if k else target_only(models)   # as the Engine runs K = 0
         state = blank_state(*models, jax.random.key(0), sp, program=program)
         jax.block_until_ready(state)
         t = time.perf_counter()
-        state = jax.block_until_ready(admit_rows(*run_models, state, rows, ids, lengths, sp, program=program))
+        for rows, (ids, lengths) in calls:
+            state = admit_rows(*run_models, state, rows, ids, lengths, sp, program=program)
+        jax.block_until_ready(state)
         admit = (time.perf_counter() - t) / B
         before = fetch(state.rounds_B).max()
         t = time.perf_counter()
