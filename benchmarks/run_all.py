@@ -107,6 +107,10 @@ BENCHES = (
           args=("--pair", "demo", "--draft", "draft,peagle,dflash", "--batches", "1,8", "--ks", "4", "--context", "160",
                 "--headroom", "96", "--rounds", "10", "--repeats", "5"),
           quick_args=("--tiny",), writes_json=True, timeout_s=3600),
+    Bench("layer_scan", "benchmarks/layer_scan.py",
+          "the demo target's MoE layers unrolled (the model today) vs one lax.scan over stacked weights: compile "
+          "seconds and call ms of one target call, unoptimized (the test suite) and optimized",
+          quick_args=("--shapes", "1x1", "--repeats", "2")),
     Bench("attention_capacity", "benchmarks/attention_capacity.py",
           "verify-round cost vs cache capacity at a fixed filled length (demo pair, batch 8)",
           quick_args=("--capacities", "128,256", "--ks", "0,1", "--batch", "2", "--rounds", "2", "--repeats", "1"),

@@ -251,7 +251,7 @@ def test_the_probe_admits_as_the_job_does(tiny_target, draft, monkeypatch):
     monkeypatch.setattr(session_mod, "PROBE_REPEATS", 1)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(2, 256, size=n).tolist() for n in (20, 18, 17)]   # all in bucket 24
-    expected = e3.Generator(tiny_target, None, max_len=48).generate(prompts, 8).tokens
+    expected = e3.Generator(tiny_target, None, max_len=40).generate(prompts, 8).tokens
     calls, real = [], generate_mod.admit_rows
 
     def admit_rows(*args, **kw):   # (models x 5, state, rows, ids, ...): the call's (rows, block)
@@ -260,13 +260,14 @@ def test_the_probe_admits_as_the_job_does(tiny_target, draft, monkeypatch):
 
     monkeypatch.setattr(generate_mod, "admit_rows", admit_rows)   # the probe's
     monkeypatch.setattr(engine_mod, "admit_rows", admit_rows)     # the engine's
-    eng = Engine(tiny_target, draft, num_draft_tokens="auto", max_draft_tokens=2, max_len=48, batch_size=2,
+    # the round programs of test_forced_switches_stay_lossless (batch 2, K_max 3, max_len 40)
+    eng = Engine(tiny_target, draft, num_draft_tokens="auto", max_draft_tokens=3, max_len=40, batch_size=2,
                  max_new_tokens=8, max_admit_rows=1)
     done = {f.key: f.tokens for f in eng.run([Request(str(i), p) for i, p in enumerate(prompts)])}
     assert [done[str(i)] for i in range(3)] == expected
     assert eng.draft_choice.table_source == "probe"
-    probe_calls = 2 * 2 * len(session_mod.probe_ks(2, 2))   # 2 calls of 1 row, (1 + PROBE_REPEATS) per K
-    assert len(calls) > probe_calls and set(calls) == {(1, bucket_prompt_len(20, 48))}, calls
+    probe_calls = 2 * 2 * len(session_mod.probe_ks(3, 2))   # 2 calls of 1 row, (1 + PROBE_REPEATS) per K
+    assert len(calls) > probe_calls and set(calls) == {(1, bucket_prompt_len(20, 40))}, calls
 
 
 def test_acceptance_is_learned_only_from_rows_with_a_current_draft(tiny_target, draft, monkeypatch):
