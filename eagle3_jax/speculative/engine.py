@@ -194,7 +194,7 @@ class Engine:
                     batch = Batch(running_B, admitted_B, drafted_B & ~admitted_B, exhausted)
                     if self.policy is None:   # made once the first prompts are in: see _first_admission
                         self.policy = session.policy(program, self.sampling, self.max_new_tokens,
-                                                     self._first_admission(new))
+                                                     self._first_admission(new), sp)
                     policy = self.policy
                     # K is chosen before admitting, so that rows admitted for a target-only run skip the
                     # draft's prefill: K = 0 then costs what having no draft costs.

@@ -194,12 +194,14 @@ class DecodeSession:
             prefill_chunk=self.prefill_chunk)
 
     def policy(self, program: DecodeProgram, sampling: SamplingSettings, max_new_tokens: int,
-               admission: tuple[int, int] | None = None):
+               admission: tuple[int, int] | None = None, traced: Sampling | None = None):
         """What chooses K for each run of one job on this program: ``FixedK``, or under auto an
         ``AutoDraft`` on the session's costs of this batch shape and greedy-or-sampled, and its
         acceptance of this sampling setting across batch shapes. Both start from the calibration
         when there is one; a shape without is probed, once per session, admitting as ``admission``
-        says (``probe_costs``)."""
+        says (``probe_costs``) with the job's ``traced`` sampling scalars (default: made here; the
+        scalars must be the job's own, as ones made inside a mesh context are committed to the
+        mesh, which makes every program they enter another program)."""
         if not self.auto:
             return FixedK(program.num_draft_tokens)
         shape = (program, sampling.greedy)
@@ -213,8 +215,8 @@ class DecodeSession:
         if shape not in self._costs:
             record = store.costs(shape_key) if store is not None else None
             ks = probe_ks(self.max_draft_tokens, program.batch_size)
-            self._costs[shape] = Costs.from_record(record) if record else probe_costs(self, program, sampling.traced(max_new_tokens), ks,
-                                                                                              admission)
+            sp = traced if traced is not None else sampling.traced(max_new_tokens)
+            self._costs[shape] = Costs.from_record(record) if record else probe_costs(self, program, sp, ks, admission)
         on_update = (lambda policy: store.update(shape_key, setting_key, policy)) if store is not None else None
         return AutoDraft(self._costs[shape], self.max_draft_tokens, self._acceptance[setting], program.batch_size,
                          max_new_tokens, self.k_table.get(program.batch_size), on_update)
